@@ -1,0 +1,3 @@
+from moeconvert.cli import main
+
+main()

@@ -1,0 +1,38 @@
+"""The one error type users see.
+
+Every refusal of bad input or a bad option raises :class:`MoeConvertError`. The CLI prints its text on
+one line of stderr and exits with code 2; ``--debug`` shows the traceback as well.
+"""
+
+from __future__ import annotations
+
+
+class MoeConvertError(Exception):
+    """A user-facing error naming where the problem is and what was expected vs found."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | None = None,
+        tensor: str | None = None,
+        expected: object = None,
+        found: object = None,
+    ):
+        self.message = message
+        self.file = file
+        self.tensor = tensor
+        self.expected = expected
+        self.found = found
+        super().__init__(self.line())
+
+    def line(self) -> str:
+        where = ": ".join(str(p) for p in (self.file, self.tensor) if p)
+        text = f"{where}: {self.message}" if where else self.message
+        if self.expected is not None or self.found is not None:
+            text += f" (expected {self.expected}, found {self.found})"
+        return " ".join(text.split())  # one line, always
+
+
+class InternalError(RuntimeError):
+    """A broken invariant of moeconvert itself (a bug), never a user mistake."""

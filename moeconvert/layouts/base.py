@@ -1,0 +1,69 @@
+"""What every layout is: a named, versioned pair encode/decode plus the constraints it states up front."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from moeconvert.canonical import ExpertBlock, LayerShape
+from moeconvert.schemes import Scheme
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor a layout writes for a layer: ``{prefix}.{suffix}``, leading dim = local experts."""
+
+    suffix: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.tensor([], dtype=self.dtype).element_size()
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class Layout(ABC):
+    #: the name users type (``--backend``)
+    name: ClassVar[str]
+    #: bumped whenever the bytes a layout writes change; the runtime refuses versions it does not know
+    version: ClassVar[int]
+    #: canonical scheme kinds this layout takes ("float", "wna16", "mxfp4")
+    schemes: ClassVar[tuple[str, ...]]
+    #: the kernel that consumes it, and the library versions the bytes were made to match
+    kernel: ClassVar[str]
+    made_for: ClassVar[dict[str, str]] = {}
+
+    def check(self, shape: LayerShape, scheme: Scheme) -> list[str]:
+        """Every constraint this layer violates for this layout (empty: it can be written)."""
+        if scheme.kind not in self.schemes:
+            return [f"layout '{self.name}' takes {', '.join(self.schemes)} experts, not {scheme.describe()}"]
+        return self._check(shape, scheme)
+
+    @abstractmethod
+    def _check(self, shape: LayerShape, scheme: Scheme) -> list[str]: ...
+
+    @abstractmethod
+    def plan(self, shape: LayerShape, scheme: Scheme) -> list[TensorSpec]:
+        """The tensors written for a layer, in file order, with their full shapes."""
+
+    @abstractmethod
+    def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
+        """Canonical chunk of experts -> {suffix: tensor}, leading dim = the chunk's experts."""
+
+    @abstractmethod
+    def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:
+        """Inverse of encode, exactly."""
+
+    def layer_metadata(self, shape: LayerShape, scheme: Scheme) -> dict:
+        """Extra per-layer facts a loader needs (padded sizes, ...), stored in the manifest."""
+        return {}
+
+    def warnings(self, shape: LayerShape, scheme: Scheme) -> list[str]:
+        """Things users should know about this layer in this layout (not errors)."""
+        return []
