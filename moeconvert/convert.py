@@ -1,0 +1,220 @@
+"""Plan and run one conversion: Source -> ModelMap -> Decode -> Layout.encode -> Writer.
+
+:func:`plan_conversion` reads only headers and a few tiny tensors: it maps the model, asks the layout
+for every layer's constraints (all layers, all problems, before any byte is written) and fixes the
+output's shards. :func:`run_conversion` then streams: pass-through tensors are copied byte for byte,
+MoE layers are decoded and encoded a chunk of experts at a time.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from moeconvert import FORMAT_VERSION, __version__
+from moeconvert.canonical import LayerShape, Partition
+from moeconvert.decode import decode_chunk, partition_sizes
+from moeconvert.errors import InternalError, MoeConvertError
+from moeconvert.layouts import Layout, TensorSpec
+from moeconvert.modelmap import ModelMap, MoELayerMap, map_model
+from moeconvert.sources import Source
+from moeconvert.writer import PlannedTensor, Shard, StagedOutput, dtype_code, layout_shards, tensor_bytes
+
+DEFAULT_CHUNK_BYTES = 256 << 20
+
+
+@dataclass
+class LayerPlan:
+    map: MoELayerMap
+    shape: LayerShape
+    expert_start: int  # first global expert of this output
+    specs: list[TensorSpec]
+    metadata: dict
+    warnings: list[str]
+    tensors: dict[str, PlannedTensor]  # suffix -> planned output tensor
+
+
+@dataclass
+class ConversionPlan:
+    source: Source
+    model: ModelMap
+    layout: Layout
+    partition: Partition
+    layers: list[LayerPlan]
+    tensors: list[PlannedTensor]
+    shards: list[Shard]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.shards)
+
+    def warnings(self) -> list[str]:
+        return [f"{lp.map.prefix}: {w}" for lp in self.layers for w in lp.warnings]
+
+
+def layer_shape(layer: MoELayerMap, part: Partition, dtype: str) -> tuple[LayerShape, int]:
+    e0, n_local, I_part = partition_sizes(layer, part)
+    shape = LayerShape(num_experts=n_local, hidden_size=layer.hidden_size, intermediate_size=I_part,
+                       has_bias=layer.has_bias, activation=layer.activation, dtype=dtype,
+                       bias_dtype=layer.bias_dtype)
+    return shape, e0
+
+
+def check_layers(model: ModelMap, layout: Layout, part: Partition) -> dict[str, list[str]]:
+    """Every layer's violated constraints for this layout (only layers with problems appear)."""
+    problems = {}
+    for layer in model.layers:
+        try:
+            shape, _ = layer_shape(layer, part, model.dtype)
+        except MoeConvertError as e:
+            problems[layer.prefix] = [e.message + (f" (expected {e.expected}, found {e.found})" if e.expected else "")]
+            continue
+        found = layout.check(shape, layer.scheme)
+        if found:
+            problems[layer.prefix] = found
+    return problems
+
+
+def plan_conversion(source: Source, layout: Layout, part: Partition = Partition(),
+                    max_shard_size: int = 5 * 10**9, model: ModelMap | None = None) -> ConversionPlan:
+    model = model or map_model(source)
+    problems = check_layers(model, layout, part)
+    if problems:
+        n = sum(len(v) for v in problems.values())
+        first_prefix, first = next(iter(problems.items()))
+        raise MoeConvertError(
+            f"backend '{layout.name}' cannot take this checkpoint: {n} problem(s) in {len(problems)} layer(s); "
+            f"first: {first[0]} (`moeconvert inspect` lists all)", tensor=first_prefix)
+    by_first_tensor: dict[str, MoELayerMap] = {}
+    for layer in model.layers:
+        by_first_tensor[min(layer.source_tensors(), key=lambda n: (str(source.info(n).file), source.info(n).start))] = layer
+    moe_names = model.moe_tensor_names()
+    layers: list[LayerPlan] = []
+    tensors: list[PlannedTensor] = []
+    for name, info in sorted(source.tensors.items(), key=lambda kv: (source.files.index(kv[1].file), kv[1].start)):
+        layer = by_first_tensor.get(name)
+        if layer is not None:
+            shape, e0 = layer_shape(layer, part, model.dtype)
+            specs = layout.plan(shape, layer.scheme)
+            planned = {}
+            for spec in specs:
+                t = PlannedTensor(f"{layer.prefix}.{spec.suffix}", dtype_code(spec.dtype), spec.shape, spec.nbytes,
+                                  layer=len(layers), suffix=spec.suffix)
+                planned[spec.suffix] = t
+                tensors.append(t)
+            layers.append(LayerPlan(layer, shape, e0, specs, layout.layer_metadata(shape, layer.scheme),
+                                    layout.warnings(shape, layer.scheme), planned))
+        elif name not in moe_names:
+            tensors.append(PlannedTensor(name, info.dtype, info.shape, info.nbytes, source=name))
+    taken = {}
+    for t in tensors:
+        if t.name in taken:
+            raise MoeConvertError("an output tensor name collides with a source tensor", tensor=t.name)
+        taken[t.name] = t
+    return ConversionPlan(source, model, layout, part, layers, tensors, layout_shards(tensors, max_shard_size))
+
+
+def experts_per_chunk(lp: LayerPlan, chunk_bytes: int) -> int:
+    per_expert = sum(s.nbytes for s in lp.specs) // max(lp.shape.num_experts, 1)
+    # decoding holds unpacked codes and the source words beside the encoded chunk: about 4x the output
+    return max(1, min(lp.shape.num_experts, chunk_bytes // max(4 * per_expert, 1)))
+
+
+def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
+                   chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Callable[[int], None] | None = None) -> dict:
+    """Write the planned output to ``out``; returns the manifest."""
+    progress = progress or (lambda n: None)
+    source = plan.source
+    with ThreadPoolExecutor(max_workers=2) as pool, StagedOutput(out, plan.shards, overwrite) as staged:
+        digests = {f: pool.submit(source.file_digest, f) for f in source.files}
+        for t in plan.tensors:
+            if t.source is None:
+                continue
+            at = 0
+            for buf in source.read_raw(t.source):
+                staged.write(t, at, memoryview(buf))
+                at += len(buf)
+                progress(len(buf))
+        for lp in plan.layers:
+            step = experts_per_chunk(lp, chunk_bytes)
+            n = lp.shape.num_experts
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                block = decode_chunk(source, lp.map, plan.partition, lp.expert_start + a, lp.expert_start + b)
+                encoded = plan.layout.encode(block, lp.shape)
+                _write_layer_chunk(staged, lp, encoded, a, b)
+                progress(sum(lp.tensors[s.suffix].nbytes * (b - a) // n for s in lp.specs))
+                del block, encoded
+        manifest = build_manifest(plan, staged, {f: fut.result() for f, fut in digests.items()})
+        index = {"metadata": {"total_size": sum(t.nbytes for t in plan.tensors)},
+                 "weight_map": {t.name: plan.shards[t.shard].filename for t in plan.tensors}}
+        staged.finish(index, source.other_files(), manifest)
+    return manifest
+
+
+def _write_layer_chunk(staged: StagedOutput, lp: LayerPlan, encoded: dict, a: int, b: int) -> None:
+    if set(encoded) != {s.suffix for s in lp.specs}:
+        raise InternalError(f"{lp.map.prefix}: layout wrote {sorted(encoded)}, planned {[s.suffix for s in lp.specs]}")
+    for spec in lp.specs:
+        t = encoded[spec.suffix]
+        want = (b - a, *spec.shape[1:])
+        if tuple(t.shape) != want or t.dtype != spec.dtype:
+            raise InternalError(f"{lp.map.prefix}.{spec.suffix}: encoded {tuple(t.shape)} {t.dtype}, "
+                                f"planned {want} {spec.dtype}")
+        planned = lp.tensors[spec.suffix]
+        staged.write(planned, a * (planned.nbytes // lp.shape.num_experts), tensor_bytes(t))
+
+
+def build_manifest(plan: ConversionPlan, staged: StagedOutput, source_digests: dict) -> dict:
+    src = plan.source
+    entry = lambda t: {"name": t.name, "file": plan.shards[t.shard].filename, "shape": list(t.shape),
+                       "dtype": t.dtype, "sha256": staged.digest(t)}
+    layouts = plan.layout
+    schemes = {lp.map.scheme for lp in plan.layers}
+    layers = []
+    for lp in plan.layers:
+        m = lp.map
+        layers.append({
+            "prefix": m.prefix,
+            "layer": m.layer,
+            "num_experts": lp.shape.num_experts,
+            "num_experts_global": m.num_experts,
+            "expert_offset": lp.expert_start,
+            "top_k": m.top_k,
+            "hidden_size": m.hidden_size,
+            "intermediate_size": lp.shape.intermediate_size,
+            "intermediate_size_total": m.intermediate_size,
+            "intermediate_size_padded": lp.metadata.get("intermediate_size_padded", lp.shape.intermediate_size),
+            "hidden_size_padded": lp.metadata.get("hidden_size_padded", m.hidden_size),
+            "activation": m.activation,
+            "activation_params": m.activation_params,
+            "has_bias": m.has_bias,
+            "scheme": m.scheme.to_json(),
+            "router": m.router,
+            "shared_experts": m.shared,
+            "layout_metadata": lp.metadata,
+            "warnings": lp.warnings,
+            "tensors": {suffix: entry(t) for suffix, t in lp.tensors.items()},
+        })
+    return {
+        "format": "moeconvert",
+        "format_version": FORMAT_VERSION,
+        "tool_version": __version__,
+        "source": {
+            "id": src.ident,
+            "revision": src.revision,
+            "files": {f.name: d for f, d in sorted(source_digests.items(), key=lambda kv: kv[0].name)},
+        },
+        "family": plan.model.family.name,
+        "dtype": plan.model.dtype,
+        "scheme": next(iter(schemes)).to_json() if len(schemes) == 1 else None,
+        "backend": layouts.name,
+        "layout": {"name": layouts.name, "version": layouts.version, "kernel": layouts.kernel,
+                   "made_for": dict(layouts.made_for)},
+        "partition": plan.partition.to_json(),
+        "moe_layers": layers,
+        "tensors": {t.name: entry(t) for t in plan.tensors if t.source is not None},
+        "shards": [{"file": s.filename, "size": s.size} for s in plan.shards],
+    }
