@@ -191,6 +191,7 @@ def build_manifest(plan: ConversionPlan, staged: StagedOutput, source_digests: d
             "activation": m.activation,
             "activation_params": m.activation_params,
             "has_bias": m.has_bias,
+            "bias_dtype": m.bias_dtype,
             "scheme": m.scheme.to_json(),
             "router": m.router,
             "shared_experts": m.shared,

@@ -60,6 +60,11 @@ class Layout(ABC):
     def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:
         """Inverse of encode, exactly."""
 
+    def expected_block(self, block: ExpertBlock, shape: LayerShape) -> ExpertBlock:
+        """What ``decode`` must give back for a source block: the block itself, unless the layout
+        documents a value change the engine makes too (e.g. casting scales to the model dtype)."""
+        return block
+
     def layer_metadata(self, shape: LayerShape, scheme: Scheme) -> dict:
         """Extra per-layer facts a loader needs (padded sizes, ...), stored in the manifest."""
         return {}

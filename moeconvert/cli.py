@@ -1,0 +1,319 @@
+"""The ``moeconvert`` command line: ``moeconvert <verb> ...``, one grammar, the same options everywhere.
+
+User errors end with one line on stderr and exit code 2 (``--debug`` anywhere on the line shows the
+traceback too); a bug in moeconvert itself exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+import click
+import typer
+from rich.console import Console
+from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
+from rich.table import Table
+
+from moeconvert.errors import MoeConvertError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Convert Mixture-of-Experts checkpoints once, offline, into backend-ready safetensors.")
+err = Console(stderr=True, highlight=False)
+out = Console(highlight=False)
+
+# Options that mean the same on every verb.
+REVISION = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of a repo id SRC.")
+JSON = typer.Option(False, "--json", help="Print machine-readable JSON on stdout instead of tables.")
+TP_SIZE = typer.Option(1, "--tp-size", min=1, help="Tensor-parallel size the output is cut for.")
+TP_RANK = typer.Option(0, "--tp-rank", min=0, help="The TP rank this output holds.")
+EP_SIZE = typer.Option(1, "--ep-size", min=1, help="Expert-parallel size (linear expert placement).")
+EP_RANK = typer.Option(0, "--ep-rank", min=0, help="The EP rank this output holds.")
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not m:
+        raise MoeConvertError("bad size", tensor="--max-shard-size", expected="e.g. 5GB, 500MB, 2GiB", found=text)
+    base = 1024 if m[3] else 1000
+    return int(float(m[1]) * base ** " KMGT".index((m[2] or " ").upper()))
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), console=err, transient=False, disable=not err.is_terminal)
+
+
+def _partition(tp_size, tp_rank, ep_size, ep_rank):
+    from moeconvert.canonical import Partition
+
+    if tp_rank >= tp_size:
+        raise MoeConvertError("--tp-rank must be below --tp-size", expected=f"< {tp_size}", found=tp_rank)
+    if ep_rank >= ep_size:
+        raise MoeConvertError("--ep-rank must be below --ep-size", expected=f"< {ep_size}", found=ep_rank)
+    return Partition(tp_size, tp_rank, ep_size, ep_rank)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+@app.command()
+def inspect(
+    src: str = typer.Argument(..., help="Checkpoint folder or Hugging Face repo id."),
+    revision: Optional[str] = REVISION,
+    json_out: bool = JSON,
+    tp_size: int = TP_SIZE,
+    ep_size: int = EP_SIZE,
+):
+    """What is in a checkpoint: its MoE layers, and which backends can take it (and why not)."""
+    from moeconvert.convert import check_layers, layer_shape
+    from moeconvert.layouts import get_layout, layout_names
+    from moeconvert.modelmap import map_model
+    from moeconvert.sources import open_source
+
+    source = open_source(src, revision)
+    model = map_model(source)
+    part = _partition(tp_size, 0, ep_size, 0)
+    moe_names = model.moe_tensor_names()
+    layers = []
+    for lm in model.layers:
+        nbytes = sum(source.info(n).nbytes for n in lm.source_tensors())
+        layers.append({"prefix": lm.prefix, "layer": lm.layer, "num_experts": lm.num_experts, "top_k": lm.top_k,
+                       "hidden_size": lm.hidden_size, "intermediate_size": lm.intermediate_size,
+                       "scheme": lm.scheme.describe(), "activation": lm.activation, "has_bias": lm.has_bias,
+                       "bytes": nbytes, "shared_experts": bool(lm.shared)})
+    backends = {}
+    for name in layout_names():
+        layout = get_layout(name)
+        problems = check_layers(model, layout, part)
+        warnings = []
+        if not problems:
+            for lm in model.layers:
+                shape, _ = layer_shape(lm, part, model.dtype)
+                warnings += [f"{lm.prefix}: {w}" for w in layout.warnings(shape, lm.scheme)]
+        backends[name] = {"ok": not problems, "problems": problems, "warnings": warnings,
+                          "kernel": layout.kernel, "layout_version": layout.version}
+    other = sum(i.nbytes for n, i in source.tensors.items() if n not in moe_names)
+    report = {"source": src, "revision": source.revision, "family": model.family.name, "dtype": model.dtype,
+              "moe_layers": layers, "moe_bytes": sum(x["bytes"] for x in layers), "other_bytes": other,
+              "partition": part.to_json(), "backends": backends}
+    if json_out:
+        print(json.dumps(report, indent=1))
+        return
+    out.print(f"[bold]{src}[/bold]  family [cyan]{model.family.name}[/cyan]  dtype {model.dtype}  "
+              f"{len(layers)} MoE layers  experts {_human(report['moe_bytes'])}  other {_human(other)}")
+    t = Table(title="MoE layers")
+    for col in ("layer", "prefix", "E", "top-k", "H", "I", "scheme", "bias", "bytes"):
+        t.add_column(col, justify="right" if col in ("E", "top-k", "H", "I", "bytes") else "left",
+                     overflow="fold", no_wrap=False)
+    for x in layers:
+        t.add_row(str(x["layer"]), x["prefix"], str(x["num_experts"]), str(x["top_k"]), str(x["hidden_size"]),
+                  str(x["intermediate_size"]), x["scheme"], "yes" if x["has_bias"] else "", _human(x["bytes"]))
+    out.print(t)
+    b = Table(title=f"Backends (TP {tp_size}, EP {ep_size})")
+    for col in ("backend", "can take it", "why not / notes"):
+        b.add_column(col)
+    for name, r in backends.items():
+        if r["ok"]:
+            note = "; ".join(r["warnings"][:2]) + (f" (+{len(r['warnings']) - 2} more)" if len(r["warnings"]) > 2 else "")
+            b.add_row(name, "[green]yes[/green]", note)
+        else:
+            first_prefix, first = next(iter(r["problems"].items()))
+            n_layers = len(r["problems"])
+            more = f" (and in {n_layers - 1} more layers)" if n_layers > 1 else ""
+            b.add_row(name, "[red]no[/red]", "; ".join(first) + f" [{first_prefix}]{more}")
+    out.print(b)
+
+
+@app.command()
+def repack(
+    src: str = typer.Argument(..., help="Checkpoint folder or Hugging Face repo id."),
+    out_dir: Path = typer.Argument(..., help="Output folder (must not exist or be empty, unless --overwrite)."),
+    backend: str = typer.Option(..., "--backend", "-b", help="Layout to write (see `moeconvert inspect`)."),
+    revision: Optional[str] = REVISION,
+    tp_size: int = TP_SIZE,
+    tp_rank: int = TP_RANK,
+    ep_size: int = EP_SIZE,
+    ep_rank: int = EP_RANK,
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard, e.g. 5GB, 500MB."),
+    chunk_mb: int = typer.Option(256, "--chunk-mb", min=1, help="Working-memory budget per expert chunk (MB)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (layers, tensors, size, shards); write nothing."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output folder (only once the new one is complete)."),
+    verify: bool = typer.Option(False, "--verify", help="Run `moeconvert verify --against SRC` on the result."),
+    json_out: bool = JSON,
+):
+    """Relay a checkpoint's experts out for a backend, without changing their values."""
+    from moeconvert.convert import plan_conversion, run_conversion
+    from moeconvert.layouts import get_layout
+    from moeconvert.sources import open_source
+    from moeconvert.writer import check_output_target
+
+    layout = get_layout(backend)
+    part = _partition(tp_size, tp_rank, ep_size, ep_rank)
+    shard_limit = parse_size(max_shard_size)
+    source = open_source(src, revision)
+    if not dry_run:
+        check_output_target(out_dir, source.root, overwrite)
+    plan = plan_conversion(source, layout, part, shard_limit)
+    for w in plan.warnings():
+        err.print(f"[yellow]warning:[/yellow] {w}")
+    summary = {"source": src, "output": str(out_dir), "backend": layout.name, "layout_version": layout.version,
+               "partition": part.to_json(), "moe_layers": len(plan.layers), "tensors": len(plan.tensors),
+               "bytes": plan.total_bytes,
+               "shards": [{"file": s.filename, "tensors": len(s.tensors), "bytes": s.size} for s in plan.shards],
+               "layers": [{"prefix": lp.map.prefix, "num_experts": lp.shape.num_experts,
+                           "intermediate_size": lp.shape.intermediate_size,
+                           "tensors": {s.suffix: {"shape": list(s.shape), "dtype": str(s.dtype).replace("torch.", "")}
+                                       for s in lp.specs}} for lp in plan.layers],
+               "warnings": plan.warnings(), "dry_run": dry_run}
+    if dry_run:
+        if json_out:
+            print(json.dumps(summary, indent=1))
+            return
+        out.print(f"plan: {src} -> {out_dir} as [cyan]{layout.name}[/cyan] v{layout.version}, "
+                  f"{len(plan.layers)} MoE layers, {len(plan.tensors)} tensors, {_human(plan.total_bytes)} "
+                  f"in {len(plan.shards)} shard(s)")
+        t = Table()
+        for col in ("layer", "E", "I", "tensors written"):
+            t.add_column(col)
+        for x in summary["layers"]:
+            t.add_row(x["prefix"], str(x["num_experts"]), str(x["intermediate_size"]),
+                      ", ".join(f"{k} {v['shape']} {v['dtype']}" for k, v in x["tensors"].items()))
+        out.print(t)
+        for s in summary["shards"]:
+            out.print(f"  {s['file']}: {s['tensors']} tensors, {_human(s['bytes'])}")
+        return
+    t0 = time.perf_counter()
+    with _progress() as prog:
+        task = prog.add_task(f"repack → {layout.name}", total=sum(t.nbytes for t in plan.tensors))
+        run_conversion(plan, out_dir, overwrite=overwrite, chunk_bytes=chunk_mb << 20,
+                       progress=lambda n: prog.advance(task, n))
+    dt = time.perf_counter() - t0
+    summary["seconds"] = round(dt, 3)
+    if verify:
+        from moeconvert.verify import verify_output
+
+        report = verify_output(out_dir, against=src, revision=revision)
+        summary["verify"] = report.to_json()
+        if not report.ok:
+            _print_verify(report)
+            raise MoeConvertError("verify found differences in the new output (kept for inspection)", file=str(out_dir))
+    if json_out:
+        print(json.dumps(summary, indent=1))
+    else:
+        out.print(f"wrote {out_dir}: {len(plan.tensors)} tensors, {_human(plan.total_bytes)} in "
+                  f"{len(plan.shards)} shard(s), {dt:.1f} s ({_human(plan.total_bytes / max(dt, 1e-9))}/s)"
+                  + ("; verified: identical to the source" if verify else ""))
+
+
+@app.command("verify")
+def verify_cmd(
+    out_dir: Path = typer.Argument(..., help="A moeconvert output folder."),
+    against: Optional[str] = typer.Option(None, "--against", help="The source checkpoint to compare with, exactly."),
+    revision: Optional[str] = REVISION,
+    json_out: bool = JSON,
+):
+    """Recompute checksums, decode every MoE tensor, and compare with the source bit for bit."""
+    from moeconvert.verify import verify_output
+
+    report = verify_output(out_dir, against=against, revision=revision)
+    if json_out:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        _print_verify(report)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _print_verify(report) -> None:
+    t = Table(title=f"verify {report.out}" + (f" against {report.against}" if report.against else ""))
+    for col in ("layer", "tensors", "checksums", "decode", "vs source"):
+        t.add_column(col)
+    for lr in report.layers:
+        cmp = "-" if not lr.compared and not lr.differences else (
+            "[green]identical[/green]" if not lr.differences else f"[red]{lr.differences[0]}[/red]")
+        t.add_row(lr.prefix, str(lr.tensors),
+                  "[green]ok[/green]" if not lr.checksum_errors else f"[red]{lr.checksum_errors[0]}[/red]",
+                  "[green]ok[/green]" if not lr.decode_errors else f"[red]{lr.decode_errors[0]}[/red]", cmp)
+    out.print(t)
+    out.print(f"other tensors: {report.other_tensors}, "
+              + ("[green]all match[/green]" if not report.other_errors else f"[red]{len(report.other_errors)} problem(s)[/red]"))
+    for e in report.other_errors[:20]:
+        out.print(f"  [red]{e}[/red]")
+    out.print("[green]OK[/green]" if report.ok else "[red]DIFFERENCES FOUND[/red]")
+
+
+@app.command()
+def example(
+    out_dir: Path = typer.Argument(..., help="Where to write the example checkpoint."),
+    family: str = typer.Option("qwen3-moe", "--family", help="qwen3-moe | qwen2-moe | mixtral | deepseek-v2 | deepseek-v3 | glm4-moe | gpt-oss"),
+    scheme: str = typer.Option("w4a16", "--scheme", help="bf16 | fp16 | w4a16 | w8a16 (int schemes made by compressed-tensors)"),
+    group_size: int = typer.Option(128, "--group-size", help="Quantization group size; -1 = channelwise."),
+    asym: bool = typer.Option(False, "--asym", help="Asymmetric quantization (zero points)."),
+    layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Number of decoder layers."),
+    experts: int = typer.Option(8, "--experts", min=1, help="Routed experts per layer."),
+    seed: int = typer.Option(0, "--seed"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output folder."),
+):
+    """Write a small but real checkpoint (transformers + compressed-tensors) to try the tools on."""
+    from moeconvert.example import make_example
+
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise MoeConvertError("output folder exists and is not empty (use --overwrite)", file=str(out_dir))
+    staging = out_dir.parent / f".{out_dir.name}.moeconvert-partial-{os.getpid()}"
+    import shutil
+
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        make_example(staging, family, scheme, group_size=group_size, symmetric=not asym, num_layers=layers,
+                     num_experts=experts, seed=seed)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.rename(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    out.print(f"wrote {family} {scheme} example to {out_dir}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or bool(os.environ.get("MOECONVERT_DEBUG"))
+    argv = [a for a in argv if a != "--debug"]
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=argv, prog_name="moeconvert", standalone_mode=False)
+    except MoeConvertError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"moeconvert: error: {e.line()}", file=sys.stderr)
+        sys.exit(2)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.UsageError as e:
+        e.show()
+        sys.exit(2)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        print("moeconvert: interrupted; nothing was left behind", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:  # a bug: say so, keep the one-line promise unless asked for more
+        if debug:
+            traceback.print_exc()
+        print(f"moeconvert: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+              file=sys.stderr)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
