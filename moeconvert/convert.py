@@ -19,6 +19,7 @@ from moeconvert.decode import decode_chunk, partition_sizes
 from moeconvert.errors import InternalError, MoeConvertError
 from moeconvert.layouts import Layout, TensorSpec
 from moeconvert.modelmap import ModelMap, MoELayerMap, map_model
+from moeconvert.schemes import WNA16Scheme
 from moeconvert.sources import Source
 from moeconvert.writer import PlannedTensor, Shard, StagedOutput, dtype_code, layout_shards, tensor_bytes
 
@@ -62,6 +63,15 @@ def layer_shape(layer: MoELayerMap, part: Partition, dtype: str) -> tuple[LayerS
     return shape, e0
 
 
+def decoder_problems(layer: MoELayerMap) -> list[str]:
+    """Limits of the decoder itself, whatever the layout."""
+    s = layer.scheme
+    if isinstance(s, WNA16Scheme) and 32 % s.bits:
+        return [f"{s.bits}-bit codes are packed across int32 word boundaries; moeconvert decodes 2-, 4- and "
+                "8-bit pack-quantized experts"]
+    return []
+
+
 def check_layers(model: ModelMap, layout: Layout, part: Partition) -> dict[str, list[str]]:
     """Every layer's violated constraints for this layout (only layers with problems appear)."""
     problems = {}
@@ -71,7 +81,7 @@ def check_layers(model: ModelMap, layout: Layout, part: Partition) -> dict[str, 
         except MoeConvertError as e:
             problems[layer.prefix] = [e.message + (f" (expected {e.expected}, found {e.found})" if e.expected else "")]
             continue
-        found = layout.check(shape, layer.scheme)
+        found = decoder_problems(layer) + layout.check(shape, layer.scheme)
         if found:
             problems[layer.prefix] = found
     return problems
