@@ -116,6 +116,15 @@ class CompressedTensorsConfig:
                     expected="a dict with targets/weights",
                     found=type(gval).__name__,
                 )
+            actorder = (gval.get("weights") or {}).get("actorder")
+            if actorder in ("group", "dynamic"):
+                # vLLM 0.33.0 refuses this at config parse (newer compressed-tensors too).
+                raise MoeConvertError(
+                    f"config group '{gname}': compressed-tensors group/dynamic activation ordering "
+                    f"(actorder='{actorder}') is not supported (vLLM 0.33.0 refuses it too); use a checkpoint "
+                    "with static/weight activation ordering or without activation ordering",
+                    file=_where(config_file),
+                )
         try:
             self.config = QuantizationConfig.model_validate(raw)
         except Exception as e:  # pydantic's ValidationError: summarise on one line
