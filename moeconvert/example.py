@@ -23,7 +23,7 @@ FAMILIES = ("qwen3-moe", "qwen2-moe", "mixtral", "deepseek-v2", "deepseek-v3", "
 SCHEMES = ("bf16", "fp16", "w4a16", "w8a16")
 
 # Routers and lm_head stay unquantized, as in RedHatAI's W4A16 MoE checkpoints.
-IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*router$", "re:.*shared_expert_gate$"]
+IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*router$", "re:.*shared_expert_gate$"]
 
 
 def _config_kwargs(family: str, H: int, I: int, E: int, layers: int) -> tuple[str, dict]:
@@ -136,7 +136,7 @@ def _compress(src: Path, out: Path, *, bits: int, group_size: int, symmetric: bo
         scale, zp = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
         state = {"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zp}
         for suffix, t in PackedQuantizationCompressor.compress(state, scheme).items():
-            out_tensors[f"{module}.{suffix}"] = t.contiguous()
+            out_tensors[f"{module}.{suffix}"] = t.contiguous().clone()
     out.mkdir(parents=True, exist_ok=True)
     save_torch_state_dict(out_tensors, out, max_shard_size=max_shard_size or "5GB", safe_serialization=True,
                           metadata={"format": "pt"})
