@@ -25,8 +25,9 @@ so instead of forming ``q = x / X`` (inexact once q is subnormal, and subject to
 block's seven rounding boundaries ``t * X`` are computed as exact fp32 bit patterns and the element
 code is the number of boundaries that ``|x|`` reaches: positive floats order like their bit patterns.
 
-Memory: for a bf16 input the temporaries peak at about 3.5x its size (an int32 copy of the magnitude
-bits, the sign, the uint8 codes and one bool mask); callers quantize a chunk of experts at a time.
+Memory: for a bf16 input the temporaries peak at about 4x its size (an int32 copy of the magnitude
+bits, the sign, the uint8 codes and a bool mask; measured 3.95x on CUDA), so callers quantize a chunk
+of experts at a time. Speed: ~13 G elements/s on an H200, ~0.1 G/s on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -253,8 +254,8 @@ def _scale_bytes(mag: torch.Tensor, rounding: str) -> torch.Tensor:
     elif rounding == "ocp":
         # X = 2^(floor(log2 amax) - 2), S clamped to [0, 254]; amax = 0 -> S = 0; inf/NaN -> 255.
         # floor(log2) of an fp32 subnormal: the msb of its mantissa (an int of < 2^23, exact as fp32).
-        msb = (mantissa.to(torch.float32).view(torch.int32).long() >> 23) - 127 - 149 + 127
-        floor_log2_biased = torch.where(exponent == 0, msb, exponent)
+        msb = (mantissa.to(torch.float32).view(torch.int32).long() >> 23) - 127
+        floor_log2_biased = torch.where(exponent == 0, msb - 149 + 127, exponent)
         s = (floor_log2_biased - 2).clamp(0, 254)
         s = torch.where(m == 0, 0, torch.where(exponent == 255, 255, s))
     else:
