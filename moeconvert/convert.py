@@ -144,7 +144,7 @@ def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
                 continue
             at = 0
             for buf in source.read_raw(t.source):
-                staged.write(t, at, memoryview(buf))
+                staged.write(t, at, buf)
                 at += len(buf)
                 progress(len(buf))
         for lp in plan.layers:

@@ -1,150 +1,523 @@
-"""Small but real MoE checkpoints, made by the real producers, for `moeconvert example` and the tests.
+"""Small but real MoE checkpoints, made by the real producers.
 
-The model is built by ``transformers`` from a tiny config of the family, with random weights under a
-fixed seed, and saved with ``save_pretrained``. For the int schemes, compressed-tensors itself computes
-the quantization parameters (``calculate_qparams`` from per-group min/max) and compresses every
-targeted ``Linear`` weight (``PackedQuantizationCompressor.compress``), and its ``QuantizationConfig``
-writes the ``quantization_config``: a genuine ``pack-quantized`` checkpoint. The compression works on
-the saved per-expert 2-D weights, because transformers >= 5 keeps experts fused in memory, where
-compressed-tensors finds no expert ``nn.Linear`` to quantize.
+``moeconvert example OUT_DIR --family ... --scheme ...`` and the test suite both use
+:func:`make_example`. The point is that nothing here imitates a checkpoint format by hand:
+
+* the model is a genuine ``transformers`` model of that family (``AutoConfig.for_model`` +
+  ``AutoModelForCausalLM.from_config``) and the float checkpoint is whatever its
+  ``save_pretrained`` writes (tensor names, dtypes, config.json keys, sharding, index);
+* the int checkpoints (``w4a16``/``w8a16``) are compressed-tensors ``pack-quantized`` checkpoints
+  written by compressed-tensors itself (``apply_quantization_config`` -> qparams from per-group
+  min/max with ``calculate_qparams``, as llm-compressor's min/max observer does ->
+  ``ModelCompressor.compress_model`` -> ``ModelCompressor.update_config``).
+
+Why int checkpoints are quantized from the *saved* float tensors, not from the model in memory:
+transformers >= 5 keeps the routed experts fused in memory (one 3-D parameter per projection,
+e.g. ``mlp.experts.gate_up_proj [E, 2I, H]``) and splits them into per-expert tensors
+(``mlp.experts.{e}.gate_proj.weight``) only inside ``save_pretrained``. compressed-tensors
+quantizes ``nn.Linear`` modules, so applied to the in-memory model it would find no expert to
+quantize. We therefore save the float model first, rebuild a module tree holding one
+``nn.Linear`` per saved 2-D weight (module name = tensor name minus ``.weight``) and quantize that
+- which is what an llm-compressor run over a transformers-4 model (per-expert Linears) produces.
+
+gpt-oss keeps its experts fused even on disk (``mlp.experts.gate_up_proj [E, H, 2I]``, gate/up
+interleaved along the last dim, plus biases); compressed-tensors cannot quantize those as Linear,
+so gpt-oss is offered in bf16/fp16 only.
+
+Everything is deterministic: the same arguments give byte-identical files (all parameters are
+re-drawn from one seeded generator; no timestamps are written anywhere).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import Callable
 
 from moeconvert.errors import MoeConvertError
 
 FAMILIES = ("qwen3-moe", "qwen2-moe", "mixtral", "deepseek-v2", "deepseek-v3", "glm4-moe", "gpt-oss")
 SCHEMES = ("bf16", "fp16", "w4a16", "w8a16")
 
-# Routers and lm_head stay unquantized, as in RedHatAI's W4A16 MoE checkpoints.
-IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*router$", "re:.*shared_expert_gate$"]
+# transformers >= 5's own default shard size; with it our tiny checkpoints are one file.
+_DEFAULT_SHARD_SIZE = "50GB"
+_VOCAB_SIZE = 256
+_NUM_HEADS = 4
+_NUM_KV_HEADS = 2
+_TOP_K = 2
+_INIT_STD = 0.02
+
+# Linears that stay unquantized, as in RedHatAI / llm-compressor W4A16 checkpoints: lm_head and
+# the routers (Qwen/Mixtral/DeepSeek/GLM ``mlp.gate``, gpt-oss ``mlp.router``, Qwen2-MoE's
+# ``shared_expert_gate``). Mixtral's router is saved as ``block_sparse_moe.gate``. Attention,
+# dense-MLP and shared-expert Linears *are* quantized, like the real checkpoints.
+_IGNORE = [
+    "lm_head",
+    "re:.*mlp.gate$",
+    "re:.*block_sparse_moe.gate$",
+    "re:.*router$",
+    "re:.*shared_expert_gate$",
+]
 
 
-def _config_kwargs(family: str, H: int, I: int, E: int, layers: int) -> tuple[str, dict]:
-    common = dict(hidden_size=H, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                  vocab_size=256, num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False)
-    if family == "qwen3-moe":
-        return "qwen3_moe", dict(common, head_dim=H // 4, intermediate_size=2 * H, moe_intermediate_size=I,
-                                 num_experts=E, norm_topk_prob=True)
-    if family == "qwen2-moe":
-        return "qwen2_moe", dict(common, intermediate_size=2 * H, moe_intermediate_size=I, num_experts=E,
-                                 shared_expert_intermediate_size=I)
-    if family == "mixtral":
-        return "mixtral", dict(common, intermediate_size=I, num_local_experts=E)
-    if family in ("deepseek-v2", "deepseek-v3"):
-        kw = dict(common, num_key_value_heads=4, intermediate_size=2 * H, moe_intermediate_size=I,
-                  n_routed_experts=E, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=64,
-                  kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32)
-        if family == "deepseek-v3":
-            kw.update(n_group=2, topk_group=1)
-        return family.replace("-", "_"), kw
-    if family == "glm4-moe":
-        return "glm4_moe", dict(common, head_dim=H // 4, intermediate_size=2 * H, moe_intermediate_size=I,
-                                n_routed_experts=E, n_shared_experts=1, first_k_dense_replace=1)
-    if family == "gpt-oss":
-        return "gpt_oss", dict(common, head_dim=H // 4, intermediate_size=I, num_local_experts=E,
-                               layer_types=["sliding_attention", "full_attention"] * ((layers + 1) // 2))
-    raise MoeConvertError("unknown example family", expected=" | ".join(FAMILIES), found=family)
+# --------------------------------------------------------------------------------------------
+# Families: the tiny HF config of each
+# --------------------------------------------------------------------------------------------
 
 
-def make_example(out_dir: str | Path, family: str = "qwen3-moe", scheme: str = "w4a16", *,
-                 group_size: int = 128, symmetric: bool = True, num_layers: int | None = None,
-                 num_experts: int = 8, hidden_size: int = 256, intermediate_size: int = 128,
-                 seed: int = 0, max_shard_size: str | None = None) -> Path:
-    """Write a checkpoint of ``family`` in ``scheme`` to ``out_dir`` and return its path."""
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError as e:
-        raise MoeConvertError("moeconvert example needs transformers: pip install 'moeconvert[example]'") from e
-    if scheme not in SCHEMES:
-        raise MoeConvertError("unknown example scheme", expected=" | ".join(SCHEMES), found=scheme)
-    quantized = scheme in ("w4a16", "w8a16")
-    if quantized and family == "gpt-oss":
-        raise MoeConvertError("gpt-oss keeps its experts as fused 3-D tensors, which compressed-tensors does "
-                              "not quantize; use --scheme bf16 or fp16")
-    if quantized and group_size != -1 and (hidden_size % group_size or intermediate_size % group_size):
-        raise MoeConvertError("group size must divide the hidden and intermediate sizes", tensor="--group-size",
-                              expected=f"a divisor of {hidden_size} and {intermediate_size}", found=group_size)
-    layers = num_layers or (3 if family in ("deepseek-v2", "deepseek-v3", "glm4-moe") else 2)
-    model_type, kw = _config_kwargs(family, hidden_size, intermediate_size, num_experts, layers)
-    dtype = torch.float16 if scheme == "fp16" else torch.bfloat16
-    cfg = AutoConfig.for_model(model_type, **kw)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    # from_config leaves some parameters (expert tensors, biases) as whatever init the class picks;
-    # draw every parameter from one seeded stream so the files are reproducible and non-degenerate.
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if p.dtype.is_floating_point:
-                std = 1.0 if "norm" in name else 0.05
-                mean = 1.0 if "norm" in name else 0.0
-                p.copy_((torch.randn(p.shape, generator=gen) * (0.02 if "norm" in name else std) + mean).to(p.dtype))
+@dataclass(frozen=True)
+class _Family:
+    model_type: str  # transformers' model_type
+    default_layers: int
+    first_k_dense: int  # leading dense (non-MoE) decoder layers
+    int_schemes: bool  # can compressed-tensors quantize its experts as Linear?
+    config: Callable[[int, int, int, int], dict]  # (hidden, moe_inter, experts, layers) -> kwargs
+
+
+def _attention(hidden: int) -> dict:
+    """GQA attention of 4 query / 2 kv heads, head_dim * heads == hidden (o_proj's K == hidden)."""
+    return dict(
+        num_attention_heads=_NUM_HEADS,
+        num_key_value_heads=_NUM_KV_HEADS,
+        head_dim=hidden // _NUM_HEADS,
+    )
+
+
+def _mla(hidden: int, q_lora_rank: int | None) -> dict:
+    """DeepSeek multi-head latent attention. The LoRA ranks are ``hidden`` so that every Linear's
+    input size (hidden, q_lora_rank, kv_lora_rank, heads * v_head_dim) is a multiple of any group
+    size that divides ``hidden``."""
+    head_dim = hidden // _NUM_HEADS
+    return dict(
+        num_attention_heads=_NUM_HEADS,
+        num_key_value_heads=_NUM_HEADS,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=hidden,
+        qk_rope_head_dim=head_dim // 2,
+        qk_nope_head_dim=head_dim // 2,
+        v_head_dim=head_dim,
+    )
+
+
+def _qwen3_moe(h: int, i: int, e: int, n: int) -> dict:
+    return dict(
+        **_attention(h),
+        moe_intermediate_size=i,
+        intermediate_size=2 * h,  # dense MLP size, unused: every layer is MoE
+        num_experts=e,
+        num_experts_per_tok=_TOP_K,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    )
+
+
+def _qwen2_moe(h: int, i: int, e: int, n: int) -> dict:
+    return dict(
+        **_attention(h),
+        moe_intermediate_size=i,
+        intermediate_size=2 * h,
+        shared_expert_intermediate_size=2 * i,  # one sigmoid-gated shared expert per layer
+        num_experts=e,
+        num_experts_per_tok=_TOP_K,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        qkv_bias=True,
+    )
+
+
+def _mixtral(h: int, i: int, e: int, n: int) -> dict:
+    return dict(**_attention(h), intermediate_size=i, num_local_experts=e, num_experts_per_tok=_TOP_K)
+
+
+def _deepseek_v2(h: int, i: int, e: int, n: int) -> dict:
+    # Like DeepSeek-V2-Lite: no q LoRA, greedy top-k (one group), softmax scoring.
+    return dict(
+        **_mla(h, q_lora_rank=None),
+        moe_intermediate_size=i,
+        intermediate_size=2 * h,  # layer 0 (dense MLP)
+        n_routed_experts=e,
+        n_shared_experts=1,
+        num_experts_per_tok=_TOP_K,
+        first_k_dense_replace=1,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+    )
+
+
+def _grouped_topk(e: int) -> dict:
+    """DeepSeek-V3 / GLM-4.5 group-limited routing: two groups when each still holds >= top-k
+    experts, else one; one group kept per token."""
+    n_group = 2 if e % 2 == 0 and e // 2 >= _TOP_K else 1
+    return dict(n_group=n_group, topk_group=1)
+
+
+def _deepseek_v3(h: int, i: int, e: int, n: int) -> dict:
+    # sigmoid scoring with e_score_correction_bias (noaux_tc); no MTP layer (none is saved).
+    return dict(
+        **_mla(h, q_lora_rank=h),
+        moe_intermediate_size=i,
+        intermediate_size=2 * h,
+        n_routed_experts=e,
+        n_shared_experts=1,
+        num_experts_per_tok=_TOP_K,
+        first_k_dense_replace=1,
+        **_grouped_topk(e),
+        num_nextn_predict_layers=0,
+    )
+
+
+def _glm4_moe(h: int, i: int, e: int, n: int) -> dict:
+    return dict(
+        **_attention(h),
+        moe_intermediate_size=i,
+        intermediate_size=2 * h,
+        n_routed_experts=e,
+        n_shared_experts=1,
+        num_experts_per_tok=_TOP_K,
+        first_k_dense_replace=1,
+        **_grouped_topk(e),
+        attention_bias=True,  # GLM-4.5 has q/k/v biases
+        num_nextn_predict_layers=0,
+    )
+
+
+def _gpt_oss(h: int, i: int, e: int, n: int) -> dict:
+    return dict(
+        **_attention(h),
+        intermediate_size=i,
+        num_local_experts=e,
+        num_experts_per_tok=_TOP_K,
+        # gpt-oss' YaRN (factor 32 over 4096) implies this context; a smaller one only warns.
+        max_position_embeddings=131072,
+    )
+
+
+_FAMILIES: dict[str, _Family] = {
+    "qwen3-moe": _Family("qwen3_moe", 2, 0, True, _qwen3_moe),
+    "qwen2-moe": _Family("qwen2_moe", 2, 0, True, _qwen2_moe),
+    "mixtral": _Family("mixtral", 2, 0, True, _mixtral),
+    "deepseek-v2": _Family("deepseek_v2", 3, 1, True, _deepseek_v2),
+    "deepseek-v3": _Family("deepseek_v3", 3, 1, True, _deepseek_v3),
+    "glm4-moe": _Family("glm4_moe", 3, 1, True, _glm4_moe),
+    "gpt-oss": _Family("gpt_oss", 2, 0, False, _gpt_oss),
+}
+assert tuple(_FAMILIES) == FAMILIES
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry point
+# --------------------------------------------------------------------------------------------
+
+
+def make_example(
+    out_dir: str | Path,
+    family: str = "qwen3-moe",
+    scheme: str = "w4a16",
+    *,
+    group_size: int = 128,
+    symmetric: bool = True,
+    num_layers: int | None = None,
+    num_experts: int = 8,
+    hidden_size: int = 256,
+    intermediate_size: int = 128,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+) -> Path:
+    """Write a tiny random MoE checkpoint of ``family`` in ``scheme`` to ``out_dir``; return it.
+
+    ``intermediate_size`` is the routed experts' size (``moe_intermediate_size`` for the
+    Qwen/DeepSeek/GLM families). Dense MLPs (DeepSeek/GLM layer 0) use ``2 * hidden_size``.
+    ``group_size`` (-1 = channelwise) and ``symmetric`` apply to w4a16/w8a16 only.
+    ``out_dir`` must be missing or empty.
+    """
+    spec, bits = _check_args(
+        family, scheme, group_size, symmetric, num_layers, num_experts, hidden_size,
+        intermediate_size, max_shard_size,
+    )
     out = Path(out_dir)
-    save_kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    if not quantized:
-        model.save_pretrained(out, **save_kw)
-        return out
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
-        _compress(Path(tmp), out, bits=int(scheme[1]), group_size=group_size, symmetric=symmetric,
-                  max_shard_size=max_shard_size)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        # Refuse rather than mix with a previous run's shards or index.
+        raise MoeConvertError("output directory exists and is not empty", file=str(out))
+    layers = num_layers if num_layers is not None else spec.default_layers
+    shard = max_shard_size or _DEFAULT_SHARD_SIZE
+
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise MoeConvertError(
+            "moeconvert example needs transformers: pip install 'moeconvert[example]'"
+        ) from e
+
+    dtype = torch.float16 if scheme == "fp16" else torch.bfloat16
+    model = _build_model(spec, hidden_size, intermediate_size, num_experts, layers, dtype, seed)
+
+    out.mkdir(parents=True, exist_ok=True)
+    if bits is None:
+        _save_float(model, out, shard)
+    else:
+        embeddings = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
+        with tempfile.TemporaryDirectory(prefix="moeconvert-example-") as tmp:
+            _save_float(model, Path(tmp), _DEFAULT_SHARD_SIZE)
+            _write_pack_quantized(Path(tmp), out, bits, group_size, symmetric, embeddings, shard)
     return out
 
 
-def _compress(src: Path, out: Path, *, bits: int, group_size: int, symmetric: bool,
-              max_shard_size: str | None) -> None:
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
-    from compressed_tensors.quantization.quant_args import QuantizationArgs
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams
-    from compressed_tensors.utils.match import match_name
+def _check_args(family, scheme, group_size, symmetric, num_layers, num_experts, hidden_size,
+                intermediate_size, max_shard_size):
+    if family not in _FAMILIES:
+        raise MoeConvertError(f"unknown family {family!r}", expected=", ".join(FAMILIES), found=family)
+    if scheme not in SCHEMES:
+        raise MoeConvertError(f"unknown scheme {scheme!r}", expected=", ".join(SCHEMES), found=scheme)
+    spec = _FAMILIES[family]
+    bits = {"w4a16": 4, "w8a16": 8}.get(scheme)
+    if bits is not None and not spec.int_schemes:
+        raise MoeConvertError(
+            f"{family} stores its experts fused (3-D gate_up_proj/down_proj with biases), which "
+            f"compressed-tensors cannot quantize as Linear layers; {family} examples exist in "
+            "bf16/fp16 only",
+            expected="bf16 or fp16", found=scheme,
+        )
+    if num_experts < _TOP_K:
+        raise MoeConvertError("num_experts must be at least the top-k", expected=f">= {_TOP_K}",
+                              found=num_experts)
+    min_layers = _FAMILIES[family].first_k_dense + 1
+    if num_layers is not None and num_layers < min_layers:
+        raise MoeConvertError(f"{family} needs at least {min_layers} layer(s) to hold an MoE layer",
+                              expected=f">= {min_layers}", found=num_layers)
+    # Attention splits hidden into 4 heads; DeepSeek's MLA halves head_dim again into rope/nope
+    # parts, and rope needs an even size: so hidden must be a multiple of 16.
+    if hidden_size < 16 or hidden_size % 16:
+        raise MoeConvertError("hidden_size must be a positive multiple of 16", found=hidden_size)
+    if intermediate_size < 1:
+        raise MoeConvertError("intermediate_size must be positive", found=intermediate_size)
+    if bits is not None:
+        if group_size != -1 and group_size < 1:
+            raise MoeConvertError("group_size must be positive or -1 (channelwise)", found=group_size)
+        # Every quantized Linear's input size is hidden, intermediate or a multiple of them.
+        if group_size != -1 and (hidden_size % group_size or intermediate_size % group_size):
+            raise MoeConvertError(
+                "group_size must divide hidden_size and intermediate_size",
+                expected=f"a divisor of {hidden_size} and {intermediate_size}", found=group_size,
+            )
+    if max_shard_size is not None and not re.fullmatch(r"\d+\s*([KMG]i?B)?", max_shard_size.strip(), re.I):
+        raise MoeConvertError("max_shard_size must look like 200KB, 5MB or 1GB", found=max_shard_size)
+    return spec, bits
+
+
+# --------------------------------------------------------------------------------------------
+# The float model
+# --------------------------------------------------------------------------------------------
+
+
+def _build_model(spec: _Family, hidden, inter, experts, layers, dtype, seed):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    cfg = AutoConfig.for_model(
+        spec.model_type,
+        vocab_size=_VOCAB_SIZE,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        tie_word_embeddings=False,  # a separate lm_head, as in all of these families' big models
+        **spec.config(hidden, inter, experts, layers),
+    )
+    torch.manual_seed(seed)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # from_config's chatter is not ours to show
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    _reinit(model, seed)
+    return model.eval()
+
+
+def _reinit(model, seed: int) -> None:
+    """Draw every parameter and persistent buffer again from one seeded generator.
+
+    transformers' own init is fine for the weights (normal(0, 0.02)), but it leaves biases at
+    zero, norms at one and DeepSeek/GLM's ``e_score_correction_bias`` at zero. Tests that must
+    notice a dropped, swapped or mis-placed tensor need each tensor to be distinct, so: weights
+    and biases ~ N(0, 0.02), norm weights ~ 1 + N(0, 0.02). Going by name order (not module
+    order) with a private generator makes the result independent of how transformers builds or
+    initialises the modules.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = dict(model.named_parameters())
+    persistent = {n for n, _ in model.named_buffers() if n in model.state_dict()}
+    tensors.update({n: b for n, b in model.named_buffers() if n in persistent and b.is_floating_point()})
+    with torch.no_grad():
+        for name in sorted(tensors):
+            t = tensors[name]
+            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32) * _INIT_STD
+            if "norm" in name.rsplit(".", 2)[-2]:  # input_layernorm.weight, q_norm.weight, ...
+                noise += 1.0
+            t.copy_(noise.to(t.dtype))
+
+
+def _save_float(model, out: Path, max_shard_size: str) -> None:
+    # save_pretrained writes config.json, generation_config.json, the safetensors (split into
+    # per-expert tensors, and into shards + model.safetensors.index.json when over the size).
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model.save_pretrained(out, max_shard_size=max_shard_size)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+# --------------------------------------------------------------------------------------------
+# The compressed-tensors pack-quantized checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+def quantization_config(bits: int, group_size: int, symmetric: bool):
+    """The compressed-tensors ``QuantizationConfig`` of a WNA16 scheme (llm-compressor's
+    ``W4A16``/``W4A16_ASYM``/``W8A16`` presets, with the group size and symmetry chosen)."""
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        QuantizationStrategy,
+        QuantizationType,
+    )
+
+    weights = QuantizationArgs(
+        num_bits=bits,
+        type=QuantizationType.INT,
+        symmetric=symmetric,
+        strategy=QuantizationStrategy.CHANNEL if group_size == -1 else QuantizationStrategy.GROUP,
+        group_size=None if group_size == -1 else group_size,
+    )
+    return QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
+        ignore=list(_IGNORE),
+    )
+
+
+def weight_qparams(weight, args):
+    """Scale and zero point of one weight [N, K] from its per-group (or per-row) min/max, the
+    way llm-compressor's min/max observer calibrates weights: groups are contiguous runs of
+    ``group_size`` along K, reduced in the weight's own dtype, then ``calculate_qparams``.
+    Shapes [N, K // group_size] (group) or [N, 1] (channel), like compressed-tensors' params."""
+    import torch
+    from compressed_tensors.quantization import QuantizationStrategy
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    if args.strategy == QuantizationStrategy.GROUP:
+        grouped = weight.unflatten(-1, (weight.shape[-1] // args.group_size, args.group_size))
+        lo, hi = torch.aminmax(grouped, dim=-1)
+    elif args.strategy == QuantizationStrategy.CHANNEL:
+        lo, hi = torch.aminmax(weight, dim=-1, keepdim=True)
+    else:  # pragma: no cover - quantization_config makes only these two
+        raise ValueError(f"unsupported strategy {args.strategy}")
+    return calculate_qparams(lo, hi, args)
+
+
+def _read_safetensors_dir(path: Path) -> dict:
     from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def _module_tree(linears: dict):
+    """An nn.Module whose submodule ``a.b.c`` is an ``nn.Linear`` holding tensors ``a.b.c.weight``
+    (and ``.bias``), for every entry of ``linears`` {module name: (weight, bias or None)}."""
+    import torch
+
+    root = torch.nn.Module()
+    for name, (weight, bias) in linears.items():
+        parent = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        # Built on meta, then given the saved tensors: no init work, no copies.
+        lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        lin.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            lin.bias = torch.nn.Parameter(bias, requires_grad=False)
+        parent.add_module(leaf, lin)
+    return root
+
+
+def _write_pack_quantized(float_dir: Path, out: Path, bits: int, group_size: int, symmetric: bool,
+                          embeddings: set, max_shard_size: str) -> None:
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import apply_quantization_config
+    from compressed_tensors.quantization.utils import is_module_quantized
     from huggingface_hub import save_torch_state_dict
 
-    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
-                            strategy="channel" if group_size == -1 else "group",
-                            group_size=None if group_size == -1 else group_size)
-    scheme = QuantizationScheme(targets=["Linear"], weights=args)
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(f))
-    out_tensors: dict[str, torch.Tensor] = {}
-    ignore = list(IGNORE)
-    for name, w in tensors.items():
-        module = name.rsplit(".", 1)[0]
-        # every 2-D `.weight` is a Linear's in these models, except embeddings
-        is_linear = name.endswith(".weight") and w.dim() == 2 and "embed_tokens" not in name
-        if not is_linear or any(match_name(module, ign) for ign in IGNORE):
-            out_tensors[name] = w
-            continue
-        N, K = w.shape
-        g = K if group_size == -1 else group_size
-        if K % g:
-            # e.g. MLA's small low-rank projections: left in bf16 and listed in `ignore`, as
-            # llm-compressor recipes do for layers the group size does not divide
-            out_tensors[name] = w
-            ignore.append(module)
-            continue
-        groups = w.float().reshape(N, K // g, g)
-        scale, zp = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
-        state = {"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zp}
-        for suffix, t in PackedQuantizationCompressor.compress(state, scheme).items():
-            out_tensors[f"{module}.{suffix}"] = t.contiguous().clone()
-    out.mkdir(parents=True, exist_ok=True)
-    save_torch_state_dict(out_tensors, out, max_shard_size=max_shard_size or "5GB", safe_serialization=True,
-                          metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    qc = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
-                            quantization_status="compressed", ignore=ignore)
-    cfg["quantization_config"] = qc.to_dict()
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    for extra in ("generation_config.json",):
-        if (src / extra).exists():
-            (out / extra).write_bytes((src / extra).read_bytes())
+    saved = _read_safetensors_dir(float_dir)
+
+    # Every saved 2-D ".weight" except the embedding is a Linear's weight (routers and lm_head
+    # included: the config's ignore list, not this, keeps those unquantized).
+    linears = {}
+    for name, t in saved.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and t.ndim == 2 and module not in embeddings:
+            linears[module] = (t, saved.get(module + ".bias"))
+    tree = _module_tree(linears)
+
+    # 1. Attach schemes and (empty) weight_scale / weight_zero_point params to matching Linears.
+    apply_quantization_config(tree, quantization_config(bits, group_size, symmetric), show_progress=False)
+    # 2. Calibrate: the weight-only equivalent of running llm-compressor's observers.
+    with torch.no_grad():
+        for module in tree.modules():
+            if is_module_quantized(module):
+                args = module.quantization_scheme.weights
+                scale, zero_point = weight_qparams(module.weight, args)
+                module.weight_scale.copy_(scale)
+                module.weight_zero_point.copy_(zero_point)
+    # 3. Compress (quantize + pack to int32, drop symmetric zero points) and describe it.
+    compressor = ModelCompressor.from_pretrained_model(tree, quantization_format="pack-quantized")
+    _quiet_tqdm(lambda: compressor.compress_model(tree))
+
+    # Linears' tensors come from the compressed tree; the rest (embeddings, norms,
+    # e_score_correction_bias, ...) unchanged from the float save.
+    tensors = {n: t for n, t in saved.items() if n.rsplit(".", 1)[0] not in linears}
+    tensors.update({n: t.contiguous() for n, t in tree.state_dict().items()})
+    save_torch_state_dict(tensors, out, max_shard_size=max_shard_size, metadata={"format": "pt"})
+
+    for f in ("config.json", "generation_config.json"):
+        if (float_dir / f).exists():
+            shutil.copyfile(float_dir / f, out / f)
+    # Writes config.json's quantization_config (format pack-quantized, status compressed, the
+    # scheme, the explicit ignore list of unquantized Linears) exactly as llm-compressor does.
+    compressor.update_config(str(out))
+
+
+def _quiet_tqdm(fn):
+    """Run ``fn`` with tqdm progress bars off (compress_model always draws one)."""
+    old = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = old
+
+
+def read_quantization_config(ckpt: str | Path) -> dict:
+    """config.json's ``quantization_config`` of a checkpoint (empty for float ones)."""
+    return json.loads((Path(ckpt) / "config.json").read_text()).get("quantization_config", {})

@@ -257,18 +257,23 @@ class Source:
             return torch.empty(shape, dtype=info.torch_dtype)
         return torch.frombuffer(buf, dtype=info.torch_dtype).reshape(shape)
 
-    def read_raw(self, name: str, chunk: int = 64 << 20):
-        """The stored bytes of a tensor, in chunks (for byte-identical pass-through)."""
+    def read_raw(self, name: str, chunk: int = 16 << 20):
+        """The stored bytes of a tensor, in chunks (for byte-identical pass-through).
+
+        One buffer is reused for every chunk: a consumer must be done with a chunk before asking for
+        the next (writing and hashing it is).
+        """
         info = self.tensors[name]
+        buf = bytearray(min(chunk, info.nbytes))
         pos = info.start
         while pos < info.end:
-            n = min(chunk, info.end - pos)
-            buf = bytearray(n)
-            self._pread_into(info, buf, pos)
-            yield buf
+            n = min(len(buf), info.end - pos)
+            view = memoryview(buf)[:n]
+            self._pread_into(info, view, pos)
+            yield view
             pos += n
 
-    def _pread_into(self, info: TensorInfo, buf: bytearray, offset: int) -> None:
+    def _pread_into(self, info: TensorInfo, buf, offset: int) -> None:
         view, done = memoryview(buf), 0
         try:
             fd = os.open(info.file, os.O_RDONLY)
@@ -288,9 +293,10 @@ class Source:
 
     def file_digest(self, path: Path) -> dict:
         h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(16 << 20):
-                h.update(chunk)
+        buf = bytearray(8 << 20)  # one buffer, reused: no allocator churn beside the conversion
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                h.update(memoryview(buf)[:n])
         return {"sha256": h.hexdigest(), "size": path.stat().st_size}
 
 
