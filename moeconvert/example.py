@@ -30,8 +30,8 @@ re-drawn from one seeded generator; no timestamps are written anywhere).
 
 from __future__ import annotations
 
-import json
-import os
+import contextlib
+import io
 import re
 import shutil
 import tempfile
@@ -237,10 +237,8 @@ def make_example(
     ``group_size`` (-1 = channelwise) and ``symmetric`` apply to w4a16/w8a16 only.
     ``out_dir`` must be missing or empty.
     """
-    spec, bits = _check_args(
-        family, scheme, group_size, symmetric, num_layers, num_experts, hidden_size,
-        intermediate_size, max_shard_size,
-    )
+    spec, bits = _check_args(family, scheme, group_size, num_layers, num_experts, hidden_size,
+                             intermediate_size, max_shard_size)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         # Refuse rather than mix with a previous run's shards or index.
@@ -251,7 +249,7 @@ def make_example(
     try:
         import torch
         import transformers  # noqa: F401
-    except ImportError as e:  # pragma: no cover - depends on the environment
+    except ImportError as e:
         raise MoeConvertError(
             "moeconvert example needs transformers: pip install 'moeconvert[example]'"
         ) from e
@@ -270,8 +268,9 @@ def make_example(
     return out
 
 
-def _check_args(family, scheme, group_size, symmetric, num_layers, num_experts, hidden_size,
-                intermediate_size, max_shard_size):
+def _check_args(family, scheme, group_size, num_layers, num_experts, hidden_size, intermediate_size,
+                max_shard_size):
+    """Refuse bad arguments before anything is built or written; return (family spec, bits)."""
     if family not in _FAMILIES:
         raise MoeConvertError(f"unknown family {family!r}", expected=", ".join(FAMILIES), found=family)
     if scheme not in SCHEMES:
@@ -288,7 +287,7 @@ def _check_args(family, scheme, group_size, symmetric, num_layers, num_experts, 
     if num_experts < _TOP_K:
         raise MoeConvertError("num_experts must be at least the top-k", expected=f">= {_TOP_K}",
                               found=num_experts)
-    min_layers = _FAMILIES[family].first_k_dense + 1
+    min_layers = spec.first_k_dense + 1
     if num_layers is not None and num_layers < min_layers:
         raise MoeConvertError(f"{family} needs at least {min_layers} layer(s) to hold an MoE layer",
                               expected=f">= {min_layers}", found=num_layers)
@@ -355,8 +354,8 @@ def _reinit(model, seed: int) -> None:
 
     gen = torch.Generator().manual_seed(seed)
     tensors = dict(model.named_parameters())
-    persistent = {n for n, _ in model.named_buffers() if n in model.state_dict()}
-    tensors.update({n: b for n, b in model.named_buffers() if n in persistent and b.is_floating_point()})
+    saved = set(model.state_dict())  # persistent buffers only (not e.g. rotary inv_freq)
+    tensors.update({n: b for n, b in model.named_buffers() if n in saved and b.is_floating_point()})
     with torch.no_grad():
         for name in sorted(tensors):
             t = tensors[name]
@@ -371,12 +370,13 @@ def _save_float(model, out: Path, max_shard_size: str) -> None:
     # per-expert tensors, and into shards + model.safetensors.index.json when over the size).
     from transformers.utils import logging as hf_logging
 
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Writing model shards" is noise for a tiny model
     try:
         model.save_pretrained(out, max_shard_size=max_shard_size)
     finally:
-        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,13 +489,17 @@ def _write_pack_quantized(float_dir: Path, out: Path, bits: int, group_size: int
                 module.weight_zero_point.copy_(zero_point)
     # 3. Compress (quantize + pack to int32, drop symmetric zero points) and describe it.
     compressor = ModelCompressor.from_pretrained_model(tree, quantization_format="pack-quantized")
-    _quiet_tqdm(lambda: compressor.compress_model(tree))
+    with contextlib.redirect_stderr(io.StringIO()):  # compress_model always draws a tqdm bar
+        compressor.compress_model(tree)
 
     # Linears' tensors come from the compressed tree; the rest (embeddings, norms,
     # e_score_correction_bias, ...) unchanged from the float save.
-    tensors = {n: t for n, t in saved.items() if n.rsplit(".", 1)[0] not in linears}
+    # (Only the Linears' own weight/bias: DeepSeek's mlp.gate.e_score_correction_bias shares the
+    # router's prefix but is no Linear tensor.)
+    held = {f"{m}.{p}" for m in linears for p in ("weight", "bias")}
+    tensors = {n: t for n, t in saved.items() if n not in held}
     tensors.update({n: t.contiguous() for n, t in tree.state_dict().items()})
-    save_torch_state_dict(tensors, out, max_shard_size=max_shard_size, metadata={"format": "pt"})
+    save_torch_state_dict(tensors, out, max_shard_size=max_shard_size)
 
     for f in ("config.json", "generation_config.json"):
         if (float_dir / f).exists():
@@ -503,21 +507,3 @@ def _write_pack_quantized(float_dir: Path, out: Path, bits: int, group_size: int
     # Writes config.json's quantization_config (format pack-quantized, status compressed, the
     # scheme, the explicit ignore list of unquantized Linears) exactly as llm-compressor does.
     compressor.update_config(str(out))
-
-
-def _quiet_tqdm(fn):
-    """Run ``fn`` with tqdm progress bars off (compress_model always draws one)."""
-    old = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"
-    try:
-        return fn()
-    finally:
-        if old is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = old
-
-
-def read_quantization_config(ckpt: str | Path) -> dict:
-    """config.json's ``quantization_config`` of a checkpoint (empty for float ones)."""
-    return json.loads((Path(ckpt) / "config.json").read_text()).get("quantization_config", {})
