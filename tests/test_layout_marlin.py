@@ -483,6 +483,8 @@ def _vllm_source_reader():
     src = os.environ.get("MOECONVERT_VLLM_SRC")
     if src:
         path = Path(src)
+        if not path.exists():
+            return None
         if path.is_file():
             zf = zipfile.ZipFile(path)
             return lambda rel: zf.read(f"vllm/{rel}").decode()
@@ -616,6 +618,7 @@ def _pad_w13_for_reference(ref, s13_nfirst, I, Ip):
 
 def test_oracle_covers_the_deviation_cases():
     assert (4, True, 128, 128, 256, True) in ORACLE_GRID  # I == g < H
+    assert (4, True, 128, 256, 128, False) in ORACLE_GRID  # H == g < I
 
 
 def test_weight_perm_equals_vllm_get_weight_perm():

@@ -2,7 +2,8 @@
 
 The bytes equal what vLLM holds after ``_process_weights_marlin`` (MARLIN and BATCHED_MARLIN backends,
 16-bit activations), with one deliberate exception where vLLM's own choice makes its kernel compute
-wrong results (the w13 scale permutation when I == group_size, see :func:`w13_scales_grouped`).
+wrong results (the w13 scale permutation when I == group_size < H, or H == group_size < I; see
+:func:`w13_scales_grouped`).
 vLLM serves such a file with ``--moe-backend marlin`` (the SM90 default is Humming, spec §2).
 
 =======================  ===================================  ======================================
@@ -49,7 +50,7 @@ DEVIATION = (
 )
 DEVIATION_H_EQ_G = (
     "w13 scales use the single permutation where vLLM 0.33.0 uses the grouped one (H == group_size < I); "
-    "vLLM's choice disagrees with the one-group mode its kernel runs in"
+    "vLLM's choice gives wrong results"
 )
 
 
@@ -72,8 +73,10 @@ def w13_scales_grouped(hidden_size: int, group_size: int) -> bool:
 
     ``moe_wna16_marlin_gemm`` runs in group mode iff ``b_scales.size(1) > 1`` (here ``H/g``) and in
     one-group (channel) mode otherwise, whose epilogue reads the single layout. vLLM 0.33.0 instead
-    decides with ``g < intermediate_size_per_partition`` (it passes I as ``size_k``), which is wrong
-    for w13 whenever ``I == g < H`` (and ``H == g < I``); we follow the kernel (spec §3.4, §8).
+    decides with ``g < intermediate_size_per_partition`` (it passes I as ``size_k``, where the GEMM's
+    K is H), which is wrong for w13 whenever ``I == g < H`` and whenever ``H == g < I``: on an H200
+    its kernel then misses by a relative error of 0.3-0.5 (tests/test_layout_marlin.py, gpu). We
+    follow the kernel (spec §3.4, §8).
     """
     return _groups(hidden_size, group_size) > 1
 
@@ -367,8 +370,8 @@ class MarlinLayout(Layout):
             out.append(
                 f"H = {H}, I = {I}, group_size = {g}: vLLM 0.33.0's own load-time Marlin path puts the w13 "
                 "scales in a layout its kernel does not read for this shape, so vLLM computes wrong results "
-                f"for it (measured on an H200: rel. error 0.29 vs 0.0007); this file deviates from vLLM's "
-                f"memory on purpose: {deviation.split(';')[0]}, the layout the kernel reads"
+                "for it (measured on an H200 with vLLM's kernel: relative error 0.3-0.5 instead of 0.002); this "
+                f"file deviates from vLLM's memory on purpose: {deviation.split(';')[0]}, the layout the kernel reads"
             )
         if Ip != I:
             out.append(
