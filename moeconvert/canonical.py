@@ -22,7 +22,7 @@ re-interleave where their kernel expects it. Optional expert biases: ``w13_bias 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
@@ -83,18 +83,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     """A view of ``t`` as integers of the same width, so NaN/-0.0 compare by their bits."""
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     return t.contiguous().view(ints[t.element_size()])
-
-
-def concat(blocks: list[ExpertBlock]) -> ExpertBlock:
-    """Join chunks of the same layer along the expert dimension."""
-    first = blocks[0]
-    kw = {}
-    for f in fields(ExpertBlock):
-        if f.name == "scheme":
-            continue
-        parts = [getattr(b, f.name) for b in blocks]
-        kw[f.name] = None if parts[0] is None else torch.cat(parts, 0)
-    return ExpertBlock(scheme=first.scheme, **kw)
 
 
 @dataclass(frozen=True)

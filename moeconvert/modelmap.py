@@ -115,10 +115,6 @@ class MoELayerMap:
             return [n for by_suffix in self.fused_names.values() for n in by_suffix.values()]
         return [n for ex in self.experts for by_suffix in ex.values() for n in by_suffix.values()]
 
-    def module_names(self, e: int = 0) -> dict[str, str]:
-        """Module names of expert e's projections (for compressed-tensors target matching)."""
-        return {role: by_suffix[next(iter(by_suffix))].rsplit(".", 1)[0] for role, by_suffix in self.experts[e].items()}
-
 
 @dataclass
 class ModelMap:
