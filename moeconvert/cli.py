@@ -81,7 +81,7 @@ def inspect(
     ep_size: int = EP_SIZE,
 ):
     """What is in a checkpoint: its MoE layers, and which backends can take it (and why not)."""
-    from moeconvert.convert import check_layers, layer_shape
+    from moeconvert.convert import check_layers, layer_shape, scheme_kind
     from moeconvert.layouts import get_layout, layout_names
     from moeconvert.modelmap import map_model
     from moeconvert.sources import open_source
@@ -99,7 +99,7 @@ def inspect(
                        "bytes": nbytes, "shared_experts": bool(lm.shared)})
     backends = {}
     for name in layout_names():
-        layout = get_layout(name)
+        layout = get_layout(name, scheme_kind(model))
         problems = check_layers(model, layout, part)
         warnings = []
         if not problems:
@@ -172,6 +172,7 @@ def repack(
     plan = plan_conversion(source, layout, part, shard_limit)
     for w in plan.warnings():
         err.print(f"[yellow]warning:[/yellow] {w}")
+    layout = plan.layout
     summary = {"source": src, "output": str(out_dir), "backend": layout.name, "layout_version": layout.version,
                "partition": part.to_json(), "moe_layers": len(plan.layers), "tensors": len(plan.tensors),
                "bytes": plan.total_bytes,

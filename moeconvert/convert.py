@@ -17,7 +17,7 @@ from moeconvert import FORMAT_VERSION, __version__
 from moeconvert.canonical import LayerShape, Partition
 from moeconvert.decode import decode_chunk, partition_sizes
 from moeconvert.errors import InternalError, MoeConvertError
-from moeconvert.layouts import Layout, TensorSpec
+from moeconvert.layouts import Layout, TensorSpec, get_layout
 from moeconvert.modelmap import ModelMap, MoELayerMap, map_model
 from moeconvert.schemes import WNA16Scheme
 from moeconvert.sources import Source
@@ -72,6 +72,11 @@ def decoder_problems(layer: MoELayerMap) -> list[str]:
     return []
 
 
+def scheme_kind(model: ModelMap) -> str | None:
+    """The scheme kind of the model's experts, which picks the layout behind a backend name."""
+    return model.layers[0].scheme.kind if model.layers else None
+
+
 def check_layers(model: ModelMap, layout: Layout, part: Partition) -> dict[str, list[str]]:
     """Every layer's violated constraints for this layout (only layers with problems appear)."""
     problems = {}
@@ -90,6 +95,7 @@ def check_layers(model: ModelMap, layout: Layout, part: Partition) -> dict[str, 
 def plan_conversion(source: Source, layout: Layout, part: Partition = Partition(),
                     max_shard_size: int = 5 * 10**9, model: ModelMap | None = None) -> ConversionPlan:
     model = model or map_model(source)
+    layout = get_layout(layout.name, scheme_kind(model))
     problems = check_layers(model, layout, part)
     if problems:
         n = sum(len(v) for v in problems.values())

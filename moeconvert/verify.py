@@ -98,7 +98,8 @@ def verify_output(out: Path, against: str | None = None, revision: str | None = 
     progress = progress or (lambda n: None)
     manifest = read_manifest(out)
     produced = Source(out, str(out))
-    layout = get_layout(manifest["layout"]["name"])
+    kinds = {scheme_from_json(layer["scheme"]).kind for layer in manifest["moe_layers"]}
+    layout = get_layout(manifest["layout"]["name"], next(iter(kinds)) if len(kinds) == 1 else None)
     if manifest["layout"]["version"] != layout.version:
         raise MoeConvertError("layout version differs from this moeconvert's", file=MANIFEST_NAME,
                               tensor=f"layout {layout.name}", expected=layout.version,

@@ -9,23 +9,34 @@ from __future__ import annotations
 from moeconvert.errors import MoeConvertError
 from moeconvert.layouts.base import Layout, TensorSpec
 
-_REGISTRY: dict[str, type[Layout]] = {}
+_REGISTRY: dict[str, list[type[Layout]]] = {}
 
 
 def register(cls: type[Layout]) -> type[Layout]:
-    if cls.name in _REGISTRY:
-        raise ValueError(f"layout {cls.name!r} registered twice")
-    _REGISTRY[cls.name] = cls
+    """One backend name may have one layout per scheme kind (e.g. ``marlin`` for WNA16 and for MXFP4)."""
+    for other in _REGISTRY.get(cls.name, []):
+        if set(other.schemes) & set(cls.schemes):
+            raise ValueError(f"layout {cls.name!r} registered twice for {set(other.schemes) & set(cls.schemes)}")
+    _REGISTRY.setdefault(cls.name, []).append(cls)
     return cls
 
 
-def get_layout(name: str) -> Layout:
+def get_layout(name: str, kind: str | None = None) -> Layout:
+    """The layout ``--backend name`` writes for experts of scheme kind ``kind`` ("float", "wna16", "mxfp4").
+
+    Without a kind, or when no layout of that name takes the kind, the first one registered is given:
+    its ``check`` then says which schemes it takes.
+    """
     try:
-        return _REGISTRY[name]()
+        classes = _REGISTRY[name]
     except KeyError:
         raise MoeConvertError(
             "unknown backend layout", expected=" | ".join(sorted(_REGISTRY)), found=name
         ) from None
+    for cls in classes:
+        if kind in cls.schemes:
+            return cls()
+    return classes[0]()
 
 
 def layout_names() -> list[str]:
