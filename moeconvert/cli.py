@@ -158,18 +158,66 @@ def repack(
     json_out: bool = JSON,
 ):
     """Relay a checkpoint's experts out for a backend, without changing their values."""
+    _convert(src, out_dir, backend, revision, _partition(tp_size, tp_rank, ep_size, ep_rank), max_shard_size,
+             chunk_mb, dry_run, overwrite, verify, json_out)
+
+
+@app.command()
+def quantize(
+    src: str = typer.Argument(..., help="Checkpoint folder or Hugging Face repo id (bf16/fp16/fp32 experts, or gpt-oss MXFP4)."),
+    out_dir: Path = typer.Argument(..., help="Output folder (must not exist or be empty, unless --overwrite)."),
+    fmt: str = typer.Option("mxfp4", "--format", help="Quantized format: mxfp4 (e2m1 values, e8m0 scale per 32 along K)."),
+    backend: str = typer.Option(..., "--backend", "-b", help="Layout to write (see `moeconvert inspect`)."),
+    rounding: str = typer.Option("vllm", "--rounding", help="vllm (bit-exact with vLLM 0.33.0's online MXFP4) | ocp (OCP MX v1.0) | triton_kernels."),
+    device: str = typer.Option("cpu", "--device", help="Where to quantize: cpu or cuda (identical bytes)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Model dtype the engine runs (auto: the checkpoint's; fp32 -> bfloat16)."),
+    revision: Optional[str] = REVISION,
+    tp_size: int = TP_SIZE,
+    tp_rank: int = TP_RANK,
+    ep_size: int = EP_SIZE,
+    ep_rank: int = EP_RANK,
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard, e.g. 5GB, 500MB."),
+    chunk_mb: int = typer.Option(256, "--chunk-mb", min=1, help="Working-memory budget per expert chunk (MB)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (layers, tensors, size, shards); write nothing."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output folder (only once the new one is complete)."),
+    verify: bool = typer.Option(False, "--verify", help="Run `moeconvert verify --against SRC` on the result (re-quantizes)."),
+    json_out: bool = JSON,
+):
+    """Quantize a checkpoint's experts (vLLM's online MXFP4, ahead of time) into a backend layout."""
+    from moeconvert.quantize import Quantization
+
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise MoeConvertError("unknown device", tensor="--device", expected="cpu | cuda | cuda:N", found=device)
+    if device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise MoeConvertError("--device cuda asked for, but torch sees no CUDA device", tensor="--device",
+                                  expected="a CUDA device", found="none")
+    quant = Quantization(fmt, rounding, device)
+    _convert(src, out_dir, backend, revision, _partition(tp_size, tp_rank, ep_size, ep_rank), max_shard_size,
+             chunk_mb, dry_run, overwrite, verify, json_out, quant=quant, dtype=dtype)
+
+
+def _convert(src, out_dir, backend, revision, part, max_shard_size, chunk_mb, dry_run, overwrite, verify, json_out,
+             quant=None, dtype=None):
     from moeconvert.convert import plan_conversion, run_conversion
     from moeconvert.layouts import get_layout
+    from moeconvert.modelmap import map_model
     from moeconvert.sources import open_source
     from moeconvert.writer import check_output_target
 
     layout = get_layout(backend)
-    part = _partition(tp_size, tp_rank, ep_size, ep_rank)
     shard_limit = parse_size(max_shard_size)
     source = open_source(src, revision)
     if not dry_run:
         check_output_target(out_dir, source.root, overwrite)
-    plan = plan_conversion(source, layout, part, shard_limit)
+    model = map_model(source)
+    if quant is not None:
+        from moeconvert.quantize import resolve_model_dtype
+
+        dtype = resolve_model_dtype(model.dtype, dtype)
+    plan = plan_conversion(source, layout, part, shard_limit, model=model, quant=quant, dtype=dtype)
     for w in plan.warnings():
         err.print(f"[yellow]warning:[/yellow] {w}")
     layout = plan.layout
@@ -206,6 +254,11 @@ def repack(
                        progress=lambda n: prog.advance(task, n))
     dt = time.perf_counter() - t0
     summary["seconds"] = round(dt, 3)
+    quality = {lp.map.prefix: lp.quality.to_json() for lp in plan.layers if lp.quality is not None}
+    if quality:
+        summary["quality"] = quality
+        if not json_out:
+            _print_quality(quality)
     if verify:
         from moeconvert.verify import verify_output
 
@@ -220,6 +273,20 @@ def repack(
         out.print(f"wrote {out_dir}: {len(plan.tensors)} tensors, {_human(plan.total_bytes)} in "
                   f"{len(plan.shards)} shard(s), {dt:.1f} s ({_human(plan.total_bytes / max(dt, 1e-9))}/s)"
                   + ("; verified: identical to the source" if verify else ""))
+
+
+def _print_quality(quality: dict) -> None:
+    t = Table(title="MXFP4 error, dequant(quant(w)) vs w: relative Frobenius, max |err|, saturated blocks")
+    for col in ("layer", "w13 rel", "w13 max", "w13 sat", "w2 rel", "w2 max", "w2 sat"):
+        t.add_column(col, justify="left" if col == "layer" else "right")
+    for prefix, q in quality.items():
+        cells = []
+        for proj in ("w13", "w2"):
+            cells += [f"{q[proj]['rel_fro_error']:.4f}", f"{q[proj]['max_abs_error']:.3g}",
+                      f"{100 * q[proj]['saturated_block_fraction']:.2f} %"]
+        m = re.search(r"layers\.(\d+)\.", prefix)
+        t.add_row(m.group(1) if m else prefix, *cells)
+    out.print(t)
 
 
 @app.command("verify")
@@ -256,6 +323,9 @@ def _print_verify(report) -> None:
               + ("[green]all match[/green]" if not report.other_errors else f"[red]{len(report.other_errors)} problem(s)[/red]"))
     for e in report.other_errors[:20]:
         out.print(f"  [red]{e}[/red]")
+    quality = {lr.prefix: lr.quality for lr in report.layers if lr.quality is not None}
+    if quality:
+        _print_quality(quality)
     out.print("[green]OK[/green]" if report.ok else "[red]DIFFERENCES FOUND[/red]")
 
 

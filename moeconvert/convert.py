@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Callable
 
 from moeconvert import FORMAT_VERSION, __version__
-from moeconvert.canonical import LayerShape, Partition
+from moeconvert.canonical import ExpertBlock, LayerShape, Partition
 from moeconvert.decode import decode_chunk, partition_sizes
 from moeconvert.errors import InternalError, MoeConvertError
 from moeconvert.layouts import Layout, TensorSpec, get_layout
 from moeconvert.modelmap import ModelMap, MoELayerMap, map_model
-from moeconvert.schemes import WNA16Scheme
+from moeconvert.quantize import Quality, Quantization, output_block, output_problems, padded_sizes
+from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme, WNA16Scheme
 from moeconvert.sources import Source
 from moeconvert.writer import PlannedTensor, Shard, StagedOutput, dtype_code, layout_shards, tensor_bytes
 
@@ -35,6 +36,9 @@ class LayerPlan:
     metadata: dict
     warnings: list[str]
     tensors: dict[str, PlannedTensor]  # suffix -> planned output tensor
+    scheme: Scheme  # of the output (MXFP4 for quantize), the source's otherwise
+    unpadded: tuple[int, int]  # this rank's real (H, I); shape holds the padded ones for MXFP4 output
+    quality: Quality | None = None  # filled while quantizing
 
 
 @dataclass
@@ -46,6 +50,8 @@ class ConversionPlan:
     layers: list[LayerPlan]
     tensors: list[PlannedTensor]
     shards: list[Shard]
+    dtype: str  # the model dtype the output is for
+    quant: Quantization | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -55,11 +61,23 @@ class ConversionPlan:
         return [f"{lp.map.prefix}: {w}" for lp in self.layers for w in lp.warnings]
 
 
-def layer_shape(layer: MoELayerMap, part: Partition, dtype: str) -> tuple[LayerShape, int]:
+def output_scheme(layer: MoELayerMap, quant: Quantization | None) -> Scheme:
+    """The scheme the output holds: MXFP4 when quantizing (or when the experts are MXFP4 already)."""
+    return MXFP4Scheme() if quant is not None or isinstance(layer.scheme, MXFP4Scheme) else layer.scheme
+
+
+def layer_shape(layer: MoELayerMap, part: Partition, dtype: str, layout: Layout | None = None,
+                quant: Quantization | None = None) -> tuple[LayerShape, int]:
+    """This rank's sizes for the layout; for MXFP4 output H and I are the padded ones (``extra`` keeps
+    the real ones), because the block the layout encodes is padded already."""
     e0, n_local, I_part = partition_sizes(layer, part)
-    shape = LayerShape(num_experts=n_local, hidden_size=layer.hidden_size, intermediate_size=I_part,
+    H, I, extra = layer.hidden_size, I_part, {}
+    if layout is not None and isinstance(output_scheme(layer, quant), MXFP4Scheme):
+        extra = {"hidden_size_unpadded": H, "intermediate_size_unpadded": I}
+        H, I = padded_sizes(H, I, layout.pad_multiples)
+    shape = LayerShape(num_experts=n_local, hidden_size=H, intermediate_size=I,
                        has_bias=layer.has_bias, activation=layer.activation, dtype=dtype,
-                       bias_dtype=layer.bias_dtype)
+                       bias_dtype=layer.bias_dtype, extra=extra)
     return shape, e0
 
 
@@ -72,31 +90,39 @@ def decoder_problems(layer: MoELayerMap) -> list[str]:
     return []
 
 
-def scheme_kind(model: ModelMap) -> str | None:
-    """The scheme kind of the model's experts, which picks the layout behind a backend name."""
-    return model.layers[0].scheme.kind if model.layers else None
+def scheme_kind(model: ModelMap, quant: Quantization | None = None) -> str | None:
+    """The scheme kind of the output's experts, which picks the layout behind a backend name."""
+    return output_scheme(model.layers[0], quant).kind if model.layers else None
 
 
-def check_layers(model: ModelMap, layout: Layout, part: Partition) -> dict[str, list[str]]:
+def check_layers(model: ModelMap, layout: Layout, part: Partition, quant: Quantization | None = None,
+                 dtype: str | None = None) -> dict[str, list[str]]:
     """Every layer's violated constraints for this layout (only layers with problems appear)."""
     problems = {}
     for layer in model.layers:
         try:
-            shape, _ = layer_shape(layer, part, model.dtype)
+            shape, _ = layer_shape(layer, part, dtype or model.dtype, layout, quant)
         except MoeConvertError as e:
             problems[layer.prefix] = [e.message + (f" (expected {e.expected}, found {e.found})" if e.expected else "")]
             continue
-        found = decoder_problems(layer) + layout.check(shape, layer.scheme)
+        scheme = output_scheme(layer, quant)
+        found = decoder_problems(layer) + layout.check(shape, scheme)
+        if isinstance(scheme, MXFP4Scheme):
+            found = output_problems(layer.scheme, shape, quant) + found
         if found:
             problems[layer.prefix] = found
     return problems
 
 
 def plan_conversion(source: Source, layout: Layout, part: Partition = Partition(),
-                    max_shard_size: int = 5 * 10**9, model: ModelMap | None = None) -> ConversionPlan:
+                    max_shard_size: int = 5 * 10**9, model: ModelMap | None = None,
+                    quant: Quantization | None = None, dtype: str | None = None) -> ConversionPlan:
+    """``quant``: quantize float experts (``moeconvert quantize``); ``dtype``: the model dtype the output
+    is for (default: the checkpoint's)."""
     model = model or map_model(source)
-    layout = get_layout(layout.name, scheme_kind(model))
-    problems = check_layers(model, layout, part)
+    dtype = dtype or model.dtype
+    layout = get_layout(layout.name, scheme_kind(model, quant))
+    problems = check_layers(model, layout, part, quant, dtype)
     if problems:
         n = sum(len(v) for v in problems.values())
         first_prefix, first = next(iter(problems.items()))
@@ -112,16 +138,20 @@ def plan_conversion(source: Source, layout: Layout, part: Partition = Partition(
     for name, info in sorted(source.tensors.items(), key=lambda kv: (source.files.index(kv[1].file), kv[1].start)):
         layer = by_first_tensor.get(name)
         if layer is not None:
-            shape, e0 = layer_shape(layer, part, model.dtype)
-            specs = layout.plan(shape, layer.scheme)
+            shape, e0 = layer_shape(layer, part, dtype, layout, quant)
+            scheme = output_scheme(layer, quant)
+            specs = layout.plan(shape, scheme)
             planned = {}
             for spec in specs:
                 t = PlannedTensor(f"{layer.prefix}.{spec.suffix}", dtype_code(spec.dtype), spec.shape, spec.nbytes,
                                   layer=len(layers), suffix=spec.suffix)
                 planned[spec.suffix] = t
                 tensors.append(t)
-            layers.append(LayerPlan(layer, shape, e0, specs, layout.layer_metadata(shape, layer.scheme),
-                                    layout.warnings(shape, layer.scheme), planned))
+            unpadded = (shape.extra.get("hidden_size_unpadded", shape.hidden_size),
+                        shape.extra.get("intermediate_size_unpadded", shape.intermediate_size))
+            layers.append(LayerPlan(layer, shape, e0, specs, layout.layer_metadata(shape, scheme),
+                                    layout.warnings(shape, scheme), planned, scheme, unpadded,
+                                    Quality() if quant is not None and isinstance(layer.scheme, FloatScheme) else None))
         elif name not in moe_names:
             tensors.append(PlannedTensor(name, info.dtype, info.shape, info.nbytes, source=name))
     taken = {}
@@ -129,13 +159,25 @@ def plan_conversion(source: Source, layout: Layout, part: Partition = Partition(
         if t.name in taken:
             raise MoeConvertError("an output tensor name collides with a source tensor", tensor=t.name)
         taken[t.name] = t
-    return ConversionPlan(source, model, layout, part, layers, tensors, layout_shards(tensors, max_shard_size))
+    return ConversionPlan(source, model, layout, part, layers, tensors, layout_shards(tensors, max_shard_size),
+                          dtype, quant)
 
 
 def experts_per_chunk(lp: LayerPlan, chunk_bytes: int) -> int:
     per_expert = sum(s.nbytes for s in lp.specs) // max(lp.shape.num_experts, 1)
-    # decoding holds unpacked codes and the source words beside the encoded chunk: about 4x the output
-    return max(1, min(lp.shape.num_experts, chunk_bytes // max(4 * per_expert, 1)))
+    # decoding holds unpacked codes and the source words beside the encoded chunk: about 4x the output;
+    # quantizing holds the float chunk and temporaries of ~6x it (mxfp4.py; the error report's fp64)
+    factor = 4 if lp.quality is None else 6 * 4
+    return max(1, min(lp.shape.num_experts, chunk_bytes // max(factor * per_expert, 1)))
+
+
+def layer_output_block(plan: ConversionPlan, lp: LayerPlan, a: int, b: int, quality: Quality | None) -> ExpertBlock:
+    """Local experts [a, b) of a layer as the canonical block its layout encodes."""
+    block = decode_chunk(plan.source, lp.map, plan.partition, lp.expert_start + a, lp.expert_start + b)
+    if isinstance(lp.scheme, MXFP4Scheme):
+        block = output_block(block, lp.shape, lp.unpadded, plan.quant, prefix=lp.map.prefix,
+                             expert_offset=lp.expert_start + a, quality=quality)
+    return block
 
 
 def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
@@ -158,7 +200,7 @@ def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
             n = lp.shape.num_experts
             for a in range(0, n, step):
                 b = min(n, a + step)
-                block = decode_chunk(source, lp.map, plan.partition, lp.expert_start + a, lp.expert_start + b)
+                block = layer_output_block(plan, lp, a, b, lp.quality)
                 encoded = plan.layout.encode(block, lp.shape)
                 _write_layer_chunk(staged, lp, encoded, a, b)
                 progress(sum(lp.tensors[s.suffix].nbytes * (b - a) // n for s in lp.specs))
@@ -188,7 +230,7 @@ def build_manifest(plan: ConversionPlan, staged: StagedOutput, source_digests: d
     entry = lambda t: {"name": t.name, "file": plan.shards[t.shard].filename, "shape": list(t.shape),
                        "dtype": t.dtype, "sha256": staged.digest(t)}
     layouts = plan.layout
-    schemes = {lp.map.scheme for lp in plan.layers}
+    schemes = {lp.scheme for lp in plan.layers}
     layers = []
     for lp in plan.layers:
         m = lp.map
@@ -200,20 +242,22 @@ def build_manifest(plan: ConversionPlan, staged: StagedOutput, source_digests: d
             "expert_offset": lp.expert_start,
             "top_k": m.top_k,
             "hidden_size": m.hidden_size,
-            "intermediate_size": lp.shape.intermediate_size,
+            "intermediate_size": lp.unpadded[1],
             "intermediate_size_total": m.intermediate_size,
             "intermediate_size_padded": lp.metadata.get("intermediate_size_padded", lp.shape.intermediate_size),
-            "hidden_size_padded": lp.metadata.get("hidden_size_padded", m.hidden_size),
+            "hidden_size_padded": lp.metadata.get("hidden_size_padded", lp.shape.hidden_size),
             "activation": m.activation,
             "activation_params": m.activation_params,
             "has_bias": m.has_bias,
             "bias_dtype": m.bias_dtype,
-            "scheme": m.scheme.to_json(),
+            "scheme": lp.scheme.to_json(),
+            "source_scheme": m.scheme.to_json(),
             "router": m.router,
             "shared_experts": m.shared,
             "layout_metadata": lp.metadata,
             "warnings": lp.warnings,
             "tensors": {suffix: entry(t) for suffix, t in lp.tensors.items()},
+            **({"quality": lp.quality.to_json()} if lp.quality is not None else {}),
         })
     return {
         "format": "moeconvert",
@@ -225,7 +269,8 @@ def build_manifest(plan: ConversionPlan, staged: StagedOutput, source_digests: d
             "files": {f.name: d for f, d in sorted(source_digests.items(), key=lambda kv: kv[0].name)},
         },
         "family": plan.model.family.name,
-        "dtype": plan.model.dtype,
+        "dtype": plan.dtype,
+        "quantization": plan.quant.to_json() if plan.quant is not None else None,
         "scheme": next(iter(schemes)).to_json() if len(schemes) == 1 else None,
         "backend": layouts.name,
         "layout": {"name": layouts.name, "version": layouts.version, "kernel": layouts.kernel,

@@ -18,7 +18,7 @@ from moeconvert.canonical import ExpertBlock, Partition
 from moeconvert.errors import MoeConvertError
 from moeconvert.modelmap import MoELayerMap
 from moeconvert.packing import unpack_int32
-from moeconvert.schemes import WNA16Scheme
+from moeconvert.schemes import MXFP4Scheme, WNA16Scheme
 from moeconvert.sources import Source
 
 
@@ -97,17 +97,39 @@ def _check_weight_shape(source: Source, ex: dict, H: int, I: int) -> None:
 
 
 def _decode_fused(source: Source, layer: MoELayerMap, part: Partition, e0: int, e1: int) -> ExpertBlock:
-    """gpt-oss: gate_up_proj [E, H, 2I] with gate/up interleaved on the last dim -> [gate; up] rows."""
+    """gpt-oss: gate/up interleaved (row 2j gate j, 2j+1 up j) -> [gate; up] rows.
+
+    Float: ``gate_up_proj [E, H, 2I]`` (x @ W), ``down_proj [E, I, H]``. MXFP4 (mxfp4-layouts.md §7):
+    ``gate_up_proj_blocks [E, 2I, H/32, 16]`` / ``_scales [E, 2I, H/32]``, ``down_proj_blocks
+    [E, H, I/32, 16]`` / ``_scales [E, H, I/32]``. vLLM's gpt-oss loader gives the down bias to TP rank
+    0 only (the others hold zeros, so the all-reduce adds it once).
+    """
     _, _, Ip = partition_sizes(layer, part)
     r = part.tp_rank
     rows = slice(r * Ip, (r + 1) * Ip)
     gu_names, dn_names = layer.fused_names["gate_up"], layer.fused_names["down"]
-    gu = source.read(gu_names["weight"], rows=(e0, e1)).transpose(1, 2)  # [e, 2I, H], interleaved
-    w13 = torch.cat([gu[:, 0::2][:, rows], gu[:, 1::2][:, rows]], 1).contiguous()
-    w2 = source.read(dn_names["weight"], rows=(e0, e1)).transpose(1, 2)[:, :, rows].contiguous()  # [e, H, I]
+
+    def deinterleave(t: torch.Tensor) -> torch.Tensor:  # [e, 2I, ...] -> [e, 2Ip, ...] as [gate; up]
+        return torch.cat([t[:, 0::2][:, rows], t[:, 1::2][:, rows]], 1).contiguous()
+
     kw = {}
+    if isinstance(layer.scheme, MXFP4Scheme):
+        if Ip % 32:
+            raise MoeConvertError("MXFP4 experts cut for TP need whole 32-blocks per rank (vLLM's uneven "
+                                  "last-rank split is not written)", tensor=layer.prefix,
+                                  expected="intermediate_size / tp_size a multiple of 32", found=Ip)
+        n = e1 - e0
+        gu = source.read(gu_names["_blocks"], rows=(e0, e1))
+        kw["w13"] = deinterleave(gu.view(n, gu.shape[1], -1))
+        kw["w13_scale"] = deinterleave(source.read(gu_names["_scales"], rows=(e0, e1)))
+        dn = source.read(dn_names["_blocks"], rows=(e0, e1))
+        kw["w2"] = dn.view(n, dn.shape[1], -1)[:, :, r * Ip // 2:(r + 1) * Ip // 2].contiguous()
+        kw["w2_scale"] = source.read(dn_names["_scales"], rows=(e0, e1))[:, :, r * Ip // 32:(r + 1) * Ip // 32].contiguous()
+    else:
+        kw["w13"] = deinterleave(source.read(gu_names["weight"], rows=(e0, e1)).transpose(1, 2))
+        kw["w2"] = source.read(dn_names["weight"], rows=(e0, e1)).transpose(1, 2)[:, :, rows].contiguous()
     if layer.has_bias:
-        b = source.read(gu_names["_bias"], rows=(e0, e1))
-        kw["w13_bias"] = torch.cat([b[:, 0::2][:, rows], b[:, 1::2][:, rows]], 1).contiguous()
-        kw["w2_bias"] = source.read(dn_names["_bias"], rows=(e0, e1))
-    return ExpertBlock(scheme=layer.scheme, w13=w13, w2=w2, **kw)
+        kw["w13_bias"] = deinterleave(source.read(gu_names["_bias"], rows=(e0, e1)))
+        b2 = source.read(dn_names["_bias"], rows=(e0, e1))
+        kw["w2_bias"] = torch.zeros_like(b2) if part.tp_size > 1 and r != 0 else b2
+    return ExpertBlock(scheme=layer.scheme, **kw)

@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from moeconvert.errors import MoeConvertError
-from moeconvert.schemes import FloatScheme, Scheme, WNA16Scheme, float_dtype_name, parse_quantization_config
+from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme, WNA16Scheme, float_dtype_name, parse_quantization_config
 from moeconvert.sources import Source
 
 # Per-expert tensors: {prefix}.{e}.{proj}.{suffix}; prefix ends in "<layers>.<L>.<mlp>.experts".
@@ -367,22 +367,44 @@ def _map_fused(source: Source, fam: Family, cfg: dict) -> list[MoELayerMap]:
     layers = []
     for prefix, names in by_prefix.items():
         gu, dn = names.get("gate_up_proj", {}), names.get("down_proj", {})
-        if "_blocks" in gu or "_blocks" in dn:
-            raise MoeConvertError("gpt-oss MXFP4 experts (*_blocks / *_scales) are quantized already; "
-                                  "repack takes bf16/fp16/fp32 or compressed-tensors experts", tensor=prefix,
-                                  file=str(source.ident))
-        for proj, by in (("gate_up_proj", gu), ("down_proj", dn)):
-            if "weight" not in by:
-                raise MoeConvertError("missing expert tensor", file=str(source.ident), tensor=f"{prefix}.{proj}",
-                                      expected="present", found="missing")
-        dt = float_dtype_name(t[gu["weight"]].dtype)
-        if dt is None or t[dn["weight"]].dtype != t[gu["weight"]].dtype:
-            raise MoeConvertError("fused expert weights must share one float dtype", file=str(source.ident),
-                                  tensor=dn["weight"], expected=t[gu["weight"]].dtype, found=t[dn["weight"]].dtype)
-        # transformers' gpt-oss: gate_up_proj [E, H, 2I] (x @ W, gate/up interleaved on the last dim),
-        # down_proj [E, I, H].
-        _expect(source, gu["weight"], t[gu["weight"]].shape, (E_cfg, H_cfg, 2 * I_cfg))
-        _expect(source, dn["weight"], t[dn["weight"]].shape, (E_cfg, I_cfg, H_cfg))
+        mxfp4 = any(k in by for by in (gu, dn) for k in ("_blocks", "_scales"))
+        if mxfp4:
+            # gpt-oss' own MXFP4 form (mxfp4-layouts.md §7): N-first, rows of gate_up interleaved
+            # gate/up, low nibble = even k, e8m0 scales per 32 along K
+            for proj, by in (("gate_up_proj", gu), ("down_proj", dn)):
+                for suffix in ("_blocks", "_scales"):
+                    if suffix not in by:
+                        raise MoeConvertError("missing expert tensor", file=str(source.ident),
+                                              tensor=f"{prefix}.{proj}{suffix}", expected="present", found="missing")
+                    if t[by[suffix]].dtype != "U8":
+                        raise MoeConvertError("MXFP4 blocks and scales must be uint8", file=t[by[suffix]].file.name,
+                                              tensor=by[suffix], expected="U8", found=t[by[suffix]].dtype)
+                if "weight" in by:
+                    raise MoeConvertError("both MXFP4 blocks and a float weight", file=str(source.ident),
+                                          tensor=by["weight"], expected="one of them", found="both")
+            for n, k, blocks, scales in ((2 * I_cfg, H_cfg, gu["_blocks"], gu["_scales"]),
+                                         (H_cfg, I_cfg, dn["_blocks"], dn["_scales"])):
+                if k % 32:
+                    raise MoeConvertError("MXFP4 experts need K divisible by 32", tensor=blocks,
+                                          expected="a multiple of 32", found=k)
+                _expect(source, blocks, t[blocks].shape, (E_cfg, n, k // 32, 16))
+                _expect(source, scales, t[scales].shape, (E_cfg, n, k // 32))
+            scheme = MXFP4Scheme()
+        else:
+            for proj, by in (("gate_up_proj", gu), ("down_proj", dn)):
+                if "weight" not in by:
+                    raise MoeConvertError("missing expert tensor", file=str(source.ident),
+                                          tensor=f"{prefix}.{proj}", expected="present", found="missing")
+            dt = float_dtype_name(t[gu["weight"]].dtype)
+            if dt is None or t[dn["weight"]].dtype != t[gu["weight"]].dtype:
+                raise MoeConvertError("fused expert weights must share one float dtype", file=str(source.ident),
+                                      tensor=dn["weight"], expected=t[gu["weight"]].dtype,
+                                      found=t[dn["weight"]].dtype)
+            # transformers' gpt-oss: gate_up_proj [E, H, 2I] (x @ W, gate/up interleaved on the last dim),
+            # down_proj [E, I, H].
+            _expect(source, gu["weight"], t[gu["weight"]].shape, (E_cfg, H_cfg, 2 * I_cfg))
+            _expect(source, dn["weight"], t[dn["weight"]].shape, (E_cfg, I_cfg, H_cfg))
+            scheme = FloatScheme(dt)
         has_bias = "_bias" in gu
         if has_bias != ("_bias" in dn):
             raise MoeConvertError("expert bias on one projection only", file=str(source.ident), tensor=prefix)
@@ -393,7 +415,7 @@ def _map_fused(source: Source, fam: Family, cfg: dict) -> list[MoELayerMap]:
         params = {"alpha": cfg.get("swiglu_alpha", 1.702), "limit": cfg.get("swiglu_limit", 7.0)}
         layers.append(MoELayerMap(
             prefix=prefix, layer=layer_of[prefix], num_experts=E_cfg, top_k=cfg.get("num_experts_per_tok"),
-            hidden_size=H_cfg, intermediate_size=I_cfg, scheme=FloatScheme(dt), activation=fam.activation,
+            hidden_size=H_cfg, intermediate_size=I_cfg, scheme=scheme, activation=fam.activation,
             activation_params=params, has_bias=has_bias,
             bias_dtype=float_dtype_name(t[gu["_bias"]].dtype) if has_bias else None, fused=True,
             fused_names={"gate_up": dict(gu), "down": dict(dn)}, router=router, shared=shared,

@@ -139,30 +139,44 @@ def _dequant_table(device: torch.device) -> torch.Tensor:
     return _DEQUANT_TABLES[device]
 
 
+def mxfp4_error_sums(w: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> tuple[float, float, float, int]:
+    """``(sum (w - w_q)^2, sum w^2, max |w - w_q|, saturated blocks)`` with ``w_q = dequantize(packed, scales)``:
+    the additive pieces of :func:`mxfp4_error_stats`, for accumulating over chunks."""
+    ref = w.float()
+    err = ref - dequantize_mxfp4(packed, scales).view(ref.shape)
+    sq_err = float(err.double().square().sum())
+    sq_ref = float(ref.double().square().sum())
+    max_abs = float(err.abs().max()) if err.numel() else 0.0
+    del err, ref
+    return sq_err, sq_ref, max_abs, saturated_blocks(w, scales)
+
+
 def mxfp4_error_stats(w: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> dict:
     """How far ``dequantize(packed, scales)`` is from ``w``, for the quality report.
 
     ``rel_fro_error`` = ||w - w_q||_F / ||w||_F (0 when both are 0), ``max_abs_error``, and
     ``saturated_block_fraction``: the fraction of 32-blocks with an element clipped, i.e. |x| > 6·X.
     """
-    ref = w.float()
-    deq = dequantize_mxfp4(packed, scales).view(ref.shape)
-    err = (ref - deq).double()
-    num = float(err.square().sum().sqrt())
-    den = float(ref.double().square().sum().sqrt())
-    max_abs = float(err.abs().max()) if err.numel() else 0.0
-    del err, deq
+    sq_err, sq_ref, max_abs, saturated = mxfp4_error_sums(w, packed, scales)
+    num, den = sq_err ** 0.5, sq_ref ** 0.5
+    n_blocks = w.numel() // MXFP4_BLOCK_SIZE
+    return {
+        "rel_fro_error": 0.0 if den == 0.0 and num == 0.0 else num / den,
+        "max_abs_error": max_abs,
+        "saturated_block_fraction": saturated / n_blocks if n_blocks else 0.0,
+    }
+
+
+def saturated_blocks(w: torch.Tensor, scales: torch.Tensor) -> int:
+    """Number of 32-blocks of ``w`` with an element clipped to ±6·X (|x| > 6·X, X = 2^(S - 127))."""
+    if w.numel() == 0:
+        return 0
     k = w.shape[-1]
     mag, _ = _fp32_magnitude_bits(w)
     mag = mag.view(*w.shape[:-1], k // MXFP4_BLOCK_SIZE, MXFP4_BLOCK_SIZE)
     six_x = _times_pow2(torch.tensor(129, dtype=torch.int32, device=w.device), 0x400000,
                         scales.to(torch.int32) - 127)  # 6 * X, exact
-    clipped = (mag > six_x.unsqueeze(-1)).any(-1)
-    return {
-        "rel_fro_error": 0.0 if den == 0.0 and num == 0.0 else num / den,
-        "max_abs_error": max_abs,
-        "saturated_block_fraction": float(clipped.float().mean()) if clipped.numel() else 0.0,
-    }
+    return int((mag > six_x.unsqueeze(-1)).any(-1).sum())
 
 
 def count_nonfinite(w: torch.Tensor) -> int:

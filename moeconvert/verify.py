@@ -21,6 +21,7 @@ from moeconvert.decode import decode_chunk
 from moeconvert.errors import MoeConvertError
 from moeconvert.layouts import get_layout
 from moeconvert.modelmap import map_model
+from moeconvert.quantize import Quality, Quantization, output_block
 from moeconvert.schemes import scheme_from_json
 from moeconvert.sources import MANIFEST_NAME, Source, open_source
 
@@ -47,9 +48,14 @@ def read_manifest(out: Path) -> dict:
 
 
 def layer_shape_from_manifest(entry: dict, dtype: str) -> LayerShape:
-    return LayerShape(num_experts=entry["num_experts"], hidden_size=entry["hidden_size"],
-                      intermediate_size=entry["intermediate_size"], has_bias=entry["has_bias"],
-                      activation=entry["activation"], dtype=dtype, bias_dtype=entry.get("bias_dtype"))
+    """The LayerShape the layout planned with: padded sizes (and the real ones in ``extra``) for MXFP4."""
+    H, I, extra = entry["hidden_size"], entry["intermediate_size"], {}
+    if entry["scheme"]["kind"] == "mxfp4":
+        extra = {"hidden_size_unpadded": H, "intermediate_size_unpadded": I}
+        H, I = entry["hidden_size_padded"], entry["intermediate_size_padded"]
+    return LayerShape(num_experts=entry["num_experts"], hidden_size=H, intermediate_size=I,
+                      has_bias=entry["has_bias"], activation=entry["activation"], dtype=dtype,
+                      bias_dtype=entry.get("bias_dtype"), extra=extra)
 
 
 @dataclass
@@ -60,6 +66,7 @@ class LayerReport:
     decode_errors: list[str] = field(default_factory=list)
     differences: list[str] = field(default_factory=list)
     compared: bool = False
+    quality: dict | None = None  # recomputed from the source (quantized outputs)
 
     @property
     def ok(self) -> bool:
@@ -83,7 +90,18 @@ class VerifyReport:
                 "other_errors": self.other_errors,
                 "layers": [{"prefix": lr.prefix, "ok": lr.ok, "tensors": lr.tensors, "compared": lr.compared,
                             "checksum_errors": lr.checksum_errors, "decode_errors": lr.decode_errors,
-                            "differences": lr.differences} for lr in self.layers]}
+                            "differences": lr.differences, "quality": lr.quality} for lr in self.layers]}
+
+
+def _quality_differences(stored: dict, recomputed: dict) -> list[str]:
+    """The manifest's error report against a recomputation (sums over other chunkings: 1e-9 relative)."""
+    out = []
+    for proj, stats in recomputed.items():
+        for key, value in stats.items():
+            was = stored.get(proj, {}).get(key)
+            if was is None or abs(was - value) > 1e-9 * max(abs(value), abs(was), 1e-30):
+                out.append(f"quality {proj}.{key}: manifest says {was}, recomputed {value}")
+    return out
 
 
 def _sha256(src: Source, name: str) -> str:
@@ -162,6 +180,8 @@ def verify_output(out: Path, against: str | None = None, revision: str | None = 
         if source is not None and src_layer is None:
             rep.differences.append("no such MoE layer in the source")
             continue
+        quant = Quantization(**manifest["quantization"]) if manifest.get("quantization") else None
+        quality = Quality() if source is not None and "quality" in entry else None
         n = shape.num_experts
         per_expert = sum(produced.info(e["name"]).nbytes for e in entry["tensors"].values()) // max(n, 1)
         step = max(1, min(n, CHUNK_EXPERTS_BYTES // max(4 * per_expert, 1)))
@@ -176,7 +196,14 @@ def verify_output(out: Path, against: str | None = None, revision: str | None = 
             if source is not None:
                 rep.compared = True
                 e0 = entry["expert_offset"]
-                want = layout.expected_block(decode_chunk(source, src_layer, part, e0 + a, e0 + b), shape)
-                diffs = want.differences(block)
+                want = decode_chunk(source, src_layer, part, e0 + a, e0 + b)
+                if scheme.kind == "mxfp4":
+                    unpadded = (shape.extra["hidden_size_unpadded"], shape.extra["intermediate_size_unpadded"])
+                    want = output_block(want, shape, unpadded, quant, prefix=entry["prefix"],
+                                        expert_offset=e0 + a, quality=quality)
+                diffs = layout.expected_block(want, shape).differences(block)
                 rep.differences += [f"experts {a}..{b - 1}: {d}" for d in diffs]
+        if quality is not None and not rep.decode_errors:
+            rep.quality = quality.to_json()
+            rep.differences += _quality_differences(entry["quality"], rep.quality)
     return VerifyReport(str(out), against, reports, len(manifest["tensors"]), other_errors)

@@ -38,6 +38,10 @@ class Layout(ABC):
     #: the kernel that consumes it, and the library versions the bytes were made to match
     kernel: ClassVar[str]
     made_for: ClassVar[dict[str, str]] = {}
+    #: for layouts of quantized-at-conversion experts (``quantize``): the multiples the engine rounds
+    #: (H, I per TP rank) up to before quantizing (mxfp4-layouts.md §5.3); the canonical block the layout
+    #: gets is already zero-padded to them, and ``LayerShape`` carries the padded sizes
+    pad_multiples: ClassVar[tuple[int, int]] = (1, 1)
 
     def check(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         """Every constraint this layer violates for this layout (empty: it can be written)."""

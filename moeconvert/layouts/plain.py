@@ -43,6 +43,7 @@ class PlainLayout(Layout):
     version = 1
     schemes = ("float", "wna16", "mxfp4")
     kernel = "reference"
+    pad_multiples = (32, 32)  # MXFP4 output: whole blocks only (vLLM's EMULATION rounding, §5.3)
 
     def _check(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         H, I = shape.hidden_size, shape.intermediate_size

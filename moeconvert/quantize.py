@@ -1,0 +1,186 @@
+"""Output blocks of quantized layouts: padding, casting and MXFP4 quantization of a canonical chunk.
+
+``moeconvert quantize --format mxfp4`` does, once, what vLLM 0.33.0's ``Mxfp4OnlineMoEMethod`` does at
+every start (mxfp4-layouts.md §5):
+
+1. the experts are cast to the model dtype (the engine's parameters are in it; an fp32 checkpoint runs
+   in bf16 unless ``--dtype`` says otherwise, as vLLM's ``dtype=auto`` does);
+2. each TP rank's H and I are rounded up to the backend's multiples (``Layout.pad_multiples``) and the
+   padding is zero: w13 rows ``[gate | 0 | up | 0]``, zero K columns, zero bias entries (§5.2-5.3);
+3. w13 and w2 are quantized row by row along K (:func:`moeconvert.mxfp4.quantize_mxfp4`).
+
+A checkpoint whose experts are MXFP4 already (gpt-oss' ``*_blocks``/``*_scales``) is only padded:
+zero codes with scale byte 0, which is what quantizing the zero padding gives (§5.3, vector B).
+
+The same function builds the block a layout encodes and the block ``verify`` expects, so a file is
+checked against a fresh quantization of its source, byte for byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moeconvert.canonical import ExpertBlock, LayerShape
+from moeconvert.errors import MoeConvertError
+from moeconvert.mxfp4 import MXFP4_BLOCK_SIZE, ROUNDINGS, mxfp4_error_sums, quantize_mxfp4, require_finite
+from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme
+
+FORMATS = ("mxfp4",)
+MODEL_DTYPES = ("bfloat16", "float16")
+_TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """What ``quantize`` was asked for; stored in the manifest so ``verify`` can redo it."""
+
+    format: str = "mxfp4"
+    rounding: str = "vllm"
+    device: str = "cpu"  # where the arithmetic runs; the bytes do not depend on it
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise MoeConvertError("unknown quantization format", expected=" | ".join(FORMATS), found=self.format)
+        if self.rounding not in ROUNDINGS:
+            raise MoeConvertError("unknown MXFP4 rounding rule", expected=" | ".join(ROUNDINGS), found=self.rounding)
+
+    def to_json(self) -> dict:
+        return {"format": self.format, "rounding": self.rounding}
+
+
+def resolve_model_dtype(checkpoint_dtype: str, requested: str | None) -> str:
+    """The dtype the engine's expert parameters have: vLLM's ``--dtype auto`` keeps bf16/fp16 and
+    serves an fp32 checkpoint in bf16; an explicit ``--dtype`` wins."""
+    if requested in (None, "auto"):
+        return "bfloat16" if checkpoint_dtype == "float32" else checkpoint_dtype
+    if requested not in MODEL_DTYPES:
+        raise MoeConvertError("unsupported model dtype for MXFP4 experts", tensor="--dtype",
+                              expected="auto | " + " | ".join(MODEL_DTYPES), found=requested)
+    return requested
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def padded_sizes(hidden_size: int, intermediate_size: int, multiples: tuple[int, int]) -> tuple[int, int]:
+    """(Hp, Ip) for one TP rank's I (mxfp4-layouts.md §5.3)."""
+    return round_up(hidden_size, multiples[0]), round_up(intermediate_size, multiples[1])
+
+
+def output_problems(source_scheme: Scheme, shape: LayerShape, quant: Quantization | None) -> list[str]:
+    """Limits of quantizing / padding itself, whatever the layout (the layout's own come from ``check``)."""
+    problems = []
+    if quant is not None and not isinstance(source_scheme, (FloatScheme, MXFP4Scheme)):
+        problems.append(f"experts are {source_scheme.describe()} already; `quantize` takes bf16/fp16/fp32 (or "
+                        "MXFP4, relaid out without requantizing) experts; use `moeconvert repack` for these")
+    Hp, Ip = shape.hidden_size, shape.intermediate_size
+    for name, k in (("hidden_size", Hp), ("intermediate_size per TP rank", Ip)):
+        if k % MXFP4_BLOCK_SIZE:
+            problems.append(f"{name} after padding = {k} must be divisible by 32 (vLLM: \"Online MXFP4 MoE "
+                            "requires hidden/intermediate sizes divisible by 32\")")
+    return problems
+
+
+@dataclass
+class Quality:
+    """Per-layer error of dequant(quant(w)) against w, accumulated over chunks (real entries only)."""
+
+    sq_err: dict = field(default_factory=lambda: {"w13": 0.0, "w2": 0.0})
+    sq_ref: dict = field(default_factory=lambda: {"w13": 0.0, "w2": 0.0})
+    max_abs: dict = field(default_factory=lambda: {"w13": 0.0, "w2": 0.0})
+    saturated: dict = field(default_factory=lambda: {"w13": 0, "w2": 0})
+    blocks: dict = field(default_factory=lambda: {"w13": 0, "w2": 0})
+
+    def add(self, name: str, w: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, real_blocks: int) -> None:
+        """Account one chunk; ``real_blocks`` counts its blocks outside the zero padding."""
+        sq_err, sq_ref, max_abs, saturated = mxfp4_error_sums(w, packed, scales)
+        self.sq_err[name] += sq_err
+        self.sq_ref[name] += sq_ref
+        self.max_abs[name] = max(self.max_abs[name], max_abs)
+        self.saturated[name] += saturated
+        self.blocks[name] += real_blocks
+
+    def to_json(self) -> dict:
+        out = {}
+        for name in ("w13", "w2"):
+            num, den = self.sq_err[name] ** 0.5, self.sq_ref[name] ** 0.5
+            out[name] = {
+                "rel_fro_error": 0.0 if num == 0.0 else num / den if den else float("inf"),
+                "max_abs_error": self.max_abs[name],
+                "saturated_block_fraction": self.saturated[name] / self.blocks[name] if self.blocks[name] else 0.0,
+            }
+        return out
+
+
+def output_block(block: ExpertBlock, shape: LayerShape, unpadded: tuple[int, int], quant: Quantization | None,
+                 *, prefix: str, expert_offset: int, quality: Quality | None = None) -> ExpertBlock:
+    """The canonical block a quantized layout encodes, from the source's canonical chunk.
+
+    ``shape`` holds the padded (Hp, Ip); ``unpadded`` the rank's real (H, I). Float blocks are cast,
+    padded and quantized (needs ``quant``); MXFP4 blocks are padded. Biases are cast to the model dtype.
+    """
+    H, I = unpadded
+    Hp, Ip = shape.hidden_size, shape.intermediate_size
+    dt = _TORCH[shape.dtype]
+    kw = {}
+    if block.w13_bias is not None:
+        kw["w13_bias"] = _pad_rows(block.w13_bias.to(dt), I, Ip)
+        kw["w2_bias"] = _pad_k(block.w2_bias.to(dt), Hp)
+    if isinstance(block.scheme, MXFP4Scheme):
+        return ExpertBlock(
+            scheme=block.scheme,
+            w13=_pad_k(_pad_rows(block.w13, I, Ip), Hp // 2),
+            w13_scale=_pad_k(_pad_rows(block.w13_scale, I, Ip), Hp // 32),
+            w2=_pad_k(_pad_n(block.w2, Hp), Ip // 2),
+            w2_scale=_pad_k(_pad_n(block.w2_scale, Hp), Ip // 32),
+            **kw,
+        )
+    if not isinstance(block.scheme, FloatScheme) or quant is None:
+        raise MoeConvertError(f"cannot quantize {block.scheme.describe()} experts", tensor=prefix)
+    out = {}
+    for name, w, n_real, k_real in (("w13", block.w13, 2 * I, H), ("w2", block.w2, H, I)):
+        require_finite(w, tensor=f"{prefix} ({name})", expert_offset=expert_offset)
+        w = w.to(device=quant.device, dtype=dt)
+        if name == "w13":
+            w = _pad_k(_pad_rows(w, I, Ip), Hp)
+        else:
+            w = _pad_k(_pad_n(w, Hp), Ip)
+        packed, scales = quantize_mxfp4(w, quant.rounding, tensor=f"{prefix} ({name})")
+        if quality is not None:
+            quality.add(name, w, packed, scales, w.shape[0] * n_real * k_real // MXFP4_BLOCK_SIZE)
+        del w
+        out[name], out[name + "_scale"] = packed.cpu(), scales.cpu()
+    return ExpertBlock(scheme=MXFP4Scheme(), **out, **kw)
+
+
+def _pad_rows(t: torch.Tensor, I: int, Ip: int) -> torch.Tensor:
+    """``[E, 2I, ...]`` as ``[gate; up]`` -> ``[E, 2Ip, ...]`` as ``[gate; 0; up; 0]``."""
+    if I == Ip:
+        return t
+    out = t.new_zeros(t.shape[0], 2 * Ip, *t.shape[2:])
+    out[:, :I] = t[:, :I]
+    out[:, Ip:Ip + I] = t[:, I:]
+    return out
+
+
+def _pad_n(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Zero rows appended along dim 1 up to ``n``."""
+    if t.shape[1] == n:
+        return t
+    out = t.new_zeros(t.shape[0], n, *t.shape[2:])
+    out[:, :t.shape[1]] = t
+    return out
+
+
+def _pad_k(t: torch.Tensor, k: int) -> torch.Tensor:
+    """Zero columns appended along the last dim up to ``k``."""
+    if t.shape[-1] == k:
+        return t
+    return torch.nn.functional.pad(t, (0, k - t.shape[-1]))
+
+
+__all__ = ["Quantization", "Quality", "output_block", "output_problems", "padded_sizes", "resolve_model_dtype",
+           "round_up"]
