@@ -1,0 +1,247 @@
+"""`moeconvert quantize --format mxfp4` end to end: padding, gate/up order, TP cuts, refusals, the
+quality report and `verify`'s re-quantization.
+
+Expected bytes are built here from the source tensors read with safetensors' own reader, padded by
+hand and quantized with :func:`quantize_mxfp4` (whose rule is checked bit for bit against the spec's
+vectors and vLLM's kernel in test_mxfp4.py); the pipeline under test is everything around it.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moeconvert.cli import main
+from moeconvert.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from moeconvert.verify import verify_output
+
+H, I, E = 256, 80, 4  # I = 80 is padded to 96 by the plain layout's 32-multiples
+
+
+def cli(*args):
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in args])
+    return exc.value.code
+
+
+def read_all(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(f, "pt") as h:
+            for k in h.keys():
+                out[k] = h.get_tensor(k)
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    from moeconvert.example import make_example
+
+    return make_example(tmp_path_factory.mktemp("q") / "ckpt", "qwen3-moe", "bf16", num_experts=E,
+                        hidden_size=H, intermediate_size=I, num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def gptoss(tmp_path_factory):
+    from moeconvert.example import make_example
+
+    return make_example(tmp_path_factory.mktemp("g") / "ckpt", "gpt-oss", "bf16", num_experts=E,
+                        hidden_size=H, intermediate_size=128, num_layers=2)
+
+
+def expected_plain(src: dict, prefix: str, rounding: str = "vllm", tp: int = 1, rank: int = 0, pad_to: int = 32):
+    """The plain MXFP4 tensors of one layer, from per-expert source weights, padded by hand."""
+    Ir = I // tp
+    Ip = -(-Ir // pad_to) * pad_to
+    rows = slice(rank * Ir, (rank + 1) * Ir)
+    w13 = torch.zeros(E, 2 * Ip, H, dtype=torch.bfloat16)
+    w2 = torch.zeros(E, H, Ip, dtype=torch.bfloat16)
+    for e in range(E):
+        w13[e, :Ir] = src[f"{prefix}.{e}.gate_proj.weight"][rows]
+        w13[e, Ip:Ip + Ir] = src[f"{prefix}.{e}.up_proj.weight"][rows]
+        w2[e, :, :Ir] = src[f"{prefix}.{e}.down_proj.weight"][:, rows]
+    return quantize_mxfp4(w13, rounding), quantize_mxfp4(w2, rounding), Ip
+
+
+def test_plain_bytes_padding_and_manifest(qwen, tmp_path):
+    out = tmp_path / "out"
+    assert cli("quantize", qwen, out, "--format", "mxfp4", "--backend", "plain") == 0
+    src, got = read_all(qwen), read_all(out)
+    manifest = json.loads((out / "moeconvert.json").read_text())
+    assert manifest["quantization"] == {"format": "mxfp4", "rounding": "vllm"}
+    assert len(manifest["moe_layers"]) == 2
+    for layer in manifest["moe_layers"]:
+        prefix = layer["prefix"]
+        (p13, s13), (p2, s2), Ip = expected_plain(src, prefix)
+        assert (layer["intermediate_size"], layer["intermediate_size_padded"]) == (80, 96)
+        assert (layer["hidden_size"], layer["hidden_size_padded"]) == (256, 256)
+        assert layer["scheme"]["kind"] == "mxfp4" and layer["source_scheme"] == {"kind": "float", "dtype": "bfloat16"}
+        assert torch.equal(got[f"{prefix}.w13_weight"], p13)
+        assert torch.equal(got[f"{prefix}.w13_weight_scale"], s13)
+        assert torch.equal(got[f"{prefix}.w2_weight"], p2)
+        assert torch.equal(got[f"{prefix}.w2_weight_scale"], s2)
+        # padded rows / columns are zero codes with scale byte 0 (what quantizing zeros gives)
+        assert not got[f"{prefix}.w13_weight"][:, 80:96].any() and not got[f"{prefix}.w13_weight_scale"][:, 176:].any()
+        assert not got[f"{prefix}.w2_weight"][:, :, 40:].any()  # K 80..95 share block 2 with real K 64..79
+        # the stored quality is what dequantizing the real region gives
+        real = torch.cat([src[f"{prefix}.{e}.gate_proj.weight"].float() for e in range(E)]
+                         + [src[f"{prefix}.{e}.up_proj.weight"].float() for e in range(E)])
+        deq = torch.cat([dequantize_mxfp4(p13[e, :80], s13[e, :80]) for e in range(E)]
+                        + [dequantize_mxfp4(p13[e, 96:176], s13[e, 96:176]) for e in range(E)])
+        rel = float((real.double() - deq.double()).norm() / real.double().norm())
+        assert layer["quality"]["w13"]["rel_fro_error"] == pytest.approx(rel, rel=1e-6)
+        assert 0.05 < rel < 0.2  # 4-bit floats on Gaussian weights
+        assert layer["quality"]["w13"]["max_abs_error"] == pytest.approx(float((real - deq).abs().max()))
+    # everything that is not an expert passes through byte for byte
+    for name, t in src.items():
+        if ".experts." not in name:
+            assert torch.equal(got[name], t), name
+    report = verify_output(out, against=str(qwen))
+    assert report.ok and all(lr.compared and lr.quality for lr in report.layers)
+
+
+def test_rounding_rules_differ_and_verify_uses_the_stored_one(qwen, tmp_path):
+    a, b = tmp_path / "vllm", tmp_path / "ocp"
+    assert cli("quantize", qwen, a, "--backend", "plain") == 0
+    assert cli("quantize", qwen, b, "--backend", "plain", "--rounding", "ocp") == 0
+    src = read_all(qwen)
+    prefix = json.loads((b / "moeconvert.json").read_text())["moe_layers"][0]["prefix"]
+    (p13, s13), _, _ = expected_plain(src, prefix, "ocp")
+    got_a, got_b = read_all(a), read_all(b)
+    assert torch.equal(got_b[f"{prefix}.w13_weight"], p13) and torch.equal(got_b[f"{prefix}.w13_weight_scale"], s13)
+    assert not torch.equal(got_a[f"{prefix}.w13_weight_scale"], got_b[f"{prefix}.w13_weight_scale"])
+    assert verify_output(b, against=str(qwen)).ok
+    # the same bytes claimed as the other rule no longer verify
+    m = json.loads((b / "moeconvert.json").read_text())
+    m["quantization"]["rounding"] = "vllm"
+    (b / "moeconvert.json").write_text(json.dumps(m))
+    report = verify_output(b, against=str(qwen))
+    assert not report.ok and any("w13_scale" in d for lr in report.layers for d in lr.differences)
+
+
+def test_tp_rank_cut_before_padding(qwen, tmp_path):
+    out = tmp_path / "tp"
+    assert cli("quantize", qwen, out, "--backend", "plain", "--tp-size", "2", "--tp-rank", "1") == 0
+    src, got = read_all(qwen), read_all(out)
+    layer = json.loads((out / "moeconvert.json").read_text())["moe_layers"][0]
+    assert (layer["intermediate_size"], layer["intermediate_size_padded"]) == (40, 64)
+    (p13, s13), (p2, s2), _ = expected_plain(src, layer["prefix"], tp=2, rank=1)
+    assert torch.equal(got[f"{layer['prefix']}.w13_weight"], p13)
+    assert torch.equal(got[f"{layer['prefix']}.w2_weight_scale"], s2)
+    assert verify_output(out, against=str(qwen)).ok
+
+
+def test_quality_tampering_is_caught(qwen, tmp_path):
+    out = tmp_path / "out"
+    assert cli("quantize", qwen, out, "--backend", "plain") == 0
+    m = json.loads((out / "moeconvert.json").read_text())
+    m["moe_layers"][1]["quality"]["w2"]["rel_fro_error"] *= 0.5
+    (out / "moeconvert.json").write_text(json.dumps(m))
+    report = verify_output(out, against=str(qwen))
+    assert not report.ok
+    assert any("quality w2.rel_fro_error" in d for d in report.layers[1].differences)
+    assert report.layers[0].ok
+
+
+def test_non_finite_weights_are_refused_naming_layer_and_expert(qwen, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(qwen, bad)
+    f = next(bad.glob("*.safetensors"))
+    tensors = {}
+    with safe_open(f, "pt") as h:
+        meta = h.metadata()
+        for k in h.keys():
+            tensors[k] = h.get_tensor(k)
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    tensors[name][3, 5] = float("inf")
+    tensors[name][7, 1] = float("nan")
+    save_file(tensors, str(f), metadata=meta)
+    out = tmp_path / "out"
+    assert cli("quantize", bad, out, "--backend", "plain") == 2
+    err = capsys.readouterr().err
+    assert "model.layers.1.mlp.experts" in err and "expert 2: 2" in err and "non-finite" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_quantized_sources_are_refused_before_writing(tmp_path, capsys, example_ckpt):
+    src = example_ckpt("qwen3-moe", "w4a16", num_experts=E)
+    out = tmp_path / "out"
+    assert cli("quantize", src, out, "--backend", "plain") == 2
+    err = capsys.readouterr().err
+    assert "w4a16" in err and "repack" in err
+    assert not out.exists()
+
+
+def test_unknown_format_and_rounding(qwen, tmp_path, capsys):
+    assert cli("quantize", qwen, tmp_path / "a", "--backend", "plain", "--format", "nvfp4") == 2
+    assert "nvfp4" in capsys.readouterr().err
+    assert cli("quantize", qwen, tmp_path / "b", "--backend", "plain", "--rounding", "up") == 2
+    assert "rounding" in capsys.readouterr().err
+
+
+def to_gptoss_mxfp4(src: Path, dst: Path) -> None:
+    """Rewrite a bf16 gpt-oss checkpoint in gpt-oss' own MXFP4 form (*_blocks / *_scales, N-first,
+    rows interleaved), quantized with the vLLM rule."""
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = {}
+        with safe_open(f, "pt") as h:
+            meta = h.metadata()
+            for k in h.keys():
+                t = h.get_tensor(k)
+                if k.endswith(("gate_up_proj", "down_proj")):
+                    p, s = quantize_mxfp4(t.transpose(1, 2).contiguous())  # [E, N, K]
+                    tensors[k + "_blocks"] = p.view(*p.shape[:2], -1, 16).contiguous()
+                    tensors[k + "_scales"] = s
+                else:
+                    tensors[k] = t
+        save_file(tensors, str(f), metadata=meta)
+    index = dst / "model.safetensors.index.json"
+    if index.exists():
+        idx = json.loads(index.read_text())
+        wm = {}
+        for k, v in idx["weight_map"].items():
+            if k.endswith(("gate_up_proj", "down_proj")):
+                wm[k + "_blocks"] = wm[k + "_scales"] = v
+            else:
+                wm[k] = v
+        idx["weight_map"] = wm
+        index.write_text(json.dumps(idx))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+def test_gptoss_mxfp4_checkpoint_is_relaid_out_without_requantizing(gptoss, tmp_path):
+    mx = tmp_path / "mx"
+    to_gptoss_mxfp4(gptoss, mx)
+    a, b = tmp_path / "from-mxfp4", tmp_path / "from-bf16"
+    assert cli("quantize", mx, a, "--backend", "plain") == 0
+    assert cli("quantize", gptoss, b, "--backend", "plain") == 0
+    got_a, got_b, src = read_all(a), read_all(b), read_all(mx)
+    ma = json.loads((a / "moeconvert.json").read_text())
+    for layer in ma["moe_layers"]:
+        prefix = layer["prefix"]
+        assert "quality" not in layer and layer["source_scheme"]["kind"] == "mxfp4"
+        blocks = src[f"{prefix}.gate_up_proj_blocks"].flatten(2)
+        # canonical [gate; up]: gpt-oss' interleaved rows 0, 2, 4, ... then 1, 3, 5, ...
+        assert torch.equal(got_a[f"{prefix}.w13_weight"], torch.cat([blocks[:, 0::2], blocks[:, 1::2]], 1))
+        for suffix in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", "w13_bias", "w2_bias"):
+            assert torch.equal(got_a[f"{prefix}.{suffix}"], got_b[f"{prefix}.{suffix}"]), suffix
+    assert verify_output(a, against=str(mx)).ok
+
+
+def test_gptoss_down_bias_only_on_tp_rank_0(gptoss, tmp_path):
+    r0, r1 = tmp_path / "r0", tmp_path / "r1"
+    assert cli("quantize", gptoss, r0, "--backend", "plain", "--tp-size", "2", "--tp-rank", "0") == 0
+    assert cli("quantize", gptoss, r1, "--backend", "plain", "--tp-size", "2", "--tp-rank", "1") == 0
+    src = read_all(gptoss)
+    prefix = json.loads((r0 / "moeconvert.json").read_text())["moe_layers"][0]["prefix"]
+    assert torch.equal(read_all(r0)[f"{prefix}.w2_bias"], src[f"{prefix}.down_proj_bias"])
+    assert not read_all(r1)[f"{prefix}.w2_bias"].any()
+    assert verify_output(r1, against=str(gptoss)).ok
