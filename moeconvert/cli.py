@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
+from rich.markup import escape
 from rich.table import Table
 
 from moeconvert.errors import MoeConvertError
@@ -79,9 +80,11 @@ def inspect(
     json_out: bool = JSON,
     tp_size: int = TP_SIZE,
     ep_size: int = EP_SIZE,
+    fmt: Optional[str] = typer.Option(None, "--format", help="Judge the backends as `quantize --format` targets (mxfp4)."),
+    dtype: str = typer.Option("auto", "--dtype", help="With --format: the model dtype the engine runs."),
 ):
     """What is in a checkpoint: its MoE layers, and which backends can take it (and why not)."""
-    from moeconvert.convert import check_layers, layer_shape, scheme_kind
+    from moeconvert.convert import check_layers, layer_shape, output_scheme, scheme_kind
     from moeconvert.layouts import get_layout, layout_names
     from moeconvert.modelmap import map_model
     from moeconvert.sources import open_source
@@ -89,6 +92,11 @@ def inspect(
     source = open_source(src, revision)
     model = map_model(source)
     part = _partition(tp_size, 0, ep_size, 0)
+    quant, out_dtype = None, model.dtype
+    if fmt is not None:
+        from moeconvert.quantize import Quantization, resolve_model_dtype
+
+        quant, out_dtype = Quantization(fmt), resolve_model_dtype(model.dtype, dtype)
     moe_names = model.moe_tensor_names()
     layers = []
     for lm in model.layers:
@@ -99,13 +107,13 @@ def inspect(
                        "bytes": nbytes, "shared_experts": bool(lm.shared)})
     backends = {}
     for name in layout_names():
-        layout = get_layout(name, scheme_kind(model))
-        problems = check_layers(model, layout, part)
+        layout = get_layout(name, scheme_kind(model, quant))
+        problems = check_layers(model, layout, part, quant, out_dtype)
         warnings = []
         if not problems:
             for lm in model.layers:
-                shape, _ = layer_shape(lm, part, model.dtype)
-                warnings += [f"{lm.prefix}: {w}" for w in layout.warnings(shape, lm.scheme)]
+                shape, _ = layer_shape(lm, part, out_dtype, layout, quant)
+                warnings += [f"{lm.prefix}: {w}" for w in layout.warnings(shape, output_scheme(lm, quant))]
         backends[name] = {"ok": not problems, "problems": problems, "warnings": warnings,
                           "kernel": layout.kernel, "layout_version": layout.version}
     other = sum(i.nbytes for n, i in source.tensors.items() if n not in moe_names)
@@ -125,7 +133,7 @@ def inspect(
         t.add_row(str(x["layer"]), x["prefix"], str(x["num_experts"]), str(x["top_k"]), str(x["hidden_size"]),
                   str(x["intermediate_size"]), x["scheme"], "yes" if x["has_bias"] else "", _human(x["bytes"]))
     out.print(t)
-    b = Table(title=f"Backends (TP {tp_size}, EP {ep_size})")
+    b = Table(title=f"Backends (TP {tp_size}, EP {ep_size})" + (f", as {fmt} targets" if fmt else ""))
     for col in ("backend", "can take it", "why not / notes"):
         b.add_column(col)
     for name, r in backends.items():
@@ -133,11 +141,21 @@ def inspect(
             note = "; ".join(r["warnings"][:2]) + (f" (+{len(r['warnings']) - 2} more)" if len(r["warnings"]) > 2 else "")
             b.add_row(name, "[green]yes[/green]", note)
         else:
-            first_prefix, first = next(iter(r["problems"].items()))
             n_layers = len(r["problems"])
-            more = f" (and in {n_layers - 1} more layers)" if n_layers > 1 else ""
-            b.add_row(name, "[red]no[/red]", "; ".join(first) + f" [{first_prefix}]{more}")
+            n_problems = len({p for ps in r["problems"].values() for p in ps})
+            b.add_row(name, "[red]no[/red]", f"{n_problems} constraint(s) violated in {n_layers} layer(s), below")
     out.print(b)
+    for name, r in backends.items():
+        if r["ok"]:
+            continue
+        by_problem: dict[str, list[str]] = {}
+        for prefix, problems in r["problems"].items():
+            for p in problems:
+                by_problem.setdefault(p, []).append(prefix)
+        out.print(f"[bold]{name}[/bold]: why not")
+        for p, prefixes in by_problem.items():
+            where = prefixes[0] if len(prefixes) == 1 else f"{len(prefixes)} layers: {prefixes[0]} .. {prefixes[-1]}"
+            out.print(f"  [red]-[/red] {escape(p)} [dim]({escape(where)})[/dim]")
 
 
 @app.command()

@@ -39,6 +39,11 @@ def get_layout(name: str, kind: str | None = None) -> Layout:
     return classes[0]()
 
 
+def layout_kinds(name: str) -> list[str]:
+    """The scheme kinds backend ``name`` has layouts for."""
+    return [kind for cls in _REGISTRY.get(name, []) for kind in cls.schemes]
+
+
 def layout_names() -> list[str]:
     return sorted(_REGISTRY)
 

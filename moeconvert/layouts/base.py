@@ -46,7 +46,12 @@ class Layout(ABC):
     def check(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         """Every constraint this layer violates for this layout (empty: it can be written)."""
         if scheme.kind not in self.schemes:
-            return [f"layout '{self.name}' takes {', '.join(self.schemes)} experts, not {scheme.describe()}"]
+            from moeconvert.layouts import layout_kinds
+
+            hint = ("; `moeconvert quantize --format mxfp4` makes MXFP4 experts for it"
+                    if scheme.kind == "float" and "mxfp4" in layout_kinds(self.name) else "")
+            return [f"backend '{self.name}' takes {', '.join(layout_kinds(self.name))} experts, not "
+                    f"{scheme.describe()}{hint}"]
         return self._check(shape, scheme)
 
     @abstractmethod
