@@ -71,13 +71,14 @@ def layer_shape(layer: MoELayerMap, part: Partition, dtype: str, layout: Layout 
     """This rank's sizes for the layout; for MXFP4 output H and I are the padded ones (``extra`` keeps
     the real ones), because the block the layout encodes is padded already."""
     e0, n_local, I_part = partition_sizes(layer, part)
-    H, I, extra = layer.hidden_size, I_part, {}
+    H, I, extra, bias_dtype = layer.hidden_size, I_part, {}, layer.bias_dtype
     if layout is not None and isinstance(output_scheme(layer, quant), MXFP4Scheme):
         extra = {"hidden_size_unpadded": H, "intermediate_size_unpadded": I}
         H, I = padded_sizes(H, I, layout.pad_multiples)
+        bias_dtype = dtype if layer.has_bias else None  # the engine's bias parameters are in the model dtype
     shape = LayerShape(num_experts=n_local, hidden_size=H, intermediate_size=I,
                        has_bias=layer.has_bias, activation=layer.activation, dtype=dtype,
-                       bias_dtype=layer.bias_dtype, extra=extra)
+                       bias_dtype=bias_dtype, extra=extra)
     return shape, e0
 
 
@@ -249,7 +250,7 @@ def build_manifest(plan: ConversionPlan, staged: StagedOutput, source_digests: d
             "activation": m.activation,
             "activation_params": m.activation_params,
             "has_bias": m.has_bias,
-            "bias_dtype": m.bias_dtype,
+            "bias_dtype": lp.shape.bias_dtype,
             "scheme": lp.scheme.to_json(),
             "source_scheme": m.scheme.to_json(),
             "router": m.router,

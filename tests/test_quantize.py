@@ -245,3 +245,22 @@ def test_gptoss_down_bias_only_on_tp_rank_0(gptoss, tmp_path):
     assert torch.equal(read_all(r0)[f"{prefix}.w2_bias"], src[f"{prefix}.down_proj_bias"])
     assert not read_all(r1)[f"{prefix}.w2_bias"].any()
     assert verify_output(r1, against=str(gptoss)).ok
+
+
+def test_emulation_keeps_gptoss_rows_interleaved(gptoss, qwen, tmp_path):
+    """vLLM's MXFP4 EMULATION backend holds the plain bytes; gpt-oss rows stay in the checkpoint's
+    gate/up interleave, which is quantizing the checkpoint's own [E, 2I, H] rows directly."""
+    out = tmp_path / "emu"
+    assert cli("quantize", gptoss, out, "--backend", "emulation") == 0
+    src, got = read_all(gptoss), read_all(out)
+    prefix = json.loads((out / "moeconvert.json").read_text())["moe_layers"][0]["prefix"]
+    p13, s13 = quantize_mxfp4(src[f"{prefix}.gate_up_proj"].transpose(1, 2).contiguous())
+    assert torch.equal(got[f"{prefix}.w13_weight"], p13) and torch.equal(got[f"{prefix}.w13_weight_scale"], s13)
+    assert torch.equal(got[f"{prefix}.w13_bias"], src[f"{prefix}.gate_up_proj_bias"])
+    assert verify_output(out, against=str(gptoss)).ok
+    # models without the interleave: the plain bytes
+    a, b = tmp_path / "qe", tmp_path / "qp"
+    assert cli("quantize", qwen, a, "--backend", "emulation") == 0
+    assert cli("quantize", qwen, b, "--backend", "plain") == 0
+    ta, tb = read_all(a), read_all(b)
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)

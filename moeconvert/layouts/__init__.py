@@ -51,5 +51,6 @@ def layout_names() -> list[str]:
 # Each layout module registers itself on import.
 from moeconvert.layouts import plain  # noqa: E402,F401
 from moeconvert.layouts import marlin  # noqa: E402,F401
+from moeconvert.layouts import emulation_mxfp4  # noqa: E402,F401
 
 __all__ = ["Layout", "TensorSpec", "register", "get_layout", "layout_names"]
