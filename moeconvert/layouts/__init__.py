@@ -52,5 +52,11 @@ def layout_names() -> list[str]:
 from moeconvert.layouts import plain  # noqa: E402,F401
 from moeconvert.layouts import marlin  # noqa: E402,F401
 from moeconvert.layouts import emulation_mxfp4  # noqa: E402,F401
+from moeconvert.layouts import triton_wna16  # noqa: E402,F401
+from moeconvert.layouts import emulation  # noqa: E402,F401
+from moeconvert.layouts import marlin_mxfp4  # noqa: E402,F401
+from moeconvert.layouts import flashinfer_trtllm  # noqa: E402,F401
+from moeconvert.layouts import flashinfer_mxfp4  # noqa: E402,F401
+from moeconvert.layouts import triton_mxfp4  # noqa: E402,F401
 
 __all__ = ["Layout", "TensorSpec", "register", "get_layout", "layout_names"]
