@@ -62,3 +62,26 @@ def test_matches_compressed_tensors_pack_to_int32():
             assert torch.equal(pack_int32(u, bits, dim=dim), theirs)
             back = unpack_from_int32(theirs, bits, q.shape, packed_dim=dim)
             assert torch.equal(unpack_int32(theirs, bits, q.shape[dim], dim=dim).to(torch.int16) + lo, back.to(torch.int16))
+
+
+def _reference_words(u: torch.Tensor, bits: int) -> list[int]:
+    """The spec's rule, field by field: element j -> word j // pf, bits [b*(j % pf), b*(j % pf) + b)."""
+    pf = 32 // bits
+    out = []
+    for row in u.reshape(-1, u.shape[-1]).tolist():
+        for w in range(len(row) // pf):
+            out.append(sum(v << (bits * i) for i, v in enumerate(row[w * pf:(w + 1) * pf])))
+    return out
+
+
+def test_byte_view_path_equals_the_field_rule_on_awkward_shapes():
+    # size-1 dimensions and packing along a middle dim give strides that a dtype view must not trip on
+    g = torch.Generator().manual_seed(2)
+    for bits in (4, 8):
+        for shape, dim in (((1, 1, 16), 2), ((3, 1, 8), 2), ((1, 16, 1), 1), ((2, 32, 3), 1), ((16, 1), 0)):
+            u = torch.randint(0, 1 << bits, shape, generator=g, dtype=torch.uint8)
+            if shape[dim] % (32 // bits):
+                continue
+            packed = pack_int32(u, bits, dim=dim)
+            assert words(packed.movedim(dim, -1)) == _reference_words(u.movedim(dim, -1), bits), (bits, shape, dim)
+            assert torch.equal(unpack_int32(packed, bits, shape[dim], dim=dim), u), (bits, shape, dim)

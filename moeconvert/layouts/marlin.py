@@ -38,7 +38,7 @@ from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError, MoeConvertError
 from moeconvert.layouts import register
 from moeconvert.layouts.base import Layout, TensorSpec
-from moeconvert.packing import pack_int32, unpack_int32
+from moeconvert.packing import LITTLE_ENDIAN, pack_int32, pair_nibbles_at, split_nibbles_at, unpack_int32
 from moeconvert.schemes import Scheme, WNA16Scheme
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)  # marlin_utils.py:MARLIN_SUPPORTED_GROUP_SIZES
@@ -115,24 +115,63 @@ def _tile_plan(size_k: int, size_n: int, bits: int) -> tuple[tuple[int, ...], tu
     return view, order, inverse
 
 
+@functools.lru_cache(maxsize=8)
+def _byte_gather(size_k: int, size_n: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Marlin tile order as one gather over source bytes, and its inverse (int32 indices, per shape).
+
+    Source bytes: int8 codes as they are; int4 codes paired ``k`` / ``k + 8`` (the two ``hi_k`` halves of
+    a 16-deep k tile, which share a byte of the output word) by :func:`pair_nibbles_at`. Output byte
+    ``j`` of a row is byte ``j % 4`` of word ``j // 4`` (LSB-first packing on a little-endian host).
+    """
+    view, order, _ = _tile_plan(size_k, size_n, bits)
+    fields = torch.arange(size_n * size_k, dtype=torch.int64).reshape(view).permute([d - 1 for d in order[1:]])
+    src = fields.reshape(-1)  # source field of each output field, in output order
+    if bits == 4:
+        lo, hi = src[0::2], src[1::2]
+        if not (torch.equal(hi, lo + 8) and bool((lo % 16 < 8).all())):
+            raise InternalError("Marlin int4 tile plan: nibble pairs are not k / k+8")
+        src = (lo // 16) * 8 + lo % 16  # the byte of pair_nibbles_at(codes, 8) holding field lo
+    src = src.to(torch.int32)
+    inverse = torch.empty_like(src)
+    inverse[src.long()] = torch.arange(src.numel(), dtype=torch.int32)
+    return src, inverse
+
+
+def _source_bytes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    flat = codes.to(torch.uint8).reshape(codes.shape[0], -1)
+    return pair_nibbles_at(flat, 8) if bits == 4 else flat
+
+
 def repack_weights(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """N-first unsigned codes ``[E, size_n, size_k]`` -> Marlin words ``[E, size_k/16, size_n*bits/2]``.
 
-    Equal to ``gptq_marlin_repack`` of the GPTQ (K-packed) form of each expert.
+    Equal to ``gptq_marlin_repack`` of the GPTQ (K-packed) form of each expert: one cached byte gather.
     """
     E, size_n, size_k = codes.shape
-    view, order, _ = _tile_plan(size_k, size_n, bits)
-    fields = codes.reshape(E, *view).permute(order).reshape(E, size_k // 16, size_n * 16)
-    return pack_int32(fields, bits, dim=2)
+    if bits not in (4, 8):
+        raise InternalError(f"Marlin repack of {bits}-bit codes")
+    if not LITTLE_ENDIAN:  # the byte gather assumes LSB-first words are their bytes in order
+        view, order, _ = _tile_plan(size_k, size_n, bits)
+        fields = codes.reshape(E, *view).permute(order).reshape(E, size_k // 16, size_n * 16)
+        return pack_int32(fields, bits, dim=2)
+    gather, _ = _byte_gather(size_k, size_n, bits)
+    out = _source_bytes(codes, bits).to(codes.device)[:, gather.to(codes.device)]
+    return out.reshape(E, size_k // 16, -1).view(torch.int32)
 
 
 def unrepack_weights(words: torch.Tensor, bits: int, size_n: int, size_k: int) -> torch.Tensor:
     """Inverse of :func:`repack_weights`: Marlin words -> N-first codes ``[E, size_n, size_k]`` uint8."""
     E = words.shape[0]
-    view, order, inverse = _tile_plan(size_k, size_n, bits)
-    full = (E, *view)
-    fields = unpack_int32(words, bits, size_n * 16, dim=2)
-    return fields.reshape(*(full[d] for d in order)).permute(inverse).reshape(E, size_n, size_k).contiguous()
+    if not LITTLE_ENDIAN:
+        view, order, inverse = _tile_plan(size_k, size_n, bits)
+        full = (E, *view)
+        fields = unpack_int32(words, bits, size_n * 16, dim=2)
+        return fields.reshape(*(full[d] for d in order)).permute(inverse).reshape(E, size_n, size_k).contiguous()
+    _, inverse = _byte_gather(size_k, size_n, bits)
+    src = words.contiguous().reshape(E, -1).view(torch.uint8)[:, inverse.to(words.device)]
+    if bits == 4:
+        src = split_nibbles_at(src, 8)
+    return src.reshape(E, size_n, size_k)
 
 
 # ---------------------------------------------------------------------------------------------------
