@@ -84,7 +84,7 @@ def inspect(
     dtype: str = typer.Option("auto", "--dtype", help="With --format: the model dtype the engine runs."),
 ):
     """What is in a checkpoint: its MoE layers, and which backends can take it (and why not)."""
-    from moeconvert.convert import check_layers, layer_shape, output_scheme, scheme_kind
+    from moeconvert.convert import check_layers, group_by_layers, layer_shape, output_scheme, scheme_kind
     from moeconvert.layouts import get_layout, layout_names
     from moeconvert.modelmap import map_model
     from moeconvert.sources import open_source
@@ -111,9 +111,11 @@ def inspect(
         problems = check_layers(model, layout, part, quant, out_dtype)
         warnings = []
         if not problems:
+            pairs = []
             for lm in model.layers:
                 shape, _ = layer_shape(lm, part, out_dtype, layout, quant)
-                warnings += [f"{lm.prefix}: {w}" for w in layout.warnings(shape, output_scheme(lm, quant))]
+                pairs += [(lm.prefix, w) for w in layout.warnings(shape, output_scheme(lm, quant))]
+            warnings = group_by_layers(pairs)
         backends[name] = {"ok": not problems, "problems": problems, "warnings": warnings,
                           "kernel": layout.kernel, "layout_version": layout.version}
     other = sum(i.nbytes for n, i in source.tensors.items() if n not in moe_names)
@@ -377,6 +379,41 @@ def example(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     out.print(f"wrote {family} {scheme} example to {out_dir}")
+
+
+bench_app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                        help="Measurements to rerun on your machine.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("convert")
+def bench_convert_cmd(
+    src: Path = typer.Argument(..., help="A local checkpoint folder."),
+    backend: str = typer.Option(..., "--backend", "-b", help="Layout to write."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="Time `quantize --format FMT` instead of `repack`."),
+    runs: int = typer.Option(5, "--runs", min=1, help="Pairs of (conversion, cp -r) to run."),
+    extra: Optional[list[str]] = typer.Option(None, "--arg", help="Extra argument for the conversion (repeatable), e.g. --arg=--device --arg=cuda."),
+    workdir: Optional[Path] = typer.Option(None, "--workdir", help="Where outputs go (default: the system temp dir; use the same disk as SRC for a fair cp)."),
+    json_out: bool = JSON,
+):
+    """Whole-process conversion time vs `cp -r` of the same folder, interleaved; median ratio, peak RSS."""
+    from moeconvert.bench import bench_convert
+
+    r = bench_convert(src, backend, fmt, runs, list(extra or []), workdir)
+    if json_out:
+        print(json.dumps(r, indent=1))
+        return
+    what = f"quantize --format {fmt}" if fmt else "repack"
+    out.print(f"{what} --backend {backend}: {_human(r['source_bytes'])} in, {_human(r['output_bytes'])} out, "
+              f"{runs} runs")
+    out.print(f"  convert: median {r['median_convert_seconds']:.3f} s "
+              f"({_human(r['median_throughput_bytes_per_s'])}/s of source), runs {r['convert_seconds']}")
+    out.print(f"  cp -r:   median {r['median_cp_seconds']:.3f} s, runs {r['cp_seconds']}")
+    out.print(f"  fixed cost (same command with --dry-run: start, imports, planning): "
+              f"median {r['median_dry_run_seconds']:.3f} s")
+    out.print(f"  time ratio convert / cp (median of pairs): {r['median_time_ratio_vs_cp']:.2f}x"
+              f"  -> throughput {1 / r['median_time_ratio_vs_cp']:.2f}x cp")
+    out.print(f"  peak RSS of the conversion: {_human(r['max_peak_rss_bytes'])}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -58,7 +58,20 @@ class ConversionPlan:
         return sum(s.size for s in self.shards)
 
     def warnings(self) -> list[str]:
-        return [f"{lp.map.prefix}: {w}" for lp in self.layers for w in lp.warnings]
+        """Each distinct warning once, with the layers it concerns (one layer, or first .. last and a count)."""
+        return group_by_layers((lp.map.prefix, w) for lp in self.layers for w in lp.warnings)
+
+
+def group_by_layers(items) -> list[str]:
+    """``(layer prefix, message)`` pairs -> one line per distinct message, naming the layers."""
+    by_message: dict[str, list[str]] = {}
+    for prefix, message in items:
+        by_message.setdefault(message, []).append(prefix)
+    lines = []
+    for message, prefixes in by_message.items():
+        where = prefixes[0] if len(prefixes) == 1 else f"{len(prefixes)} layers, {prefixes[0]} .. {prefixes[-1]}"
+        lines.append(f"{where}: {message}")
+    return lines
 
 
 def output_scheme(layer: MoELayerMap, quant: Quantization | None) -> Scheme:

@@ -8,6 +8,7 @@ against the config (sizes, expert count, which layers the config says are sparse
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -192,10 +193,20 @@ def _sizes(cfg: dict, fam: Family, source: Source) -> tuple[int, int, int | None
     return E, H, I
 
 
-def _router_and_shared(source: Source, fam: Family, prefix: str) -> tuple[list[str], list[str]]:
+def _with_prefix(names: list[str], prefix: str) -> list[str]:
+    """The names in sorted ``names`` that start with ``prefix`` (a contiguous run, found by bisection)."""
+    i = bisect.bisect_left(names, prefix)
+    j = i
+    while j < len(names) and names[j].startswith(prefix):
+        j += 1
+    return names[i:j]
+
+
+def _router_and_shared(source: Source, fam: Family, prefix: str, names: list[str]) -> tuple[list[str], list[str]]:
+    """``names``: the source's tensor names, sorted (once per model, not per layer)."""
     block = prefix.rsplit(".", 1)[0]
-    router = [n for n in source.tensors if any(n.startswith(f"{block}.{r}.") for r in fam.router)]
-    shared = [n for n in source.tensors if any(n.startswith(f"{block}.{s}.") for s in fam.shared)]
+    router = sorted(n for r in fam.router for n in _with_prefix(names, f"{block}.{r}."))
+    shared = sorted(n for s in fam.shared for n in _with_prefix(names, f"{block}.{s}."))
     return router, shared
 
 
@@ -215,6 +226,7 @@ def _map_per_expert(source: Source, fam: Family, cfg: dict, qconfig) -> list[MoE
         by_prefix[m["prefix"]][int(m["e"])][fam.roles[proj]][m["suffix"]] = name
         layer_of[m["prefix"]] = int(m["layer"])
 
+    names = sorted(source.tensors)
     layers = []
     for prefix, experts in by_prefix.items():
         ids = sorted(experts)
@@ -238,7 +250,7 @@ def _map_per_expert(source: Source, fam: Family, cfg: dict, qconfig) -> list[MoE
             raise MoeConvertError(f"expert intermediate size disagrees with config.json {fam.intermediate_key[0]}",
                                   tensor=prefix, file=str(source.ident), expected=I_cfg, found=I)
         has_bias = "bias" in first["gate"]
-        router, shared = _router_and_shared(source, fam, prefix)
+        router, shared = _router_and_shared(source, fam, prefix, names)
         layers.append(MoELayerMap(
             prefix=prefix, layer=layer_of[prefix], num_experts=E_cfg, top_k=cfg.get("num_experts_per_tok"),
             hidden_size=H, intermediate_size=I, scheme=scheme, activation=fam.activation, activation_params={},
@@ -364,6 +376,7 @@ def _map_fused(source: Source, fam: Family, cfg: dict) -> list[MoELayerMap]:
             by_prefix[m["prefix"]][m["proj"]][m["suffix"] or "weight"] = name
             layer_of[m["prefix"]] = int(m["layer"])
     t = source.tensors
+    all_names = sorted(t)
     layers = []
     for prefix, names in by_prefix.items():
         gu, dn = names.get("gate_up_proj", {}), names.get("down_proj", {})
@@ -411,7 +424,7 @@ def _map_fused(source: Source, fam: Family, cfg: dict) -> list[MoELayerMap]:
         if has_bias:
             _expect(source, gu["_bias"], t[gu["_bias"]].shape, (E_cfg, 2 * I_cfg))
             _expect(source, dn["_bias"], t[dn["_bias"]].shape, (E_cfg, H_cfg))
-        router, shared = _router_and_shared(source, fam, prefix)
+        router, shared = _router_and_shared(source, fam, prefix, all_names)
         params = {"alpha": cfg.get("swiglu_alpha", 1.702), "limit": cfg.get("swiglu_limit", 7.0)}
         layers.append(MoELayerMap(
             prefix=prefix, layer=layer_of[prefix], num_experts=E_cfg, top_k=cfg.get("num_experts_per_tok"),

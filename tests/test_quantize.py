@@ -264,3 +264,19 @@ def test_emulation_keeps_gptoss_rows_interleaved(gptoss, qwen, tmp_path):
     assert cli("quantize", qwen, b, "--backend", "plain") == 0
     ta, tb = read_all(a), read_all(b)
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_cuda_writes_the_same_files(qwen, tmp_path):
+    a, b = tmp_path / "cpu", tmp_path / "cuda"
+    assert cli("quantize", qwen, a, "--backend", "plain") == 0
+    assert cli("quantize", qwen, b, "--backend", "plain", "--device", "cuda") == 0
+    ta, tb = read_all(a), read_all(b)
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    qa = [lay["quality"] for lay in json.loads((a / "moeconvert.json").read_text())["moe_layers"]]
+    qb = [lay["quality"] for lay in json.loads((b / "moeconvert.json").read_text())["moe_layers"]]
+    for x, y in zip(qa, qb):
+        for proj in ("w13", "w2"):
+            assert x[proj]["saturated_block_fraction"] == y[proj]["saturated_block_fraction"]
+            assert x[proj]["rel_fro_error"] == pytest.approx(y[proj]["rel_fro_error"], rel=1e-9)
