@@ -1,0 +1,139 @@
+"""Shard bytes to device tensors: each tensor is copied once, from the mapped file into its final tensor.
+
+A :class:`Reader` owns the mapped shards and fills one device tensor per call. The tensor's bytes
+are viewed in place in the ``mmap`` (no host copy), reinterpreted as bytes of the right length, and
+copied with one ``Tensor.copy_`` into a fresh device tensor of the stored dtype. Two readers exist:
+
+* ``direct``: ``copy_`` straight from the mapped (pageable) pages; on CPU this is a plain memcpy.
+* ``pinned``: CUDA only; the bytes go through one reused pinned staging buffer of ``chunk`` bytes
+  (bounded host memory, never a second full copy), each chunk copied asynchronously while the next
+  is staged into the other half of the buffer.
+
+A faster reader (``O_DIRECT``, GPUDirect Storage, several threads) slots in by implementing
+``read_into``; ``load`` only calls that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+from pathlib import Path
+
+import torch
+
+from moeconvert.errors import MoeConvertError
+from moeconvert.sources import TensorInfo
+
+READERS = ("direct", "pinned")
+
+
+class Reader:
+    """Mapped shards of one output folder. Use as a context manager; tensors it made outlive it."""
+
+    name = "direct"
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._maps: dict[Path, mmap.mmap] = {}
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            try:
+                m.close()
+            except BufferError:  # a CPU view still refers to it; the mapping goes with the last view
+                pass
+        self._maps.clear()
+
+    def _map(self, path: Path) -> mmap.mmap:
+        m = self._maps.get(path)
+        if m is None:
+            try:
+                with open(path, "rb") as f:
+                    # ACCESS_COPY: a private mapping torch may view as writable; nothing is ever written.
+                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError) as e:
+                raise MoeConvertError(f"cannot map the shard: {e}", file=str(path)) from e
+            self._maps[path] = m
+        return m
+
+    def host_bytes(self, info: TensorInfo) -> torch.Tensor:
+        """The tensor's stored bytes, a uint8 view into the mapping (no copy)."""
+        m = self._map(info.file)
+        if info.end > len(m):
+            raise MoeConvertError("shard ended before the tensor's data (truncated since it was checked?)",
+                                  file=str(info.file), tensor=info.name, expected=f"{info.end} bytes",
+                                  found=f"{len(m)} bytes")
+        if info.nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(m, dtype=torch.uint8, count=info.nbytes, offset=info.start)
+
+    def sha256(self, info: TensorInfo) -> str:
+        h = hashlib.sha256()
+        m = self._map(info.file)
+        step = 64 << 20
+        for a in range(info.start, info.end, step):
+            h.update(memoryview(m)[a:min(a + step, info.end)])
+        return h.hexdigest()
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        """A new tensor on the device holding the stored tensor (its dtype and shape)."""
+        dst = torch.empty(info.nbytes, dtype=torch.uint8, device=self.device)
+        self.read_into(info, dst)
+        return dst.view(info.torch_dtype).reshape(info.shape) if info.nbytes else \
+            torch.empty(info.shape, dtype=info.torch_dtype, device=self.device)
+
+    def read_into(self, info: TensorInfo, dst: torch.Tensor) -> None:
+        """Fill ``dst`` (uint8, ``info.nbytes`` long, on the device) with the tensor's bytes."""
+        if info.nbytes:
+            dst.copy_(self.host_bytes(info))
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+class PinnedReader(Reader):
+    """Copies through a reused pinned buffer: two halves, each ``chunk`` bytes, alternating."""
+
+    name = "pinned"
+
+    def __init__(self, device: torch.device, chunk: int = 32 << 20):
+        super().__init__(device)
+        if self.device.type != "cuda":
+            raise MoeConvertError("the pinned reader stages host -> CUDA copies; use reader='direct' on "
+                                  f"{self.device.type}", expected="a CUDA device", found=str(self.device))
+        self.chunk = chunk
+        self._staging = torch.empty(2 * chunk, dtype=torch.uint8, pin_memory=True)
+        self._events = [torch.cuda.Event(), torch.cuda.Event()]
+        self._used = [False, False]
+
+    def read_into(self, info: TensorInfo, dst: torch.Tensor) -> None:
+        src = self.host_bytes(info)
+        for i, a in enumerate(range(0, info.nbytes, self.chunk)):
+            half = i % 2
+            n = min(self.chunk, info.nbytes - a)
+            if self._used[half]:
+                self._events[half].synchronize()  # the copy out of this half has finished
+            stage = self._staging[half * self.chunk: half * self.chunk + n]
+            stage.copy_(src[a:a + n])
+            dst[a:a + n].copy_(stage, non_blocking=True)
+            self._events[half].record()
+            self._used[half] = True
+
+
+def make_reader(kind: str, device: torch.device) -> Reader:
+    if kind == "auto":
+        # Not measured yet on every machine; the direct copy is always correct (docs/runtime.md).
+        kind = os.environ.get("MOECONVERT_READER", "direct")
+    if kind == "direct":
+        return Reader(device)
+    if kind == "pinned":
+        return PinnedReader(device)
+    raise MoeConvertError("unknown reader", tensor="reader", expected="auto | " + " | ".join(READERS), found=kind)

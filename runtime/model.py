@@ -1,0 +1,161 @@
+"""``load``: a converted folder -> MoE layers on the device, each tensor copied once, nothing repacked."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from moeconvert.errors import MoeConvertError
+from moeconvert.runtime.layer import MoELayer
+from moeconvert.runtime.loader import Reader, make_reader
+from moeconvert.runtime.manifest import CheckedManifest, LayerEntry, read_checked
+from moeconvert.runtime.routing import Router, router_config, router_from_tensors
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class MoEModel:
+    """What ``load`` gives: the MoE layers of one converted output, on one device."""
+
+    path: Path
+    device: torch.device
+    manifest: dict
+    config: dict
+    moe_layers: dict[str, MoELayer]
+    checked: CheckedManifest = field(repr=False)
+    reader: str = "direct"
+
+    def __getitem__(self, key: str | int) -> MoELayer:
+        """A layer by experts prefix (``model.layers.3.mlp.experts``) or by decoder layer number."""
+        if isinstance(key, int):
+            for layer in self.moe_layers.values():
+                if layer.entry.index == key:
+                    return layer
+            raise KeyError(f"no loaded MoE layer {key} (loaded: {[l.entry.index for l in self.moe_layers.values()]})")
+        return self.moe_layers[key]
+
+    def __iter__(self):
+        return iter(self.moe_layers.values())
+
+    def __len__(self) -> int:
+        return len(self.moe_layers)
+
+    @property
+    def partition(self) -> dict:
+        return dict(self.manifest["partition"])
+
+    def kernels(self) -> dict[str, str]:
+        """prefix -> the kernel that runs the layer."""
+        return {p: layer.kernel for p, layer in self.moe_layers.items()}
+
+    def describe(self) -> dict:
+        return {"path": str(self.path), "device": str(self.device), "family": self.manifest.get("family"),
+                "layout": self.manifest["layout"], "partition": self.partition, "reader": self.reader,
+                "layers": [layer.describe() for layer in self.moe_layers.values()]}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Any other tensor of the output (attention, norms, embeddings, ...), read to the device now."""
+        info = self.checked.tensors.get(name)
+        if info is None:
+            raise MoeConvertError("no such tensor in the output", file=str(self.path), tensor=name)
+        with make_reader(self.reader, self.device) as r:
+            t = r.read(info)
+            r.synchronize()
+        return t
+
+
+def _resolve(path_or_repo: str | Path, revision: str | None) -> Path:
+    p = Path(path_or_repo).expanduser()
+    if p.exists() or not _REPO_ID.match(str(path_or_repo)):
+        if revision is not None:
+            raise MoeConvertError("revision applies to Hub repo ids, not to local folders", file=str(path_or_repo))
+        return p
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(path_or_repo), revision=revision,
+                                      allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+    except LocalEntryNotFoundError as e:
+        raise MoeConvertError("not in the local Hugging Face cache and the Hub cannot be reached",
+                              file=str(path_or_repo)) from e
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise MoeConvertError(f"cannot fetch from the Hub: {str(e).splitlines()[0]}", file=str(path_or_repo)) from e
+
+
+def _select(layers: Iterable[int | str] | None, entries: list[LayerEntry]) -> list[LayerEntry]:
+    if layers is None:
+        return entries
+    wanted = list(layers)
+    out = []
+    for key in wanted:
+        match = [e for e in entries if (e.index == key if isinstance(key, int) else e.prefix == key)]
+        if not match:
+            raise MoeConvertError("no such MoE layer in the output", tensor=str(key),
+                                  expected=", ".join(str(e.index) for e in entries) + " (or their prefixes)")
+        out += [e for e in match if e not in out]
+    return out
+
+
+def _read(reader: Reader, checked: CheckedManifest, name: str, verify: bool) -> torch.Tensor:
+    info = checked.tensors[name]
+    if verify:
+        got = reader.sha256(info)
+        if got != checked.sha256[name]:
+            raise MoeConvertError("checksum mismatch: the tensor's bytes changed after conversion",
+                                  file=info.file.name, tensor=name, expected=f"sha256 {checked.sha256[name][:16]}…",
+                                  found=f"sha256 {got[:16]}…")
+    return reader.read(info)
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load(path_or_repo: str | Path, device: str | torch.device | None = None, layers: Iterable[int | str] | None = None,
+         tp_rank: int | None = None, *, tp_size: int | None = None, ep_size: int | None = None,
+         ep_rank: int | None = None, verify: bool = False, kernel: str | None = None, reader: str = "auto",
+         revision: str | None = None) -> MoEModel:
+    """Load a ``moeconvert`` output's MoE layers onto ``device`` (default: cuda if present, else cpu).
+
+    ``layers``: decoder layer numbers or experts prefixes (default: all). ``tp_rank`` / ``tp_size`` /
+    ``ep_size`` / ``ep_rank``: the partition this process expects; an output cut otherwise is refused.
+    ``verify``: recompute every loaded tensor's sha256 against the manifest first. ``kernel``: force a
+    kernel (``reference``, ``vllm-marlin``, ``triton``), as ``$MOECONVERT_KERNEL`` does. ``reader``:
+    ``auto`` | ``direct`` | ``pinned`` (loader.py).
+    """
+    root = _resolve(path_or_repo, revision)
+    dev = torch.device(device or _default_device())
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise MoeConvertError("a CUDA device was asked for, but torch sees none", tensor="device",
+                              expected="cpu, or a machine with CUDA", found=str(dev))
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    checked = read_checked(root, tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank)
+    cfg_path = root / "config.json"
+    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    family = checked.family
+    part = checked.partition
+    out: dict[str, MoELayer] = {}
+    with make_reader(reader, dev) as r:
+        for entry in _select(layers, checked.layers):
+            tensors = {suffix: _read(r, checked, info.name, verify) for suffix, info in entry.tensors.items()}
+            router = None
+            if entry.router:
+                rt = {n: _read(r, checked, n, verify) for n in entry.router}
+                router = router_from_tensors(router_config(family, config, entry.top_k), rt)
+            shared = {n: _read(r, checked, n, verify) for n in entry.shared}
+            out[entry.prefix] = MoELayer(entry, tensors, dev, router, shared, config, part.get("tp_size", 1), kernel)
+        r.synchronize()
+        reader_name = r.name
+    return MoEModel(path=root, device=dev, manifest=checked.raw, config=config, moe_layers=out, checked=checked,
+                    reader=reader_name)
+
+
+__all__ = ["load", "MoEModel", "MoELayer", "Router"]

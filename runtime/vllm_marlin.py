@@ -1,0 +1,160 @@
+"""vLLM 0.33.0's Marlin MoE CUDA kernel on ``marlin`` layouts (WNA16 int4/int8 and MXFP4), loaded alone.
+
+Only vLLM's compiled MoE ops library is loaded (``torch.ops.load_library`` of ``vllm/_moe_C*.so``),
+never the ``vllm`` Python package: ``$MOECONVERT_VLLM_MOE_LIB`` names the file, else it is looked up
+next to an installed ``vllm`` (found with ``importlib.util.find_spec``, which does not import it).
+
+The calls are those of vLLM's ``_fused_marlin_moe`` (wna16-layouts.md §3.7), with the 0.33.0
+argument list of ``torch.ops._moe_C.moe_wna16_marlin_gemm``::
+
+    (a, c_or_none, b_q_weight, b_bias, b_scales, a_scales, global_scale, b_zeros, workspace,
+     sorted_token_ids, expert_ids, num_tokens_past_padded, topk_weights, moe_block_size, top_k,
+     mul_topk_weights, b_q_type_id, size_m, size_n, size_k, use_atomic_add, use_fp32_reduce,
+     is_zp_float, thread_k, thread_n, blocks_per_sm)
+
+GEMM1 (``size_n = 2Ip, size_k = Hp``, ``top_k``), the activation in float32 written in the activation
+dtype (vLLM's ``silu_and_mul`` reads the two halves, ``swigluoai_and_mul`` even/odd columns), GEMM2
+(``size_m = M*top_k``, ``top_k = 1``, ``mul_topk_weights``), then the sum over the k.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from moeconvert.errors import MoeConvertError
+
+ENV_LIB = "MOECONVERT_VLLM_MOE_LIB"
+
+#: vllm/scalar_type.py ``ScalarType.id`` of the weight types (uint4b8 = symmetric int4, uint4 = int4 with
+#: zero points, uint8b128 = symmetric int8, float4_e2m1f = MXFP4 values)
+UINT4B8, UINT4, UINT8B128 = 0x4000000100400, 0x4000000000400, 0x4000001000800
+FLOAT4_E2M1F = 0x2000000010102
+BLOCK_SIZES = (8, 16, 32, 48, 64)
+MIN_CAPABILITY = (8, 0)  # "marlin kernel only support Ampere or newer GPUs"
+
+
+def find_library() -> tuple[Path | None, str]:
+    """(path of the _moe_C library or None, where it was looked for / why not)."""
+    env = os.environ.get(ENV_LIB)
+    if env:
+        p = Path(env)
+        return (p, f"${ENV_LIB}") if p.is_file() else (None, f"${ENV_LIB}={env} is not a file")
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None, f"vLLM is not installed and ${ENV_LIB} is not set"
+    for folder in spec.submodule_search_locations:
+        found = sorted(Path(folder).glob("_moe_C*.so"))
+        if found:
+            return found[0], "the installed vllm package"
+    return None, f"the installed vllm package has no _moe_C*.so ({', '.join(spec.submodule_search_locations)})"
+
+
+def installed_vllm_version() -> str | None:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _load(path: str):
+    torch.ops.load_library(path)
+    return torch.ops._moe_C
+
+
+def ops():
+    """``torch.ops._moe_C`` with vLLM's MoE ops registered (raises MoeConvertError if it cannot be)."""
+    path, where = find_library()
+    if path is None:
+        raise MoeConvertError(f"vLLM's MoE ops library not found: {where}")
+    try:
+        return _load(str(path))
+    except (OSError, RuntimeError) as e:
+        raise MoeConvertError(f"cannot load vLLM's MoE ops library: {str(e).splitlines()[0]}", file=str(path)) from e
+
+
+def unavailable_reason(device: torch.device, made_for: dict) -> str | None:
+    """Why the kernel cannot run here (None: it can)."""
+    if device.type != "cuda":
+        return f"it needs a CUDA device (device is {device})"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        return f"it needs compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (this GPU is {cap[0]}.{cap[1]})"
+    path, where = find_library()
+    if path is None:
+        return where
+    want, have = made_for.get("vllm"), installed_vllm_version()
+    if want and have and have != want and not os.environ.get(ENV_LIB):
+        return f"the installed vLLM is {have}, the layout was made for vLLM {want}"
+    try:
+        lib = ops()
+    except MoeConvertError as e:
+        return e.line()
+    for name in ("moe_wna16_marlin_gemm", "moe_align_block_size"):
+        if not hasattr(lib, name):
+            return f"{path} has no op {name}"
+    return None
+
+
+def block_size(M: int, top_k: int, E: int) -> int:
+    """vLLM's choice: the first of 8, 16, 32, 48, 64 with ``M * top_k / E / bs < 0.9``, else 64."""
+    for bs in BLOCK_SIZES:
+        if M * top_k / E / bs < 0.9:
+            return bs
+    return BLOCK_SIZES[-1]
+
+
+def align(topk_ids: torch.Tensor, bs: int, E: int):
+    """``moe_align_block_size``: tokens sorted by expert, padded per expert to a multiple of ``bs``."""
+    n = topk_ids.numel()
+    maxp = n + E * (bs - 1)
+    if n < E:
+        maxp = min(n * bs, maxp)
+    dev = topk_ids.device
+    sorted_ids = torch.empty(maxp, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty((maxp + bs - 1) // bs, dtype=torch.int32, device=dev)
+    npad = torch.empty(1, dtype=torch.int32, device=dev)
+    ops().moe_align_block_size(topk_ids, E, bs, sorted_ids, expert_ids, npad, None, None)
+    return sorted_ids, expert_ids, npad
+
+
+@functools.lru_cache(maxsize=None)
+def _workspace(device: torch.device) -> torch.Tensor:
+    """Lock storage, ``num_SMs * 4`` int32 zeros; the kernel resets it after each call (one stream)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.zeros(sms * 4, dtype=torch.int32, device=device)
+
+
+def weight_type_id(kind: str, bits: int | None = None, symmetric: bool = True) -> int:
+    if kind == "mxfp4":
+        return FLOAT4_E2M1F
+    if bits == 8:
+        return UINT8B128  # int8 is always uint8b128 (vLLM ignores zero points for int8)
+    return UINT4B8 if symmetric else UINT4
+
+
+def fused_moe(x: torch.Tensor, t: dict[str, torch.Tensor], *, E: int, Hp: int, Ip: int, type_id: int,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, act, w13_rows: str = "gate_up") -> torch.Tensor:
+    """Both Marlin GEMMs; ``x [M, Hp]`` fp16/bf16, ``topk_ids`` local expert ids. Returns ``[M, Hp]``."""
+    lib = ops()
+    M, top_k = topk_ids.shape
+    bs = block_size(M, top_k, E)
+    sid, eid, npad = align(topk_ids, bs, E)
+    ws = _workspace(x.device)
+    w = topk_weights.float().contiguous()
+    c1 = lib.moe_wna16_marlin_gemm(
+        x, None, t["w13_weight"], t.get("w13_bias"), t["w13_weight_scale"], None, None, t.get("w13_weight_zero_point"),
+        ws, sid, eid, npad, w, bs, top_k, False, type_id, M, 2 * Ip, Hp, False, True, False, -1, -1, -1)
+    c1 = c1.view(M * top_k, 2 * Ip).float()
+    gate, up = (c1[:, 0::2], c1[:, 1::2]) if w13_rows == "interleaved" else (c1[:, :Ip], c1[:, Ip:])
+    a = act(gate, up).to(x.dtype).contiguous()
+    c2 = lib.moe_wna16_marlin_gemm(
+        a, None, t["w2_weight"], t.get("w2_bias"), t["w2_weight_scale"], None, None, t.get("w2_weight_zero_point"),
+        ws, sid, eid, npad, w, bs, 1, True, type_id, M * top_k, Hp, Ip, False, True, False, -1, -1, -1)
+    return c2.view(M, top_k, Hp).sum(1)
