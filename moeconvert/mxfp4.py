@@ -82,8 +82,9 @@ def quantize_mxfp4(
     # code = 8 * sign + (number of boundaries |x| reaches); NaN bits exceed every boundary -> 7.
     codes = neg.to(torch.uint8) << 3
     del neg
-    for threshold in _thresholds(scale, rounding):
-        codes += mag >= threshold.unsqueeze(-1)
+    table = _threshold_table(rounding, w.device)
+    for boundary in table:
+        codes += mag >= boundary[scale].unsqueeze(-1)
     if bool((mag > _INF).any()):
         # NaN * scale is the GPU's canonical NaN 0x7FFFFFFF: code 7 whatever the input's sign
         codes = torch.where(mag > _INF, 7, codes)
@@ -144,9 +145,9 @@ def mxfp4_error_sums(w: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     the additive pieces of :func:`mxfp4_error_stats`, for accumulating over chunks."""
     ref = w.float()
     err = ref - dequantize_mxfp4(packed, scales).view(ref.shape)
-    sq_err = float(err.double().square().sum())
-    sq_ref = float(ref.double().square().sum())
     max_abs = float(err.abs().max()) if err.numel() else 0.0
+    e, r = err.reshape(-1).double(), ref.reshape(-1).double()
+    sq_err, sq_ref = float(torch.dot(e, e)), float(torch.dot(r, r))  # sums of squares, one pass each
     del err, ref
     return sq_err, sq_ref, max_abs, saturated_blocks(w, scales)
 
@@ -281,6 +282,18 @@ def _scale_bytes(mag: torch.Tensor, rounding: str) -> torch.Tensor:
         s = torch.where(m <= 3, 0, s)
         s = torch.where(exponent == 255, torch.where(mantissa == 0, 255, 0), s)  # inf: 255; NaN: 0
     return s.to(torch.int32)
+
+
+_THRESHOLD_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _threshold_table(rounding: str, device: torch.device) -> torch.Tensor:
+    """:func:`_thresholds` for every scale byte: int32 ``[7, 256]`` (boundary, S), built once per device."""
+    key = (rounding, torch.device(device))
+    if key not in _THRESHOLD_TABLES:
+        every_scale = torch.arange(256, dtype=torch.int32)
+        _THRESHOLD_TABLES[key] = torch.stack(_thresholds(every_scale, rounding)).to(device)
+    return _THRESHOLD_TABLES[key]
 
 
 def _thresholds(scale: torch.Tensor, rounding: str) -> list[torch.Tensor]:
