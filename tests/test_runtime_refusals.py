@@ -1,0 +1,192 @@
+"""What ``moeconvert.runtime.load`` refuses, each with one clear line (MoeConvertError), and the dispatch's
+explicit choices: an override that cannot run is an error, a preferred kernel that cannot run is a
+fallback said once."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from moeconvert.cli import main
+from moeconvert.errors import MoeConvertError
+from moeconvert.example import make_example
+from moeconvert.runtime import KernelFallbackWarning, dispatch, load
+
+SHARD = "model-00001-of-00001.safetensors"
+
+
+def cli(*args):
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in args])
+    assert exc.value.code == 0, args
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("refusals")
+    src = make_example(base / "src", "qwen3-moe", "w4a16", group_size=32, num_experts=4)
+    made = {}
+    for name, args in {"plain": ("--backend", "plain"), "marlin": ("--backend", "marlin"),
+                       "tp2": ("--backend", "marlin", "--tp-size", 2, "--tp-rank", 1)}.items():
+        cli("repack", src, base / name, *args)
+        made[name] = base / name
+    return made
+
+
+@pytest.fixture
+def copy(outputs, tmp_path):
+    def make(name="plain"):
+        dst = tmp_path / name
+        shutil.copytree(outputs[name], dst)
+        return dst
+    return make
+
+
+def edit_manifest(folder, fn):
+    p = folder / "moeconvert.json"
+    m = json.loads(p.read_text())
+    fn(m)
+    p.write_text(json.dumps(m))
+
+
+def refused(match, *args, **kw):
+    with pytest.raises(MoeConvertError, match=match) as exc:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", KernelFallbackWarning)
+            load(*args, **kw)
+    assert "\n" not in str(exc.value)
+    return str(exc.value)
+
+
+def test_missing_manifest(copy):
+    out = copy()
+    (out / "moeconvert.json").unlink()
+    refused(r"incomplete or not a moeconvert output: no moeconvert\.json", out, device="cpu")
+    refused("no such output folder", out / "nope", device="cpu")
+
+
+def test_truncated_shard(copy):
+    out = copy()
+    shard = out / SHARD
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size - 100)
+    msg = refused("truncated shard", out, device="cpu")
+    assert SHARD in msg and f"{size} bytes" in msg and f"{size - 100} bytes" in msg
+
+
+def test_missing_shard(copy):
+    out = copy()
+    (out / SHARD).unlink()
+    refused("shard listed in the manifest is missing", out, device="cpu")
+
+
+def test_checksum_mismatch_with_verify(copy):
+    out = copy()
+    manifest = json.loads((out / "moeconvert.json").read_text())
+    name = manifest["moe_layers"][0]["tensors"]["w13_weight"]["name"]
+    from moeconvert.sources import read_header
+
+    info = read_header(out / SHARD)[name]
+    with open(out / SHARD, "r+b") as f:
+        f.seek(info.start + 5)
+        b = f.read(1)
+        f.seek(info.start + 5)
+        f.write(bytes([b[0] ^ 0x10]))
+    msg = refused("checksum mismatch", out, device="cpu", verify=True)
+    assert name in msg and SHARD in msg
+    load(out, device="cpu")  # without verify=True nothing hashes: the load is just a copy
+
+
+def test_future_layout_version(copy):
+    out = copy("marlin")
+    edit_manifest(out, lambda m: m["layout"].update(version=m["layout"]["version"] + 1))
+    msg = refused("layout version is newer than this moeconvert knows", out, device="cpu")
+    assert "layout marlin" in msg and "expected 1, found 2" in msg
+
+
+def test_unknown_layout_and_format_version(copy):
+    out = copy()
+    edit_manifest(out, lambda m: m["layout"].update(name="nonesuch"))
+    refused("unknown backend layout", out, device="cpu")
+    out2 = copy("marlin")
+    edit_manifest(out2, lambda m: m.update(format_version=99))
+    refused("unsupported output format version", out2, device="cpu")
+
+
+def test_layout_made_for_another_kernel_library_version(copy):
+    out = copy("marlin")
+    edit_manifest(out, lambda m: m["layout"].update(made_for={"vllm": "0.30.0"}))
+    msg = refused("made for other kernel library versions", out, device="cpu")
+    assert "0.33.0" in msg and "0.30.0" in msg
+
+
+def test_layout_made_for_another_tp_size(outputs):
+    msg = refused(r"cut for tp_size 2, not 1", outputs["tp2"], device="cpu", tp_size=1)
+    assert "--tp-size 1" in msg
+    refused(r"cut for tp_rank 1, not 0", outputs["tp2"], device="cpu", tp_rank=0)
+    refused(r"cut for ep_size 1, not 2", outputs["marlin"], device="cpu", ep_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KernelFallbackWarning)
+        model = load(outputs["tp2"], device="cpu", tp_size=2, tp_rank=1)
+    assert model.partition["tp_rank"] == 1
+
+
+def test_header_disagreeing_with_manifest(copy):
+    out = copy()
+
+    def shrink(m):
+        e = m["moe_layers"][0]["tensors"]["w2_weight"]
+        e["shape"] = [e["shape"][0] - 1, *e["shape"][1:]]
+    edit_manifest(out, shrink)
+    refused("shard header disagrees with the manifest", out, device="cpu")
+
+
+def test_no_cuda(outputs):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    refused("torch sees none", outputs["plain"], device="cuda")
+
+
+def test_unknown_layer(outputs):
+    refused("no such MoE layer", outputs["plain"], device="cpu", layers=[7])
+
+
+# ---------------------------------------------------------------------------------------------------
+# dispatch
+
+
+def test_override_that_cannot_run_is_an_error(outputs, monkeypatch):
+    refused("unknown kernel", outputs["marlin"], device="cpu", kernel="cutlass")
+    refused("does not read the 'plain' layout", outputs["plain"], device="cpu", kernel="vllm-marlin")
+    monkeypatch.setenv("MOECONVERT_KERNEL", "vllm-marlin")
+    monkeypatch.delenv("MOECONVERT_VLLM_MOE_LIB", raising=False)
+    refused("kernel vllm-marlin was asked for but cannot run: it needs a CUDA device", outputs["marlin"],
+            device="cpu")
+
+
+def test_fallback_is_said_once_with_the_reason(outputs):
+    dispatch._SAID.clear()
+    with pytest.warns(KernelFallbackWarning) as record:
+        model = load(outputs["marlin"], device="cpu")
+    assert len(record) == 1  # two layers, one reason: said once
+    text = str(record[0].message)
+    assert "'marlin' layout (wna16)" in text and "vllm-marlin: it needs a CUDA device" in text
+    for layer in model:
+        assert layer.kernel == "reference" and "CUDA" in layer.kernel_note
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KernelFallbackWarning)
+        load(outputs["marlin"], device="cpu")  # not said again
+
+
+def test_triton_layout_waits_for_moeconvert_kernels(tmp_path):
+    src = make_example(tmp_path / "src", "qwen3-moe", "w4a16", num_experts=4)
+    cli("repack", src, tmp_path / "out", "--backend", "triton")
+    dispatch._SAID.clear()
+    with pytest.warns(KernelFallbackWarning, match="triton: moeconvert.kernels has no fused MoE kernel yet"):
+        layer = next(iter(load(tmp_path / "out", device="cpu")))
+    assert layer.kernel == "reference"
