@@ -23,6 +23,7 @@ import functools
 import importlib.metadata
 import importlib.util
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -139,22 +140,52 @@ def weight_type_id(kind: str, bits: int | None = None, symmetric: bool = True) -
     return UINT4B8 if symmetric else UINT4
 
 
+@dataclass
+class Routing:
+    """The aligned routing both GEMMs share (``moe_align_block_size`` for the chosen block size)."""
+
+    topk_weights: torch.Tensor  # [M, k] float32
+    top_k: int
+    block_size: int
+    sorted_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_tokens_past_padded: torch.Tensor
+
+
+def prepare(topk_weights: torch.Tensor, topk_ids: torch.Tensor, E: int) -> Routing:
+    M, top_k = topk_ids.shape
+    bs = block_size(M, top_k, E)
+    sid, eid, npad = align(topk_ids.to(torch.int32).contiguous(), bs, E)
+    return Routing(topk_weights.float().contiguous(), top_k, bs, sid, eid, npad)
+
+
+def gemm(a: torch.Tensor, t: dict[str, torch.Tensor], w13: bool, r: Routing, *, type_id: int, size_n: int,
+         size_k: int) -> torch.Tensor:
+    """One Marlin MoE GEMM. GEMM1 (``w13``): ``a [M, K]``, each token to its k experts, out
+    ``[M*k, N]``; GEMM2: ``a [M*k, K]``, one expert per row, times its topk weight, out ``[M*k, N]``."""
+    p = "w13" if w13 else "w2"
+    size_m = a.shape[0]
+    return ops().moe_wna16_marlin_gemm(
+        a, None, t[f"{p}_weight"], t.get(f"{p}_bias"), t[f"{p}_weight_scale"], None, None,
+        t.get(f"{p}_weight_zero_point"), _workspace(a.device), r.sorted_ids, r.expert_ids, r.num_tokens_past_padded,
+        r.topk_weights, r.block_size, r.top_k if w13 else 1, not w13, type_id, size_m, size_n, size_k,
+        False, True, False, -1, -1, -1).view(size_m * (r.top_k if w13 else 1), size_n)
+
+
+def activation(c1: torch.Tensor, act, Ip: int, w13_rows: str, dtype: torch.dtype) -> torch.Tensor:
+    """vLLM's activation op on GEMM1's output, in float32, written in the activation dtype:
+    ``silu_and_mul`` reads the two halves, ``swigluoai_and_mul`` even/odd columns (interleaved rows)."""
+    c1 = c1.float()
+    gate, up = (c1[:, 0::2], c1[:, 1::2]) if w13_rows == "interleaved" else (c1[:, :Ip], c1[:, Ip:])
+    return act(gate, up).to(dtype).contiguous()
+
+
 def fused_moe(x: torch.Tensor, t: dict[str, torch.Tensor], *, E: int, Hp: int, Ip: int, type_id: int,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, act, w13_rows: str = "gate_up") -> torch.Tensor:
     """Both Marlin GEMMs; ``x [M, Hp]`` fp16/bf16, ``topk_ids`` local expert ids. Returns ``[M, Hp]``."""
-    lib = ops()
     M, top_k = topk_ids.shape
-    bs = block_size(M, top_k, E)
-    sid, eid, npad = align(topk_ids, bs, E)
-    ws = _workspace(x.device)
-    w = topk_weights.float().contiguous()
-    c1 = lib.moe_wna16_marlin_gemm(
-        x, None, t["w13_weight"], t.get("w13_bias"), t["w13_weight_scale"], None, None, t.get("w13_weight_zero_point"),
-        ws, sid, eid, npad, w, bs, top_k, False, type_id, M, 2 * Ip, Hp, False, True, False, -1, -1, -1)
-    c1 = c1.view(M * top_k, 2 * Ip).float()
-    gate, up = (c1[:, 0::2], c1[:, 1::2]) if w13_rows == "interleaved" else (c1[:, :Ip], c1[:, Ip:])
-    a = act(gate, up).to(x.dtype).contiguous()
-    c2 = lib.moe_wna16_marlin_gemm(
-        a, None, t["w2_weight"], t.get("w2_bias"), t["w2_weight_scale"], None, None, t.get("w2_weight_zero_point"),
-        ws, sid, eid, npad, w, bs, 1, True, type_id, M * top_k, Hp, Ip, False, True, False, -1, -1, -1)
+    r = prepare(topk_weights, topk_ids, E)
+    c1 = gemm(x, t, True, r, type_id=type_id, size_n=2 * Ip, size_k=Hp)
+    a = activation(c1, act, Ip, w13_rows, x.dtype)
+    c2 = gemm(a, t, False, r, type_id=type_id, size_n=Hp, size_k=Ip)
     return c2.view(M, top_k, Hp).sum(1)

@@ -654,26 +654,13 @@ GPU_CASES = [
 
 @functools.lru_cache(maxsize=1)
 def _moe_ops():
+    from moeconvert.runtime import vllm_marlin
+
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    lib = os.environ.get("MOECONVERT_VLLM_MOE_LIB")
-    if not lib:
+    if vllm_marlin.find_library()[0] is None:
         pytest.skip("set MOECONVERT_VLLM_MOE_LIB to vLLM 0.33.0's _moe_C library (vllm/_moe_C_stable_libtorch.abi3.so)")
-    torch.ops.load_library(lib)
-    return torch.ops._moe_C
-
-
-def _align(ops, topk_ids, bs, E):
-    n = topk_ids.numel()
-    maxp = n + E * (bs - 1)
-    if n < E:
-        maxp = min(n * bs, maxp)
-    dev = topk_ids.device
-    sorted_ids = torch.empty(maxp, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty((maxp + bs - 1) // bs, dtype=torch.int32, device=dev)
-    npad = torch.empty(1, dtype=torch.int32, device=dev)
-    ops.moe_align_block_size(topk_ids, E, bs, sorted_ids, expert_ids, npad, None, None)
-    return sorted_ids, expert_ids, npad
+    return vllm_marlin.ops()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -688,26 +675,21 @@ def _dequant(codes, scales, zeros, bits, g):  # canonical [E, N, K] -> float32 [
 
 
 def run_marlin_moe(tensors, shape, scheme, x, topk_w, topk_ids):
-    """Both Marlin GEMMs as vLLM's ``_fused_marlin_moe`` calls them; returns (gemm1 out, act, gemm2 out)."""
-    ops = _moe_ops()
+    """Both Marlin GEMMs as the runtime (and vLLM's ``_fused_marlin_moe``) calls them; returns (gemm1 out,
+    act, gemm2 out)."""
+    from moeconvert.runtime import vllm_marlin
+    from moeconvert.runtime.reference import silu_and_mul
+
+    _moe_ops()
     E, H, Ip = shape.num_experts, shape.hidden_size, padded_intermediate(shape.intermediate_size, scheme.group_size)
     M, topk = topk_ids.shape
-    qtype = UINT8B128 if scheme.bits == 8 else (UINT4B8 if scheme.symmetric else UINT4)
-    for bs in (8, 16, 32, 48, 64):
-        if M * topk / E / bs < 0.9:
-            break
-    sid, eid, npad = _align(ops, topk_ids, bs, E)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-    ws = torch.zeros(sms * 4, dtype=torch.int32, device=x.device)
+    qtype = vllm_marlin.weight_type_id("wna16", scheme.bits, scheme.symmetric)
+    assert qtype == (UINT8B128 if scheme.bits == 8 else (UINT4B8 if scheme.symmetric else UINT4))
     t = {k: v.to(x.device) for k, v in tensors.items()}
-    c1 = ops.moe_wna16_marlin_gemm(
-        x, None, t["w13_weight"], t.get("w13_bias"), t["w13_weight_scale"], None, None, t.get("w13_weight_zero_point"),
-        ws, sid, eid, npad, topk_w, bs, topk, False, qtype, M, 2 * Ip, H, False, True, False, -1, -1, -1)
-    c1 = c1.view(M * topk, 2 * Ip)
-    act = (torch.nn.functional.silu(c1[:, :Ip].float()) * c1[:, Ip:].float()).to(x.dtype)
-    c2 = ops.moe_wna16_marlin_gemm(
-        act, None, t["w2_weight"], t.get("w2_bias"), t["w2_weight_scale"], None, None, t.get("w2_weight_zero_point"),
-        ws, sid, eid, npad, topk_w, bs, 1, True, qtype, M * topk, H, Ip, False, True, False, -1, -1, -1)
+    r = vllm_marlin.prepare(topk_w, topk_ids, E)
+    c1 = vllm_marlin.gemm(x, t, True, r, type_id=qtype, size_n=2 * Ip, size_k=H)
+    act = vllm_marlin.activation(c1, silu_and_mul, Ip, "gate_up", x.dtype)
+    c2 = vllm_marlin.gemm(act, t, False, r, type_id=qtype, size_n=H, size_k=Ip)
     return c1, act, c2.view(M, topk, H)
 
 
