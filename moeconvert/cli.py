@@ -416,6 +416,87 @@ def bench_convert_cmd(
     out.print(f"  peak RSS of the conversion: {_human(r['max_peak_rss_bytes'])}")
 
 
+def _bench_device(device: Optional[str]) -> str:
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
+        raise MoeConvertError("unknown device", tensor="--device", expected="cpu | cuda | cuda:N", found=device)
+    if device != "cpu" and not torch.cuda.is_available():
+        raise MoeConvertError("--device cuda asked for, but torch sees no CUDA device", tensor="--device",
+                              expected="a CUDA device", found="none")
+    return device
+
+
+@bench_app.command("load")
+def bench_load_cmd(
+    out_dir: Path = typer.Argument(..., help="A moeconvert output folder."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: cuda if present)."),
+    runs: int = typer.Option(5, "--runs", min=1, help="Timed runs of each way (after one warm-up run)."),
+    layers: Optional[list[int]] = typer.Option(None, "--layer", help="Decoder layer to load (repeatable; default: all MoE layers)."),
+    source: Optional[str] = typer.Option(None, "--source", help="The source checkpoint (default: the manifest's source id)."),
+    reader: str = typer.Option("auto", "--reader", help="auto | direct | pinned (the runtime's host-to-device copy)."),
+    json_out: bool = JSON,
+):
+    """Time to ready on the device: converted folder vs the same bytes read plainly vs source load-then-process."""
+    from moeconvert.runtime.bench import bench_load
+
+    r = bench_load(out_dir, _bench_device(device), runs, layers or None, reader, source)
+    if json_out:
+        print(json.dumps(r, indent=1))
+        return
+    med = r["median_seconds"]
+    out.print(f"bench load {out_dir} on {r['device']}: {r['layers']} MoE layers, {_human(r['bytes'])}, "
+              f"median of {runs} runs (after a warm-up run)")
+    out.print(f"  (a) converted (moeconvert.runtime.load): {med['converted']:.4f} s")
+    out.print(f"  (b) floor (same bytes, safetensors to device): {med['floor']:.4f} s")
+    if "load_then_process" in med:
+        out.print(f"  (c) load-then-process (source to device + decode/quantize/encode there): "
+                  f"{med['load_then_process']:.4f} s")
+    out.print(f"  ratios: a/b {r['ratio_converted_vs_floor']:.2f}x"
+              + (f"   c/b {r['ratio_load_then_process_vs_floor']:.2f}x"
+                 f"   c/a {r['speedup_converted_vs_load_then_process']:.2f}x (converted is that much faster)"
+                 if "load_then_process" in med else ""))
+    out.print(f"  note: {r['stand_in']}")
+    if r["source_note"]:
+        out.print(f"  note: {r['source_note']}")
+
+
+@bench_app.command("layer")
+def bench_layer_cmd(
+    out_dir: Path = typer.Argument(..., help="A moeconvert output folder."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: cuda if present)."),
+    tokens: str = typer.Option("1,16,128,1024", "--tokens", help="Comma-separated token counts."),
+    runs: int = typer.Option(20, "--runs", min=1, help="Timed calls per measurement (median)."),
+    layer: Optional[int] = typer.Option(None, "--layer", help="Decoder layer (default: the first MoE layer)."),
+    kernel: Optional[str] = typer.Option(None, "--kernel", help="Force a kernel (as MOECONVERT_KERNEL)."),
+    json_out: bool = JSON,
+):
+    """Per-layer latency of the dispatched kernel vs the PyTorch reference."""
+    from moeconvert.runtime.bench import bench_layer
+
+    try:
+        counts = [int(t) for t in tokens.split(",") if t.strip()]
+    except ValueError:
+        raise MoeConvertError("bad token counts", tensor="--tokens", expected="e.g. 1,16,128", found=tokens) from None
+    if not counts or min(counts) < 1:
+        raise MoeConvertError("bad token counts", tensor="--tokens", expected="positive integers", found=tokens)
+    r = bench_layer(out_dir, _bench_device(device), counts, runs, layer, kernel)
+    if json_out:
+        print(json.dumps(r, indent=1))
+        return
+    out.print(f"bench layer {r['layer']} ({r['layout']}, {r['scheme']}) on {r['device']}: kernel "
+              f"[cyan]{r['kernel']}[/cyan], median of {runs} calls"
+              + (f"; {escape(r['kernel_note'])}" if r["kernel_note"] else ""))
+    t = Table()
+    for col in ("tokens", f"dispatched ({r['kernel']}) ms", "reference ms", "speedup", "rel diff"):
+        t.add_column(col, justify="right")
+    for row in r["rows"]:
+        t.add_row(str(row["tokens"]), f"{1e3 * row['kernel_seconds']:.3f}", f"{1e3 * row['reference_seconds']:.3f}",
+                  f"{row['speedup_vs_reference']:.2f}x", f"{row['rel_diff_vs_reference']:.2e}")
+    out.print(t)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or bool(os.environ.get("MOECONVERT_DEBUG"))
