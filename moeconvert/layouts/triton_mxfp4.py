@@ -47,6 +47,9 @@ from moeconvert.schemes import Scheme
 
 MXFP4_BLOCK = 32
 TRITON_KERNELS_API = "3.5.1"  # vllm/third_party/triton_kernels; vLLM's get_triton_kernels_version()
+# opt_flags_nvidia.compute_block_n: BLOCK_N = 256 only for N > 128 (else min(128, next_pow2(N))), and the
+# HOPPER_SCALE branch of the matmul kernel static-asserts BLOCK_N % (2 * 8 warps * 2 * 8) == 0: seen on an H200
+KERNEL_MIN_N = 128
 MX_AXIS = 1  # the K axis of the logical [E, K, N] weight
 MMA_VERSION = 3  # HopperMXValueLayout's default, wgmma (mma_version 2 would pack 4 bytes along K)
 SCALE_NUM_WARPS = 8  # _swizzle_mxfp4(num_warps=8); the matmul takes its num_warps from the scale layout
@@ -296,6 +299,13 @@ class TritonMXFP4Layout(Layout):
                 f"activation '{shape.activation}' has no triton_kernels MoE in vLLM 0.33.0 for this layout: it "
                 "takes swigluoai (TRITON, TRITON_UNFUSED) or silu (TRITON_UNFUSED)"
             )
+        for what, n in (("w13 rows 2*I", 2 * I), ("w2 rows H", H)):
+            if n <= KERNEL_MIN_N:
+                problems.append(
+                    f"{what} = {n} must exceed {KERNEL_MIN_N}: triton_kernels' matmul_ogs takes BLOCK_N = 256 only "
+                    f"for N > {KERNEL_MIN_N}, and with the 8-warp Hopper scale swizzle it asserts BLOCK_N % 256 == 0 "
+                    "(it fails to compile for such a layer, in vLLM too)"
+                )
         if shape.num_experts < 1:
             problems.append(f"num_experts = {shape.num_experts}: the layer must hold at least one expert")
         return problems
