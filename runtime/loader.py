@@ -130,8 +130,9 @@ class PinnedReader(Reader):
 
 def make_reader(kind: str, device: torch.device) -> Reader:
     if kind == "auto":
-        # Not measured yet on every machine; the direct copy is always correct (docs/runtime.md).
-        kind = os.environ.get("MOECONVERT_READER", "direct")
+        # Measured on an H200 (bench load, Qwen3-30B-shaped layers, page cache): pinned 0.022 s vs direct
+        # 0.094 s for 624 MB. On CPU there is no host-to-device copy to stage.
+        kind = os.environ.get("MOECONVERT_READER", "pinned" if device.type == "cuda" else "direct")
     if kind == "direct":
         return Reader(device)
     if kind == "pinned":

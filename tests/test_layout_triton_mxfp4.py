@@ -51,6 +51,7 @@ KERNEL_TESTS = {"test_matmul_ogs_computes_right_on_our_bytes", "test_check_refus
 def _byte_level_sizes(request, monkeypatch):
     if request.node.originalname not in KERNEL_TESTS:
         monkeypatch.setattr("moeconvert.layouts.triton_mxfp4.KERNEL_MIN_N", 0)
+        monkeypatch.setattr("moeconvert.layouts.triton_mxfp4.KERNEL_K_MULTIPLE", 32)
 
 
 def test_check_refuses_rows_the_kernel_cannot_tile():
@@ -58,7 +59,8 @@ def test_check_refuses_rows_the_kernel_cannot_tile():
     problems = LAYOUT.check(layer(1, 96, 64), MXFP4Scheme())
     assert any("w13 rows 2*I = 128 must exceed 128" in p for p in problems)
     assert any("w2 rows H = 96 must exceed 128" in p for p in problems)
-    assert not LAYOUT.check(layer(1, 160, 128), MXFP4Scheme())  # 2*I = 256, H = 160
+    assert any("H = 160 must be a multiple of 64" in p for p in LAYOUT.check(layer(1, 160, 128), MXFP4Scheme()))
+    assert not LAYOUT.check(layer(1, 192, 128), MXFP4Scheme())  # 2*I = 256, H = 192
 
 
 def layer(E, H, I, bias=False, activation="swigluoai", dtype="bfloat16"):
@@ -693,7 +695,7 @@ def _small_scales(block):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("E,H,I,bias", [(2, 256, 128, True), (3, 2880, 192, True), (1, 160, 128, False)])
+@pytest.mark.parametrize("E,H,I,bias", [(2, 256, 128, True), (3, 2880, 192, True), (1, 192, 128, False)])
 def test_matmul_ogs_computes_right_on_our_bytes(E, H, I, bias):
     k = _matmul_ogs()
     dev = "cuda"

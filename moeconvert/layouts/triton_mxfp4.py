@@ -50,6 +50,8 @@ TRITON_KERNELS_API = "3.5.1"  # vllm/third_party/triton_kernels; vLLM's get_trit
 # opt_flags_nvidia.compute_block_n: BLOCK_N = 256 only for N > 128 (else min(128, next_pow2(N))), and the
 # HOPPER_SCALE branch of the matmul kernel static-asserts BLOCK_N % (2 * 8 warps * 2 * 8) == 0: seen on an H200
 KERNEL_MIN_N = 128
+# GEMM1's K (= H) not a multiple of 64 (the value swizzle's 32-byte K tile) gives wrong results: seen on an H200
+KERNEL_K_MULTIPLE = 64
 MX_AXIS = 1  # the K axis of the logical [E, K, N] weight
 MMA_VERSION = 3  # HopperMXValueLayout's default, wgmma (mma_version 2 would pack 4 bytes along K)
 SCALE_NUM_WARPS = 8  # _swizzle_mxfp4(num_warps=8); the matmul takes its num_warps from the scale layout
@@ -298,6 +300,12 @@ class TritonMXFP4Layout(Layout):
             problems.append(
                 f"activation '{shape.activation}' has no triton_kernels MoE in vLLM 0.33.0 for this layout: it "
                 "takes swigluoai (TRITON, TRITON_UNFUSED) or silu (TRITON_UNFUSED)"
+            )
+        if H % MXFP4_BLOCK == 0 and H % KERNEL_K_MULTIPLE:
+            problems.append(
+                f"hidden_size H = {H} must be a multiple of {KERNEL_K_MULTIPLE}: triton_kernels' matmul_ogs computes "
+                "GEMM1 (K = H) wrong otherwise (seen on an H200: relative error 0.34 at H = 160, 0.002 at "
+                "H = 2880), and vLLM's TRITON backends do not pad H"
             )
         for what, n in (("w13 rows 2*I", 2 * I), ("w2 rows H", H)):
             if n <= KERNEL_MIN_N:
