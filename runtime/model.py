@@ -103,15 +103,13 @@ def _select(layers: Iterable[int | str] | None, entries: list[LayerEntry]) -> li
     return out
 
 
-def _read(reader: Reader, checked: CheckedManifest, name: str, verify: bool) -> torch.Tensor:
+def _verify(reader: Reader, checked: CheckedManifest, name: str) -> None:
     info = checked.tensors[name]
-    if verify:
-        got = reader.sha256(info)
-        if got != checked.sha256[name]:
-            raise MoeConvertError("checksum mismatch: the tensor's bytes changed after conversion",
-                                  file=info.file.name, tensor=name, expected=f"sha256 {checked.sha256[name][:16]}…",
-                                  found=f"sha256 {got[:16]}…")
-    return reader.read(info)
+    got = reader.sha256(info)
+    if got != checked.sha256[name]:
+        raise MoeConvertError("checksum mismatch: the tensor's bytes changed after conversion",
+                              file=info.file.name, tensor=name, expected=f"sha256 {checked.sha256[name][:16]}…",
+                              found=f"sha256 {got[:16]}…")
 
 
 def _default_device() -> str:
@@ -121,14 +119,18 @@ def _default_device() -> str:
 def load(path_or_repo: str | Path, device: str | torch.device | None = None, layers: Iterable[int | str] | None = None,
          tp_rank: int | None = None, *, tp_size: int | None = None, ep_size: int | None = None,
          ep_rank: int | None = None, verify: bool = False, kernel: str | None = None, reader: str = "auto",
-         revision: str | None = None) -> MoEModel:
+         revision: str | None = None, threads: int | None = None, buffer_mb: float | None = None,
+         progress: bool | None = None) -> MoEModel:
     """Load a ``moeconvert`` output's MoE layers onto ``device`` (default: cuda if present, else cpu).
 
     ``layers``: decoder layer numbers or experts prefixes (default: all). ``tp_rank`` / ``tp_size`` /
     ``ep_size`` / ``ep_rank``: the partition this process expects; an output cut otherwise is refused.
     ``verify``: recompute every loaded tensor's sha256 against the manifest first. ``kernel``: force a
     kernel (``reference``, ``vllm-marlin``, ``triton``), as ``$MOECONVERT_KERNEL`` does. ``reader``:
-    ``auto`` | ``direct`` | ``pinned`` (loader.py).
+    ``auto`` | ``direct`` | ``pinned`` | ``threaded`` (loader.py, fastload.py). ``threads`` /
+    ``buffer_mb``: the threaded reader's workers and buffer size (default ``$MOECONVERT_LOAD_THREADS``
+    or min(8, cpus), ``$MOECONVERT_LOAD_BUFFER_MB`` or 64). ``progress``: a bar with GB/s on stderr
+    (default: for loads above 1 GB on a terminal). Nothing is returned unless every tensor was read.
     """
     root = _resolve(path_or_repo, revision)
     dev = torch.device(device or _default_device())
@@ -142,18 +144,28 @@ def load(path_or_repo: str | Path, device: str | torch.device | None = None, lay
     config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     family = checked.family
     part = checked.partition
+    selected = _select(layers, checked.layers)
+    names: list[str] = []
+    for entry in selected:
+        names += [info.name for info in entry.tensors.values()] + list(entry.router) + list(entry.shared)
+    names = list(dict.fromkeys(names))
     out: dict[str, MoELayer] = {}
-    with make_reader(reader, dev) as r:
-        for entry in _select(layers, checked.layers):
-            tensors = {suffix: _read(r, checked, info.name, verify) for suffix, info in entry.tensors.items()}
-            router = None
-            if entry.router:
-                rt = {n: _read(r, checked, n, verify) for n in entry.router}
-                router = router_from_tensors(router_config(family, config, entry.top_k), rt)
-            shared = {n: _read(r, checked, n, verify) for n in entry.shared}
-            out[entry.prefix] = MoELayer(entry, tensors, dev, router, shared, config, part.get("tp_size", 1), kernel)
+    with make_reader(reader, dev, threads=threads, buffer_mb=buffer_mb, progress=progress) as r:
+        if verify:
+            for n in names:
+                _verify(r, checked, n)
+        # every tensor at once: a reader may plan its reads over whole shards (fastload.py)
+        read = dict(zip(names, r.read_many([checked.tensors[n] for n in names])))
         r.synchronize()
         reader_name = r.name
+    for entry in selected:
+        tensors = {suffix: read[info.name] for suffix, info in entry.tensors.items()}
+        router = None
+        if entry.router:
+            rt = {n: read[n] for n in entry.router}
+            router = router_from_tensors(router_config(family, config, entry.top_k), rt)
+        shared = {n: read[n] for n in entry.shared}
+        out[entry.prefix] = MoELayer(entry, tensors, dev, router, shared, config, part.get("tp_size", 1), kernel)
     return MoEModel(path=root, device=dev, manifest=checked.raw, config=config, moe_layers=out, checked=checked,
                     reader=reader_name)
 
