@@ -435,13 +435,20 @@ def bench_load_cmd(
     runs: int = typer.Option(5, "--runs", min=1, help="Timed runs of each way (after one warm-up run)."),
     layers: Optional[list[int]] = typer.Option(None, "--layer", help="Decoder layer to load (repeatable; default: all MoE layers)."),
     source: Optional[str] = typer.Option(None, "--source", help="The source checkpoint (default: the manifest's source id)."),
-    reader: str = typer.Option("auto", "--reader", help="auto | direct | pinned (the runtime's host-to-device copy)."),
+    reader: str = typer.Option("auto", "--reader", help="auto | direct | pinned | threaded (the runtime's host-to-device copy)."),
+    io: bool = typer.Option(False, "--io", help="Also measure GB/s: our loader warm and cold, safetensors, a plain sequential read, the pinned host-to-device link."),
+    cold_runs: int = typer.Option(1, "--cold-runs", min=0, help="With --io: cold runs of each (page cache dropped before each)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threaded reader's workers (default: MOECONVERT_LOAD_THREADS or min(8, cpus))."),
+    buffer_mb: Optional[float] = typer.Option(None, "--buffer-mb", min=0.001, help="Threaded reader's buffer size in MB (default: MOECONVERT_LOAD_BUFFER_MB or 64)."),
     json_out: bool = JSON,
 ):
     """Time to ready on the device: converted folder vs the same bytes read plainly vs source load-then-process."""
-    from moeconvert.runtime.bench import bench_load
+    from moeconvert.runtime.bench import bench_io, bench_load
 
-    r = bench_load(out_dir, _bench_device(device), runs, layers or None, reader, source)
+    dev = _bench_device(device)
+    r = bench_load(out_dir, dev, runs, layers or None, reader, source, threads=threads, buffer_mb=buffer_mb)
+    if io:
+        r["io"] = bench_io(out_dir, dev, runs, cold_runs, threads, buffer_mb)
     if json_out:
         print(json.dumps(r, indent=1))
         return
@@ -460,6 +467,59 @@ def bench_load_cmd(
     out.print(f"  note: {r['stand_in']}")
     if r["source_note"]:
         out.print(f"  note: {r['source_note']}")
+    if io:
+        _print_io(r["io"])
+
+
+def _print_io(r: dict) -> None:
+    gbs = lambda x: f"{x / 1e9:.2f} GB/s"  # noqa: E731
+    out.print(f"I/O: {r['files']} shard(s), {_human(r['file_bytes'])} on disk, {_human(r['load_bytes'])} loaded; "
+              f"median of {r['runs']} warm runs (after a warm-up), {r['cold_runs']} cold")
+    t = Table()
+    for col in ("way", "warm", "cold"):
+        t.add_column(col, justify="right" if col != "way" else "left")
+    labels = {"ours": "moeconvert load (threaded)", "ours_pinned": "moeconvert load (pinned, 2x32 MB)",
+              "ours_direct": "moeconvert load (direct)", "safetensors_load_file": "safetensors load_file(device=)",
+              "safetensors_mmap_to_device": "safe_open (mmap) + get_tensor().to()",
+              "sequential_read": "sequential read, 16 MB, no copy"}
+    for k, v in r["warm_bytes_per_s"].items():
+        c = r["cold_bytes_per_s"].get(k)
+        t.add_row(labels.get(k, k), gbs(v), gbs(c) if c else "-")
+    if r["h2d_bytes_per_s"]:
+        t.add_row("pinned host -> device (1 GB copies)", gbs(r["h2d_bytes_per_s"]), "-")
+    out.print(t)
+    cold = r["cold"]
+    if not r["cold_bytes_per_s"]:
+        out.print(f"  cold: not measured ({escape(cold['note']) if cold else 'no cold runs asked for'})")
+    else:
+        out.print(f"  cold: page cache dropped with {cold['how']}"
+                  + (f" ({escape(cold['note'])})" if cold["note"] else "")
+                  + (f", {100 * cold['resident_after']:.1f}% resident after (mincore)"
+                     if cold["resident_after"] is not None else ""))
+    out.print("  ratios: " + "   ".join(f"{k.replace('_vs_', ' / ')} {v:.2f}x" for k, v in r["ratios"].items()))
+
+
+@bench_app.command("make-folder")
+def bench_make_folder_cmd(
+    out_dir: Path = typer.Argument(..., help="Output folder (must not exist or be empty, unless --overwrite)."),
+    gb: float = typer.Option(6.0, "--gb", min=0.001, help="About this many GB of bf16 experts."),
+    experts: int = typer.Option(128, "--experts", min=8, help="Experts per layer (Qwen3-30B-A3B: 128)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output folder."),
+    json_out: bool = JSON,
+):
+    """A large synthetic converted folder (Qwen3-30B-A3B-shaped bf16 experts, plain layout) for bench load."""
+    from moeconvert.runtime.bench import make_folder
+
+    t0 = time.perf_counter()
+    with _progress() as prog:
+        task = prog.add_task("make-folder → plain", total=None)
+        r = make_folder(out_dir, gb, experts=experts, overwrite=overwrite, progress=lambda n: prog.advance(task, n))
+    r["seconds"] = round(time.perf_counter() - t0, 3)
+    if json_out:
+        print(json.dumps(r, indent=1))
+        return
+    out.print(f"wrote {out_dir}: {r['layers']} MoE layers of {r['experts']} experts (H {r['hidden_size']}, "
+              f"I {r['intermediate_size']}), {_human(r['bytes'])} in {r['shards']} shard(s), {r['seconds']:.1f} s")
 
 
 @bench_app.command("layer")

@@ -17,6 +17,8 @@ few token counts (CUDA events on a GPU, ``perf_counter`` on CPU), and reports th
 
 from __future__ import annotations
 
+import math
+import os
 import statistics
 import time
 import warnings
@@ -110,7 +112,7 @@ def _process_source(source, model_map, manifest: dict, prefixes: list[str], devi
 
 
 def bench_load(out: Path, device: str = "cuda", runs: int = 5, layers=None, reader: str = "auto",
-               source: str | None = None) -> dict:
+               source: str | None = None, *, threads: int | None = None, buffer_mb: float | None = None) -> dict:
     dev = torch.device(device)
     checked = read_checked(out)
     entries = [e for e in checked.layers if layers is None or e.index in layers or e.prefix in layers]
@@ -137,7 +139,8 @@ def bench_load(out: Path, device: str = "cuda", runs: int = 5, layers=None, read
     def converted():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", KernelFallbackWarning)
-            return load(out, device=dev, layers=[e.prefix for e in entries], reader=reader)
+            return load(out, device=dev, layers=[e.prefix for e in entries], reader=reader, threads=threads,
+                        buffer_mb=buffer_mb, progress=False)
 
     ways = {"converted": converted, "floor": lambda: _read_to_device(floor_files, dev)}
     if model_map is not None:
@@ -212,3 +215,298 @@ def bench_layer(out: Path, device: str = "cuda", tokens=(1, 16, 128, 1024), runs
     return {"output": str(out), "device": str(dev), "layer": moe.prefix, "layout": moe.entry.layout.name,
             "scheme": moe.entry.scheme.describe(), "kernel": moe.kernel, "kernel_note": moe.kernel_note,
             "runs": runs, "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------------
+# bench load --io: how fast bytes reach the device, side by side with safetensors and a plain read
+# ------------------------------------------------------------------------------------------------
+
+_GB = 1e9
+_SEQ_READ = 16 << 20
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def _shard_files(checked) -> list[Path]:
+    return [checked.root / s["file"] for s in checked.raw.get("shards") or []]
+
+
+def sequential_read(files: list[Path]) -> int:
+    """A plain sequential read of ``files`` (dd-style: 16 MB reads into one reused buffer, no device copy)."""
+    buf = bytearray(_SEQ_READ)
+    total = 0
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total
+
+
+def resident_fraction(files: list[Path]) -> float | None:
+    """The fraction of the files' pages in the page cache (``mincore``), or None where it cannot be asked."""
+    import ctypes
+    import mmap
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+    pages = resident = 0
+    for path in files:
+        size = path.stat().st_size
+        if not size:
+            continue
+        with open(path, "rb") as f:
+            m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # writable view for ctypes; never written
+        try:
+            base = ctypes.c_char.from_buffer(m)
+            n = (size + page - 1) // page
+            vec = (ctypes.c_ubyte * n)()
+            rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(base)), ctypes.c_size_t(size), vec)
+            del base
+            if rc != 0:
+                return None
+            pages += n
+            resident += n - bytes(vec).count(0)
+        finally:
+            m.close()
+    return resident / pages if pages else 0.0
+
+
+def evict(files: list[Path]) -> dict:
+    """Drop the files from the page cache: ``sync; echo 3 > /proc/sys/vm/drop_caches`` (root), else
+    ``posix_fadvise(DONTNEED)`` on each file. Says which worked and how much stayed resident (mincore)."""
+    os.sync()
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write("3\n")
+        how, note = "drop_caches", None
+    except OSError as e:
+        note = f"drop_caches failed: {e.strerror or e}"
+        how = None
+        if hasattr(os, "posix_fadvise"):
+            try:
+                for path in files:
+                    fd = os.open(path, os.O_RDONLY)
+                    try:
+                        os.fdatasync(fd)
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    finally:
+                        os.close(fd)
+                how = "posix_fadvise(DONTNEED)"
+            except OSError as e2:
+                note += f"; posix_fadvise failed: {e2.strerror or e2}"
+    left = resident_fraction(files)
+    # a cold run is one whose files are (almost) out of the page cache, as mincore tells
+    ok = how is not None and (left is None and how == "drop_caches" or left is not None and left <= 0.01)
+    if how is not None and not ok:
+        note = (note + "; " if note else "") + f"{how} left {100 * (left or 0):.1f}% of the pages resident"
+    return {"cold": ok, "how": how, "resident_after": left, "note": note}
+
+
+def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30, runs: int = 5) -> float | None:
+    """Pinned host -> device copy rate of the machine (the link limit), bytes/s; None on CPU."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)  # warm-up
+    samples = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return nbytes / statistics.median(samples)
+
+
+def bench_io(out: Path, device: str = "cuda", runs: int = 3, cold_runs: int = 1, threads: int | None = None,
+             buffer_mb: float | None = None) -> dict:
+    """Warm and cold GB/s of ``load`` (threaded reader) vs safetensors, mmap + copy and a plain read."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    dev = torch.device(device)
+    checked = read_checked(out)
+    files = _shard_files(checked)
+    file_bytes = sum(p.stat().st_size for p in files)
+    names = [n for e in checked.layers for n in [i.name for i in e.tensors.values()] + e.router + e.shared]
+    load_bytes = sum(checked.tensors[n].nbytes for n in dict.fromkeys(names))
+
+    def ours(reader="threaded"):
+        def run():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", KernelFallbackWarning)
+                return load(out, device=dev, reader=reader, threads=threads, buffer_mb=buffer_mb, progress=False)
+        return run
+
+    def st_load_file():
+        return [load_file(str(p), device=str(dev)) for p in files]
+
+    def st_mmap_copy():
+        held = []
+        for p in files:
+            with safe_open(str(p), framework="pt") as f:  # mapped on the host, then one copy each
+                held += [f.get_tensor(k).to(dev) for k in f.keys()]
+        return held
+
+    warm = {"ours": (ours(), load_bytes),
+            "ours_" + ("pinned" if dev.type == "cuda" else "direct"): (ours("pinned" if dev.type == "cuda" else "direct"),
+                                                                    load_bytes),
+            "safetensors_load_file": (st_load_file, file_bytes),
+            "safetensors_mmap_to_device": (st_mmap_copy, file_bytes),
+            "sequential_read": (lambda: sequential_read(files), file_bytes)}
+    seconds: dict[str, list[float]] = {k: [] for k in warm}
+    for i in range(runs + 1):  # run 0 warms up (page cache, pinned buffers, CUDA context)
+        for k, (fn, _) in warm.items():
+            dt = _timed(fn, dev)
+            if i:
+                seconds[k].append(dt)
+    cold: dict[str, list[float]] = {"ours": [], "sequential_read": []}
+    cold_info = None
+    for _ in range(cold_runs):
+        for k, fn in (("sequential_read", lambda: sequential_read(files)), ("ours", ours())):
+            cold_info = evict(files)
+            if not cold_info["cold"]:
+                break
+            cold[k].append(_timed(fn, dev))
+        if cold_info is not None and not cold_info["cold"]:
+            cold = {}
+            break
+    link = h2d_bandwidth(dev)
+
+    rate = {k: warm[k][1] / statistics.median(v) for k, v in seconds.items()}
+    cold_rate = {k: (load_bytes if k == "ours" else file_bytes) / statistics.median(v) for k, v in cold.items() if v}
+    result = {
+        "output": str(out), "device": str(dev), "runs": runs, "cold_runs": cold_runs, "files": len(files),
+        "file_bytes": file_bytes, "load_bytes": load_bytes,
+        "threads": threads, "buffer_mb": buffer_mb,
+        "warm_seconds": {k: [round(x, 6) for x in v] for k, v in seconds.items()},
+        "warm_bytes_per_s": rate,
+        "cold_seconds": {k: [round(x, 6) for x in v] for k, v in cold.items()},
+        "cold_bytes_per_s": cold_rate,
+        "cold": cold_info,
+        "h2d_bytes_per_s": link,
+        "ratios": {
+            "ours_warm_vs_safetensors_load_file": rate["ours"] / rate["safetensors_load_file"],
+            "ours_warm_vs_safetensors_mmap_to_device": rate["ours"] / rate["safetensors_mmap_to_device"],
+            "ours_warm_vs_sequential_read_warm": rate["ours"] / rate["sequential_read"],
+        },
+    }
+    if link:
+        result["ratios"]["ours_warm_vs_h2d"] = rate["ours"] / link
+    if cold_rate:
+        result["ratios"]["ours_cold_vs_sequential_read_cold"] = cold_rate["ours"] / cold_rate["sequential_read"]
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# bench make-folder: a large converted folder, quickly, through the real repack code path
+# ------------------------------------------------------------------------------------------------
+
+def _qwen3_config(hidden: int, intermediate: int, experts: int, layers: int, vocab: int) -> dict:
+    """The config.json ``make_example`` writes for qwen3-moe, at Qwen3-30B-A3B's expert sizes."""
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "decoder_sparse_step": 1, "dtype": "bfloat16", "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": hidden, "initializer_range": 0.02, "intermediate_size": 3 * hidden,
+        "max_position_embeddings": 32768, "mlp_only_layers": [], "model_type": "qwen3_moe",
+        "moe_intermediate_size": intermediate, "norm_topk_prob": True, "num_attention_heads": 32,
+        "num_experts": experts, "num_experts_per_tok": min(8, experts), "num_hidden_layers": layers,
+        "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+        "tie_word_embeddings": False, "use_cache": True, "use_sliding_window": False, "vocab_size": vocab,
+    }
+
+
+def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], pool: memoryview, rng) -> int:
+    """A bf16 safetensors file whose tensors are slices of ``pool`` at random offsets; returns its size."""
+    import json
+    import struct
+
+    header, at = {}, 0
+    for name, shape in tensors:
+        n = 2 * math.prod(shape)
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for name, shape in tensors:
+            n = 2 * math.prod(shape)
+            while n:
+                a = 2 * rng.randrange(0, len(pool) // 2 - 1)
+                k = min(n, len(pool) - a)
+                f.write(pool[a:a + k])
+                n -= k
+    return 8 + len(head) + at
+
+
+def make_folder(out: Path, gb: float = 6.0, *, hidden: int = 2048, intermediate: int = 768, experts: int = 128,
+                seed: int = 0, overwrite: bool = False, max_shard_size: int = 5 * 10**9, progress=None) -> dict:
+    """A synthetic Qwen3-MoE bf16 checkpoint of about ``gb`` GB of experts (one shard per decoder
+    layer, random bf16 values), converted with ``repack --backend plain``'s own code; the source
+    is written next to ``out`` and removed after. Returns the repack manifest summary."""
+    import json
+    import random
+    import shutil
+
+    from moeconvert.canonical import Partition
+    from moeconvert.convert import plan_conversion, run_conversion
+    from moeconvert.layouts import get_layout
+    from moeconvert.sources import INDEX_NAME, open_source
+    from moeconvert.writer import check_output_target
+
+    out = Path(out)
+    per_expert = 3 * hidden * intermediate * 2
+    target = gb * _GB
+    if target >= experts * per_expert:
+        layers = max(1, round(target / (experts * per_expert)))
+    else:  # a small folder: one layer of fewer experts
+        layers, experts = 1, max(8, round(target / per_expert))
+    vocab, heads, kv, head_dim = 4096, 32, 4, 128
+    src = out.parent / f".{out.name}.make-folder-source-{os.getpid()}"
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir(parents=True)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    pool = memoryview((torch.randn(16 << 20, generator=gen) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy())
+    try:
+        weight_map, total = {}, 0
+        files = [f"model-{i + 1:05d}-of-{layers + 1:05d}.safetensors" for i in range(layers + 1)]
+        for li in range(layers):
+            p = f"model.layers.{li}"
+            ts = [(f"{p}.input_layernorm.weight", (hidden,)), (f"{p}.post_attention_layernorm.weight", (hidden,)),
+                  (f"{p}.self_attn.q_proj.weight", (heads * head_dim, hidden)),
+                  (f"{p}.self_attn.k_proj.weight", (kv * head_dim, hidden)),
+                  (f"{p}.self_attn.v_proj.weight", (kv * head_dim, hidden)),
+                  (f"{p}.self_attn.o_proj.weight", (hidden, heads * head_dim)),
+                  (f"{p}.self_attn.q_norm.weight", (head_dim,)), (f"{p}.self_attn.k_norm.weight", (head_dim,)),
+                  (f"{p}.mlp.gate.weight", (experts, hidden))]
+            for e in range(experts):
+                ts += [(f"{p}.mlp.experts.{e}.gate_proj.weight", (intermediate, hidden)),
+                       (f"{p}.mlp.experts.{e}.up_proj.weight", (intermediate, hidden)),
+                       (f"{p}.mlp.experts.{e}.down_proj.weight", (hidden, intermediate))]
+            total += _write_safetensors(src / files[li], ts, pool, rng)
+            weight_map.update({n: files[li] for n, _ in ts})
+        ts = [("model.embed_tokens.weight", (vocab, hidden)), ("lm_head.weight", (vocab, hidden)),
+              ("model.norm.weight", (hidden,))]
+        total += _write_safetensors(src / files[-1], ts, pool, rng)
+        weight_map.update({n: files[-1] for n, _ in ts})
+        (src / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+        (src / "config.json").write_text(json.dumps(_qwen3_config(hidden, intermediate, experts, layers, vocab),
+                                                    indent=2))
+        source = open_source(str(src))
+        check_output_target(out, source.root, overwrite)
+        plan = plan_conversion(source, get_layout("plain"), Partition(), max_shard_size)
+        manifest = run_conversion(plan, out, overwrite=overwrite, progress=progress)
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+    return {"output": str(out), "layers": layers, "experts": experts, "hidden_size": hidden,
+            "intermediate_size": intermediate, "bytes": sum(s["size"] for s in manifest["shards"]),
+            "shards": len(manifest["shards"])}

@@ -105,7 +105,7 @@ def plan_chunks(segments: list[_Segment], chunk_bytes: int) -> list[_Chunk]:
         if s.info.nbytes:
             by_file.setdefault(s.info.file, []).append(s)
     chunks: list[_Chunk] = []
-    for path, segs in by_file.items():
+    for path, segs in sorted(by_file.items()):
         segs.sort(key=lambda s: s.info.start)
         runs: list[list[_Segment]] = []
         for s in segs:
@@ -221,8 +221,8 @@ class ThreadedReader(Reader):
             try:
                 n = _pread(fd, view[got:chunk.nbytes], at)
             except OSError as e:
-                raise MoeConvertError(f"cannot read the shard: {e.strerror}", file=str(chunk.file),
-                                      tensor=chunk.tensor_at(at), expected=f"bytes at offset {at}") from e
+                raise MoeConvertError(f"cannot read the shard at byte {at}: {e.strerror}", file=str(chunk.file),
+                                      tensor=chunk.tensor_at(at)) from e
             if n <= 0:
                 size = os.fstat(fd).st_size
                 raise MoeConvertError("shard ended before the tensor's data (truncated during the load?)",
