@@ -440,15 +440,24 @@ def bench_load_cmd(
     cold_runs: int = typer.Option(1, "--cold-runs", min=0, help="With --io: cold runs of each (page cache dropped before each)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threaded reader's workers (default: MOECONVERT_LOAD_THREADS or min(8, cpus))."),
     buffer_mb: Optional[float] = typer.Option(None, "--buffer-mb", min=0.001, help="Threaded reader's buffer size in MB (default: MOECONVERT_LOAD_BUFFER_MB or 64)."),
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="With --io: more threaded-reader settings timed warm, THREADSxMB comma-separated, e.g. 4x64,16x32."),
     json_out: bool = JSON,
 ):
     """Time to ready on the device: converted folder vs the same bytes read plainly vs source load-then-process."""
     from moeconvert.runtime.bench import bench_io, bench_load
 
+    settings = []
+    for item in (sweep or "").split(","):
+        if item.strip():
+            m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+(?:\.\d+)?)\s*", item)
+            if not m or int(m[1]) < 1 or float(m[2]) <= 0:
+                raise MoeConvertError("bad sweep setting", tensor="--sweep", expected="THREADSxMB, e.g. 8x64",
+                                      found=item)
+            settings.append((int(m[1]), float(m[2])))
     dev = _bench_device(device)
     r = bench_load(out_dir, dev, runs, layers or None, reader, source, threads=threads, buffer_mb=buffer_mb)
     if io:
-        r["io"] = bench_io(out_dir, dev, runs, cold_runs, threads, buffer_mb)
+        r["io"] = bench_io(out_dir, dev, runs, cold_runs, threads, buffer_mb, settings)
     if json_out:
         print(json.dumps(r, indent=1))
         return
@@ -478,13 +487,15 @@ def _print_io(r: dict) -> None:
     t = Table()
     for col in ("way", "warm", "cold"):
         t.add_column(col, justify="right" if col != "way" else "left")
-    labels = {"ours": "moeconvert load (threaded)", "ours_pinned": "moeconvert load (pinned, 2x32 MB)",
+    labels = {"ours": f"moeconvert load (threaded, {r['threads_used']} threads x {r['buffer_mb_used']:g} MB)", "ours_pinned": "moeconvert load (pinned, 2x32 MB)",
               "ours_direct": "moeconvert load (direct)", "safetensors_load_file": "safetensors load_file(device=)",
               "safetensors_mmap_to_device": "safe_open (mmap) + get_tensor().to()",
               "sequential_read": "sequential read, 16 MB, no copy"}
     for k, v in r["warm_bytes_per_s"].items():
         c = r["cold_bytes_per_s"].get(k)
-        t.add_row(labels.get(k, k), gbs(v), gbs(c) if c else "-")
+        m = re.fullmatch(r"ours_threads(\d+)_buffer(.+)mb", k)
+        label = f"moeconvert load (threaded, {m[1]} threads x {m[2]} MB)" if m else labels.get(k, k)
+        t.add_row(label, gbs(v), gbs(c) if c else "-")
     if r["h2d_bytes_per_s"]:
         t.add_row("pinned host -> device (1 GB copies)", gbs(r["h2d_bytes_per_s"]), "-")
     out.print(t)

@@ -28,6 +28,7 @@ import torch
 
 from moeconvert.errors import MoeConvertError
 from moeconvert.runtime.dispatch import KernelFallbackWarning
+from moeconvert.runtime.fastload import default_buffer_mb, default_threads
 from moeconvert.runtime.manifest import read_checked
 from moeconvert.runtime.model import load
 
@@ -325,8 +326,9 @@ def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30, runs: int = 5) ->
 
 
 def bench_io(out: Path, device: str = "cuda", runs: int = 3, cold_runs: int = 1, threads: int | None = None,
-             buffer_mb: float | None = None) -> dict:
-    """Warm and cold GB/s of ``load`` (threaded reader) vs safetensors, mmap + copy and a plain read."""
+             buffer_mb: float | None = None, sweep: list[tuple[int, float]] = ()) -> dict:
+    """Warm and cold GB/s of ``load`` (threaded reader) vs safetensors, mmap + copy and a plain read.
+    ``sweep``: more (threads, buffer_mb) settings of the threaded reader, timed warm beside the rest."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -337,7 +339,7 @@ def bench_io(out: Path, device: str = "cuda", runs: int = 3, cold_runs: int = 1,
     names = [n for e in checked.layers for n in [i.name for i in e.tensors.values()] + e.router + e.shared]
     load_bytes = sum(checked.tensors[n].nbytes for n in dict.fromkeys(names))
 
-    def ours(reader="threaded"):
+    def ours(reader="threaded", threads=threads, buffer_mb=buffer_mb):
         def run():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", KernelFallbackWarning)
@@ -360,6 +362,8 @@ def bench_io(out: Path, device: str = "cuda", runs: int = 3, cold_runs: int = 1,
             "safetensors_load_file": (st_load_file, file_bytes),
             "safetensors_mmap_to_device": (st_mmap_copy, file_bytes),
             "sequential_read": (lambda: sequential_read(files), file_bytes)}
+    for t, mb in sweep:
+        warm[f"ours_threads{t}_buffer{mb:g}mb"] = (ours("threaded", t, mb), load_bytes)
     seconds: dict[str, list[float]] = {k: [] for k in warm}
     for i in range(runs + 1):  # run 0 warms up (page cache, pinned buffers, CUDA context)
         for k, (fn, _) in warm.items():
@@ -385,6 +389,8 @@ def bench_io(out: Path, device: str = "cuda", runs: int = 3, cold_runs: int = 1,
         "output": str(out), "device": str(dev), "runs": runs, "cold_runs": cold_runs, "files": len(files),
         "file_bytes": file_bytes, "load_bytes": load_bytes,
         "threads": threads, "buffer_mb": buffer_mb,
+        "threads_used": threads or default_threads(), "buffer_mb_used": buffer_mb or default_buffer_mb(),
+        "cpus": os.cpu_count(),
         "warm_seconds": {k: [round(x, 6) for x in v] for k, v in seconds.items()},
         "warm_bytes_per_s": rate,
         "cold_seconds": {k: [round(x, 6) for x in v] for k, v in cold.items()},

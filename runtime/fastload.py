@@ -299,8 +299,15 @@ class ThreadedReader(Reader):
                         for w in range(workers)]
                 for t in pool:
                     t.start()
-                for t in pool:
-                    t.join()
+                try:
+                    for t in pool:
+                        t.join()
+                except BaseException as e:  # Ctrl-C: stop the workers before the buffers and files go
+                    with lock:
+                        state["error"] = state["error"] or e
+                    for t in pool:
+                        t.join()
+                    raise
             if cuda:
                 for s in streams:
                     s.synchronize()

@@ -316,7 +316,7 @@ def test_bench_load_io(plain_out, capsys):
     assert r["ratios"]["ours_warm_vs_safetensors_load_file"] > 0 and r["load_bytes"] <= r["file_bytes"]
     assert cli("bench", "load", plain_out, "--device", "cpu", "--runs", 1, "--io", "--cold-runs", 0) == 0
     text = capsys.readouterr().out
-    assert "moeconvert load (threaded)" in text and "sequential read" in text
+    assert "moeconvert load (threaded, " in text and "sequential read" in text
     assert "cold: not measured (no cold runs asked for)" in text
 
 
