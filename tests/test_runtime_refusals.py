@@ -183,10 +183,14 @@ def test_fallback_is_said_once_with_the_reason(outputs):
         load(outputs["marlin"], device="cpu")  # not said again
 
 
-def test_triton_layout_waits_for_moeconvert_kernels(tmp_path):
+def test_triton_layout_on_cpu_falls_back_without_the_interpreter(tmp_path, monkeypatch):
+    # moeconvert.kernels runs it on CUDA, or on CPU under TRITON_INTERPRET=1 (tests/test_kernels.py)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     src = make_example(tmp_path / "src", "qwen3-moe", "w4a16", num_experts=4)
     cli("repack", src, tmp_path / "out", "--backend", "triton")
     dispatch._SAID.clear()
-    with pytest.warns(KernelFallbackWarning, match="triton: moeconvert.kernels has no fused MoE kernel yet"):
+    with pytest.warns(KernelFallbackWarning, match="triton: Triton kernels need a CUDA device"):
         layer = next(iter(load(tmp_path / "out", device="cpu")))
     assert layer.kernel == "reference"
+    with pytest.raises(MoeConvertError, match="kernel triton was asked for but cannot run"):
+        load(tmp_path / "out", device="cpu", kernel="triton")
