@@ -33,12 +33,11 @@ from moeconvert.errors import MoeConvertError
 from moeconvert.layouts import register
 from moeconvert.layouts.base import TensorSpec
 from moeconvert.layouts.plain import PlainLayout, torch_dtype
+from moeconvert.layouts.triton_wna16 import expert_count_problems
 from moeconvert.schemes import FloatScheme, Scheme, WNA16Scheme
 
 #: what the file holds, whatever the checkpoint's scheme
 OUTPUT_SCHEME = FloatScheme("bfloat16")
-# experts/triton_moe.py:TritonExperts.is_supported_config (Int4EmulationTritonExperts inherits it)
-MAX_PADDED_EXPERTS = 1024
 
 
 def dequantize(block: ExpertBlock, shape: LayerShape) -> ExpertBlock:
@@ -105,11 +104,7 @@ class EmulationLayout(PlainLayout):
                 "MoE needs activations of the weights' dtype (tl.dot: 'Both operands must be same dtype'), so "
                 "only a bfloat16 model runs"
             )
-        if -(-E // 32) * 32 >= MAX_PADDED_EXPERTS:
-            problems.append(
-                f"{E} experts: the Triton path's moe_align_block_size needs fewer than {MAX_PADDED_EXPERTS} "
-                "experts after rounding up to a multiple of 32 (vLLM counts the global experts)"
-            )
+        problems += expert_count_problems(E)
         return problems
 
     def plan(self, shape: LayerShape, scheme: Scheme) -> list[TensorSpec]:

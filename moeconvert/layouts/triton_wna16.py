@@ -41,6 +41,14 @@ PARAMS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32"
 MAX_PADDED_EXPERTS = 1024
 
 
+def expert_count_problems(num_experts: int) -> list[str]:
+    """The expert-count limit of vLLM's Triton MoE path (its moe_align_block_size), shared by the layouts it runs."""
+    if -(-num_experts // 32) * 32 >= MAX_PADDED_EXPERTS:
+        return [f"{num_experts} experts: the Triton path's moe_align_block_size needs fewer than {MAX_PADDED_EXPERTS} "
+                "experts after rounding up to a multiple of 32 (vLLM counts the global experts)"]
+    return []
+
+
 # ---------------------------------------------------------------------------------------------------
 # bytes along one dimension (spec §5): int4 two codes a byte, even index low; int8 one code a byte
 
@@ -124,11 +132,7 @@ class TritonWNA16Layout(Layout):
                 "expert biases: TritonWNA16Experts never adds them (vLLM 0.33.0 keeps them in memory and "
                 "ignores them, so the layer would run without its biases)"
             )
-        if -(-E // 32) * 32 >= MAX_PADDED_EXPERTS:
-            problems.append(
-                f"{E} experts: the Triton path's moe_align_block_size needs fewer than {MAX_PADDED_EXPERTS} "
-                "experts after rounding up to a multiple of 32 (vLLM counts the global experts)"
-            )
+        problems += expert_count_problems(E)
         return problems
 
     def plan(self, shape: LayerShape, scheme: Scheme) -> list[TensorSpec]:
