@@ -1,11 +1,122 @@
-"""Default tile configs of the fused WNA16 MoE kernel, by the number of tokens M.
+"""Tile configs of the fused-MoE kernels: a tuned table per GPU, else a heuristic.
 
-UNTUNED: these are starting points in the spirit of vLLM's defaults for its WNA16 Triton kernel
-(small BLOCK_M for decode, larger tiles for prefill), not measured on any GPU. A tuning table per
-(E, N, K, bits, GPU) and ``moeconvert bench kernel`` are still to come (docs/kernels.md).
+``triton-fast`` (moe_fast.py): :func:`get_configs` gives the (GEMM1, GEMM2) configs of one layer call,
+keys ``BLOCK_M BLOCK_N BLOCK_K GROUP_M SPLIT_K num_warps num_stages`` (both GEMMs share BLOCK_M: they
+share one alignment; GEMM1's SPLIT_K is always 1, its epilogue needs the whole sum).
+
+Tables are JSON files written by ``moeconvert bench kernel --tune`` (runtime/bench_kernel.py)::
+
+    {"device": "NVIDIA H200", "triton": "3.6.0", "entries": {
+        "int4/g128 E=128 k=8 H=2048 I=768": {"1": [cfg1, cfg2], "16": [...], ...}, ...}}
+
+Looked up, first hit wins: ``$MOECONVERT_KERNEL_CONFIGS`` (a file), the user's
+``~/.cache/moeconvert/kernel-configs/<device>.json`` (what ``--tune`` writes by default), the table
+shipped in ``kernels/tuned/<device>.json``. Within an entry the tuned M nearest to the call's M (on a
+log scale) is used. A layer with no entry gets :func:`heuristic_configs`.
+
+``triton`` (moe_wna16.py, vLLM's own Triton layout): :func:`get_config`, a default by M (untuned).
 """
 
 from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+ENV_TABLE = "MOECONVERT_KERNEL_CONFIGS"
+SHIPPED = Path(__file__).resolve().parent / "tuned"
+
+
+def device_slug(name: str) -> str:
+    """``NVIDIA H200`` -> ``nvidia-h200`` (file names of the tables)."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def user_table_path(device_name: str) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "moeconvert" / "kernel-configs" / f"{device_slug(device_name)}.json"
+
+
+def entry_key(fmt: str, group: int, E: int, top_k: int, H: int, I: int) -> str:
+    g = "mx32" if fmt == "mxfp4" else ("gch" if group <= 0 else f"g{group}")
+    return f"{fmt}/{g} E={E} k={top_k} H={H} I={I}"
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: str, mtime: float) -> dict:
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+        raise ValueError(f"{path}: a kernel config table needs an 'entries' object")
+    return data["entries"]
+
+
+def _tables(device_name: str) -> list[Path]:
+    out = []
+    env = os.environ.get(ENV_TABLE)
+    if env:
+        out.append(Path(env))
+    out += [user_table_path(device_name), SHIPPED / f"{device_slug(device_name)}.json"]
+    return [p for p in out if p.is_file()]
+
+
+def lookup(key: str, M: int, device_name: str) -> tuple[dict, dict] | None:
+    """The tuned (GEMM1, GEMM2) configs for ``key`` nearest to ``M``, or None."""
+    for path in _tables(device_name):
+        entry = _load(str(path), path.stat().st_mtime).get(key)
+        if entry:
+            best = min(entry, key=lambda m: abs(math.log(int(m)) - math.log(max(M, 1))))
+            c1, c2 = entry[best]
+            return dict(c1), dict(c2)
+    return None
+
+
+def heuristic_configs(fmt: str, E: int, top_k: int, H: int, I: int, M: int, num_sms: int = 132) -> tuple[dict, dict]:
+    """Tiles from the expected pairs per expert (uniform routing), for GPUs or shapes with no table."""
+    per_expert = M * top_k / E
+    bm = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64 if per_expert <= 160 else 128
+    small = bm <= 32
+    bk = 64 if fmt == "mxfp4" or not small else 128
+    bn = 64 if small else 128
+    warps = 4 if bm < 128 else 8
+    stages = 4 if small else 3
+    c1 = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1 if small else 8, SPLIT_K=1,
+              num_warps=warps, num_stages=stages)
+    c2 = dict(c1)
+    # GEMM2 (N = H, K = I): split K when the blocks x column tiles would leave SMs idle
+    blocks = min(E, M * top_k) if small else math.ceil(M * top_k / bm) + E
+    programs = blocks * math.ceil(H / bn)
+    if small and programs < 2 * num_sms:
+        steps = max(1, I // bk)  # K steps of GEMM2
+        c2["SPLIT_K"] = max(1, min(8, (2 * num_sms) // max(programs, 1), steps))
+    return c1, c2
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int) -> tuple[str, int]:
+    import torch
+
+    p = torch.cuda.get_device_properties(index)
+    return p.name, p.multi_processor_count
+
+
+def get_configs(fmt: str, E: int, top_k: int, *, H: int, I: int, M: int, group: int = 0,
+                device=None) -> tuple[dict, dict]:
+    """(GEMM1, GEMM2) configs for one call on ``device`` (a torch device; CPU: the heuristic)."""
+    name, sms = ("cpu", 132)
+    if device is not None and getattr(device, "type", str(device)) == "cuda":
+        name, sms = _device_facts(device.index if device.index is not None else 0)
+        hit = lookup(entry_key(fmt, group, E, top_k, H, I), M, name)
+        if hit is not None:
+            return hit
+    return heuristic_configs(fmt, E, top_k, H, I, M, sms)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the ``triton`` layout's kernel (moe_wna16.py)
 
 # (largest M, config): the first row whose bound is >= M is used
 _DEFAULTS = [
@@ -16,7 +127,8 @@ _DEFAULTS = [
 
 
 def get_config(M: int, num_experts: int, top_k: int) -> dict:
-    """The default config for ``M`` tokens (``num_experts`` and ``top_k`` unused until there is a table)."""
+    """The ``triton`` layout kernel's default config for ``M`` tokens (untuned; ``num_experts`` and
+    ``top_k`` unused)."""
     for bound, cfg in _DEFAULTS:
         if bound is None or M <= bound:
             return dict(cfg)

@@ -156,7 +156,7 @@ register(Kernel("vllm-marlin", (("marlin", "wna16"), ("marlin", "mxfp4")), _marl
 
 
 # ---------------------------------------------------------------------------------------------------
-# moeconvert's own Triton kernels (kernels/, moeconvert.kernels), once they exist
+# moeconvert's own Triton kernels (kernels/, moeconvert.kernels)
 #
 # The hook: ``moeconvert.kernels.supports(layout, kind) -> bool`` and
 # ``moeconvert.kernels.fused_moe(x, tensors, layer, topk_weights, topk_ids) -> [M, H]`` (docs/runtime.md).
@@ -183,4 +183,5 @@ def _triton_run(layer, x, topk_weights, topk_ids):
     return _kernels_module().fused_moe(x, layer.tensors, layer, topk_weights, topk_ids)
 
 
-register(Kernel("triton", (("triton", "wna16"), ("triton", "mxfp4")), _triton_unavailable, _triton_run))
+register(Kernel("triton", (("triton-fast", "wna16"), ("triton-fast", "mxfp4"), ("triton", "wna16"), ("triton", "mxfp4")),
+                _triton_unavailable, _triton_run))

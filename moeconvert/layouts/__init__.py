@@ -58,5 +58,6 @@ from moeconvert.layouts import marlin_mxfp4  # noqa: E402,F401
 from moeconvert.layouts import flashinfer_trtllm  # noqa: E402,F401
 from moeconvert.layouts import flashinfer_mxfp4  # noqa: E402,F401
 from moeconvert.layouts import triton_mxfp4  # noqa: E402,F401
+from moeconvert.layouts import triton_fast  # noqa: E402,F401
 
 __all__ = ["Layout", "TensorSpec", "register", "get_layout", "layout_names"]

@@ -1,0 +1,415 @@
+"""Fused MoE on the ``triton-fast`` layout (docs/layouts/triton-fast.md): int4 / int8 / MXFP4 weights,
+bf16 / fp16 / fp32 activations, dequantized in registers.
+
+One call is four launches::
+
+    align   sorted pairs by expert, BLOCK_M-aligned          one Triton program (_align_kernel)
+    GEMM1   a = act(x @ w13_gate, x @ w13_up)   [M*k, I]     gate and up tiles of the same columns in one
+                                                             program, bias, SiLU-and-mul or gpt-oss'
+                                                             clamped swiglu in the epilogue
+    GEMM2   y = (a @ w2 + b2) * topk_weight     [M*k, H]     stored in the activation dtype, or (split-K)
+                                                             atomically added in fp32 into out[M, H]
+    sum     out = y.view(M, k, H).sum(1)                     torch (split-K: the fp32 out cast once)
+
+The layout stores every weight matrix K-major with N contiguous (``[E, K/2, N]`` bytes for 4-bit
+codes, ``[E, K, N]`` for int8), so a ``[BLOCK_K, BLOCK_N]`` tile is BLOCK_K rows of BLOCK_N contiguous
+bytes; scales ``[E, K/g, N]`` likewise. 4-bit bytes pair input ``k`` (low nibble) with input
+``k + K/2`` (high nibble): the two nibbles of a byte tile are two ready ``[BLOCK_K/2, BLOCK_N]``
+operands, each multiplied with a contiguous slice of the activations (columns ``k`` and
+``K/2 + k``), so no shuffle of the unpacked codes is needed.
+
+Rounding: the dequantized weight is exact in fp32 and rounded once to the activation dtype before
+the dot; dots accumulate in fp32 (IEEE for fp32 activations); GEMM1's bias and activation run in
+fp32 on the fp32 accumulators, and the activation is stored in the activation dtype (as vLLM stores
+its GEMM1 output); GEMM2's bias and top-k weight are applied in fp32, each pair's output rounded to
+the activation dtype before the sum over top-k (vLLM's ``moe_sum`` path too), or kept in fp32 with
+split-K.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moeconvert.kernels.align import max_padded_tokens
+
+INT4, INT8, MXFP4 = 0, 1, 2
+FORMATS = {"int4": INT4, "int8": INT8, "mxfp4": MXFP4}
+SILU, SWIGLUOAI = 0, 1
+ACTIVATIONS = {"silu": SILU, "swigluoai": SWIGLUOAI}
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+# ---------------------------------------------------------------------------------------------------
+# alignment: one program, no host synchronisation
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, cursor_ptr, P, E, offset, max_padded,
+                  BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, BCHUNK: tl.constexpr):
+    """``moe_align_block_size`` (align.py has the contract) in one program: count pairs per local expert
+    with atomics, pad the counts to BLOCK_M, prefix-sum them, fill the sentinels, write the expert of
+    every block, and scatter each pair to its expert's next free slot (the order of the pairs inside
+    one expert's run is not fixed; every output row depends on its own pair only)."""
+    e_offs = tl.arange(0, E_P2)
+    e_ok = e_offs < E
+    tl.store(cursor_ptr + e_offs, tl.zeros((E_P2,), tl.int32), mask=e_ok)
+    tl.debug_barrier()
+    for c in range(0, tl.cdiv(P, CHUNK)):
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1) - offset
+        ok = (offs < P) & (ids >= 0) & (ids < E)
+        tl.atomic_add(cursor_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=ok)
+    tl.debug_barrier()
+    counts = tl.load(cursor_ptr + e_offs, mask=e_ok, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    tl.store(ntpp_ptr, tl.sum(padded, 0))
+    tl.debug_barrier()
+    tl.store(cursor_ptr + e_offs, end - padded, mask=e_ok)
+    for c in range(0, tl.cdiv(max_padded, CHUNK)):
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + offs, tl.full((CHUNK,), 0, tl.int32) + P, mask=offs < max_padded)
+    num_blocks = max_padded // BLOCK_M
+    for c in range(0, tl.cdiv(num_blocks, BCHUNK)):
+        b = c * BCHUNK + tl.arange(0, BCHUNK)
+        # searchsorted(end, b * BLOCK_M, right=True): experts whose padded run ends at or before the block
+        before = (end[None, :] <= (b * BLOCK_M)[:, None]) & e_ok[None, :]
+        e = tl.sum(before.to(tl.int32), 1)
+        tl.store(expert_ids_ptr + b, tl.where(e < E, e, -1), mask=b < num_blocks)
+    tl.debug_barrier()
+    for c in range(0, tl.cdiv(P, CHUNK)):
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1) - offset
+        ok = (offs < P) & (ids >= 0) & (ids < E)
+        slot = tl.atomic_add(cursor_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=ok)
+        tl.store(sorted_ptr + slot, offs, mask=ok)
+
+
+def align(topk_ids: torch.Tensor, block_m: int, num_experts: int, expert_offset: int = 0):
+    """(sorted_token_ids, expert_ids, num_tokens_post_padded) as align.moe_align_block_size gives them,
+    from one Triton launch (pairs inside one expert's run in no fixed order)."""
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    P, E = ids.numel(), num_experts
+    max_padded = max_padded_tokens(P, E, block_m)
+    dev = ids.device
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
+    ntpp = torch.empty(1, dtype=torch.int32, device=dev)
+    e_p2 = max(16, triton.next_power_of_2(E))
+    cursor = torch.empty(e_p2, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](ids, sorted_ids, expert_ids, ntpp, cursor, P, E, expert_offset, max_padded,
+                        BLOCK_M=block_m, E_P2=e_p2, CHUNK=256, BCHUNK=max(1, 8192 // e_p2), num_warps=4)
+    return sorted_ids, expert_ids, ntpp
+
+
+# ---------------------------------------------------------------------------------------------------
+# the GEMM
+
+
+@triton.jit
+def _dequant(code, scale, zp, FMT: tl.constexpr, HAS_ZP: tl.constexpr, compute_type: tl.constexpr):
+    """int32 codes [R, N] and fp32 scales (broadcastable) -> weights in the activation dtype.
+
+    int4 / int8: ``(code - zp) * s`` (zp = 8 / 128 without zero points). MXFP4: the e2m1 code's sign and
+    3 value bits become the fp16 ``s 000 0ee m 000000000`` = e2m1 * 2^-14 (normal and subnormal alike),
+    times 2^14 and the e8m0 scale (exact in fp32)."""
+    if FMT == 2:
+        h = (((code & 8) << 12) | ((code & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+        w = h.to(tl.float32) * 16384.0 * scale
+    elif HAS_ZP:
+        w = (code - zp).to(tl.float32) * scale
+    elif FMT == 1:
+        w = (code - 128).to(tl.float32) * scale
+    else:
+        w = (code - 8).to(tl.float32) * scale
+    return w.to(compute_type)
+
+
+@triton.jit
+def _scale(ptrs, mask, FMT: tl.constexpr):
+    """fp32 scales: MXFP4's e8m0 byte S is 2^(S - 127) (S = 0: 2^-127, a subnormal)."""
+    if FMT == 2:
+        S = tl.load(ptrs, mask=mask, other=127).to(tl.int32)
+        return tl.where(S == 0, 0x400000, S << 23).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _tile(a_rows, a_mask, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, k_shift, g_row, g_shift,
+          stride_bk, stride_sg, stride_zg, acc,
+          FMT: tl.constexpr, GROUP: tl.constexpr, BKR: tl.constexpr, HAS_ZP: tl.constexpr,
+          compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc += A[:, k] @ W[k, n] over one K step: ``kr`` are the weight rows of this step (bytes of two
+    codes for 4-bit formats), ``k_shift`` the column of the high-nibble operand (K/2), ``g_row`` the
+    first scale group of the step and ``g_shift`` the group of the high half (K/2 / GROUP)."""
+    bmask = kr_mask[:, None] & n_mask[None, :]
+    raw = tl.load(b_base + kr[:, None] * stride_bk + offs_n[None, :], mask=bmask, other=0).to(tl.int32)
+    if GROUP % BKR == 0:  # the step lies in one scale group: one [1, BLOCK_N] row of scales
+        s_lo = _scale(s_base + g_row * stride_sg + offs_n[None, :], n_mask[None, :], FMT)
+        if HAS_ZP:
+            z_lo = tl.load(z_base + g_row * stride_zg + offs_n[None, :], mask=n_mask[None, :], other=0).to(tl.int32)
+        if FMT != 1:
+            s_hi = _scale(s_base + (g_row + g_shift) * stride_sg + offs_n[None, :], n_mask[None, :], FMT)
+            if HAS_ZP:
+                z_hi = tl.load(z_base + (g_row + g_shift) * stride_zg + offs_n[None, :], mask=n_mask[None, :],
+                               other=0).to(tl.int32)
+    else:  # several groups in the step: a scale per element (repeats come from L1)
+        g = (kr // GROUP)[:, None]
+        s_lo = _scale(s_base + g * stride_sg + offs_n[None, :], bmask, FMT)
+        if HAS_ZP:
+            z_lo = tl.load(z_base + g * stride_zg + offs_n[None, :], mask=bmask, other=0).to(tl.int32)
+        if FMT != 1:
+            s_hi = _scale(s_base + (g + g_shift) * stride_sg + offs_n[None, :], bmask, FMT)
+            if HAS_ZP:
+                z_hi = tl.load(z_base + (g + g_shift) * stride_zg + offs_n[None, :], mask=bmask, other=0).to(tl.int32)
+    if not HAS_ZP:
+        z_lo = 0
+        z_hi = 0
+    a_lo = tl.load(a_rows + kr[None, :], mask=a_mask[:, None] & kr_mask[None, :], other=0.0)
+    if FMT == 1:
+        acc = tl.dot(a_lo, _dequant(raw, s_lo, z_lo, FMT, HAS_ZP, compute_type), acc=acc,
+                     input_precision=DOT_PRECISION)
+    else:
+        acc = tl.dot(a_lo, _dequant(raw & 15, s_lo, z_lo, FMT, HAS_ZP, compute_type), acc=acc,
+                     input_precision=DOT_PRECISION)
+        a_hi = tl.load(a_rows + (kr + k_shift)[None, :], mask=a_mask[:, None] & kr_mask[None, :], other=0.0)
+        acc = tl.dot(a_hi, _dequant(raw >> 4, s_hi, z_hi, FMT, HAS_ZP, compute_type), acc=acc,
+                     input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _moe_gemm(
+    a_ptr, b_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, topk_weights_ptr,
+    sorted_ids_ptr, expert_ids_ptr, ntpp_ptr,
+    N, K, EM, num_pairs, up_offset, alpha, limit,
+    stride_am, stride_be, stride_bk, stride_se, stride_sg, stride_ze, stride_zg, stride_biase, stride_cm,
+    FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, A_ROW_DIV: tl.constexpr,
+    ATOMIC_ROW_DIV: tl.constexpr, SPLIT_K: tl.constexpr,
+    compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """One program: BLOCK_M sorted pairs of one expert x BLOCK_N output columns x one K split.
+
+    ``GATED``: GEMM1, columns n of the gate half and n + ``up_offset`` of the up half, the activation in
+    the epilogue; ``N`` is then I. ``ATOMIC_ROW_DIV`` > 0: split-K GEMM2, fp32 atomic adds into row
+    ``pair // ATOMIC_ROW_DIV`` (the token), which also sums over top-k."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(EM, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_id = pid // (GROUP_M * num_pid_n)
+    first_m = group_id * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % (GROUP_M * num_pid_n)) % group_rows)
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+    if pid_m * BLOCK_M >= tl.load(ntpp_ptr):
+        return
+
+    offs_pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pair_ok = offs_pair < num_pairs
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+
+    a_rows = a_ptr + (offs_pair // A_ROW_DIV)[:, None] * stride_am
+    b_base = b_ptr + expert * stride_be
+    s_base = s_ptr + expert * stride_se
+    z_base = z_ptr + expert * stride_ze
+    # weight rows: 4-bit formats hold K/2 rows (two codes a byte), int8 K rows
+    BKR: tl.constexpr = BLOCK_K if FMT == 1 else BLOCK_K // 2
+    KR = K if FMT == 1 else K // 2
+    k_shift = K // 2
+    g_shift = (K // 2) // GROUP
+    steps = tl.cdiv(KR, BKR)
+    per_split = tl.cdiv(steps, SPLIT_K)
+    first = pid_k * per_split
+    last = min(first + per_split, steps)
+    offs_r = tl.arange(0, BKR)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(first, last):
+        kr = step * BKR + offs_r
+        kr_mask = kr < KR
+        g_row = (step * BKR) // GROUP
+        acc = _tile(a_rows, pair_ok, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, k_shift, g_row,
+                    g_shift, stride_bk, stride_sg, stride_zg, acc,
+                    FMT, GROUP, BKR, HAS_ZP, compute_type, DOT_PRECISION)
+        if GATED:
+            acc_up = _tile(a_rows, pair_ok, b_base + up_offset, s_base + up_offset, z_base + up_offset, kr,
+                           kr_mask, offs_n, n_mask, k_shift, g_row, g_shift, stride_bk, stride_sg, stride_zg,
+                           acc_up, FMT, GROUP, BKR, HAS_ZP, compute_type, DOT_PRECISION)
+
+    if HAS_BIAS:
+        bias_base = bias_ptr + expert * stride_biase
+        add_bias = pid_k == 0
+        acc += tl.load(bias_base + offs_n, mask=n_mask & add_bias, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_base + up_offset + offs_n, mask=n_mask & add_bias, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        if ACT == 1:  # gpt-oss: clamp, then (up + 1) * gate * sigmoid(alpha * gate)
+            gate = tl.minimum(acc, limit)
+            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            acc = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        else:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_ROUTED_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + offs_pair, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
+    out_mask = pair_ok[:, None] & n_mask[None, :]
+    if ATOMIC_ROW_DIV > 0:
+        c_ptrs = c_ptr + (offs_pair // ATOMIC_ROW_DIV)[:, None] * stride_cm + offs_n[None, :]
+        tl.atomic_add(c_ptrs, acc, mask=out_mask, sem="relaxed")
+    else:
+        c_ptrs = c_ptr + offs_pair[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
+
+
+# ---------------------------------------------------------------------------------------------------
+# host side
+
+
+@dataclass(frozen=True)
+class FastWeights:
+    """One projection in the ``triton-fast`` layout: ``weight [E, K/2, N]`` (int4, MXFP4) or ``[E, K, N]``
+    (int8) uint8; ``scale [E, K/g, N]`` (model dtype; uint8 e8m0 for MXFP4); ``zero_point [E, K/g, N]``
+    uint8 or None; ``bias [E, N]`` or None. For w13, N = 2I: the gate columns, then the up columns."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    def k(self, fmt: str) -> int:
+        return self.weight.shape[1] * (1 if fmt == "int8" else 2)
+
+    @property
+    def n(self) -> int:
+        return self.weight.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.zero_point, self.bias)
+                   if t is not None)
+
+
+def _launch(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, group: int, gated: bool, act: int,
+            alpha: float, limit: float, a_row_div: int, atomic_row_div: int, num_pairs: int, cfg: dict):
+    sorted_ids, expert_ids, ntpp = aligned
+    for t in (w.weight, w.scale, w.zero_point, w.bias, a, out):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"the kernel needs the last dimension contiguous, found strides {t.stride()}")
+    E, KR, Nw = w.weight.shape
+    K = KR * (1 if fmt == INT8 else 2)
+    N = Nw // 2 if gated else Nw
+    z = w.zero_point if w.zero_point is not None else w.weight
+    bias = w.bias if w.bias is not None else w.scale
+    EM = sorted_ids.numel()
+    bm, bn, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg.get("SPLIT_K", 1)
+    grid = (triton.cdiv(EM, bm) * triton.cdiv(N, bn), split)
+    _moe_gemm[grid](
+        a, w.weight, w.scale, z, bias, out, topk_weights if topk_weights is not None else w.scale,
+        sorted_ids, expert_ids, ntpp,
+        N, K, EM, num_pairs, Nw // 2, alpha, limit,
+        a.stride(0), w.weight.stride(0), w.weight.stride(1), w.scale.stride(0), w.scale.stride(1),
+        z.stride(0) if w.zero_point is not None else 0, z.stride(1) if w.zero_point is not None else 0,
+        bias.stride(0) if w.bias is not None else 0, out.stride(0),
+        FMT=fmt, GROUP=group, HAS_ZP=w.zero_point is not None, HAS_BIAS=w.bias is not None,
+        GATED=gated, ACT=act, MUL_ROUTED_WEIGHT=topk_weights is not None, A_ROW_DIV=a_row_div,
+        ATOMIC_ROW_DIV=atomic_row_div, SPLIT_K=split, compute_type=_TL_DTYPES[a.dtype],
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 1),
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+    )
+
+
+def check_config(cfg: dict, fmt: str) -> None:
+    """The tile constraints the kernel relies on (a config from a table or a user is checked once)."""
+    bk = cfg["BLOCK_K"]
+    rows = bk if fmt == "int8" else bk // 2
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        v = cfg[key]
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{key} = {v} must be a power of two >= 16")
+    if rows < 16:
+        raise ValueError(f"BLOCK_K = {bk} gives {rows} weight rows a step; the dot needs at least 16")
+    if cfg.get("SPLIT_K", 1) < 1:
+        raise ValueError(f"SPLIT_K = {cfg['SPLIT_K']} must be >= 1")
+
+
+def fused_moe_fast(x: torch.Tensor, w13: FastWeights, w2: FastWeights, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, *, fmt: str, group_size: int, activation: str = "silu",
+                   alpha: float = 1.702, limit: float = 7.0, expert_offset: int = 0,
+                   all_ids_local: bool = True, configs: tuple[dict, dict] | None = None) -> torch.Tensor:
+    """``sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(x)`` for ``x [M, K]``, K = w13's (padded) K.
+
+    ``all_ids_local``: every id is one of these E experts (no EP cut); False zero-fills the per-pair
+    outputs first, so that pairs of other ranks' experts add nothing. ``group_size`` <= 0: channelwise scales (one group over K). ``configs``: (GEMM1, GEMM2) tile configs
+    (same BLOCK_M), else the table / defaults of configs.py. Returns ``[M, w2's N]`` in ``x.dtype``.
+    """
+    from moeconvert.kernels.configs import get_configs
+
+    if x.dtype not in _TL_DTYPES:
+        raise ValueError(f"activations must be float16, bfloat16 or float32, not {x.dtype}")
+    f = FORMATS[fmt]
+    M, top_k = topk_ids.shape
+    E = w13.weight.shape[0]
+    K1, I, H = w13.k(fmt), w13.n // 2, w2.n
+    if x.shape[1] != K1 or w2.k(fmt) != I:
+        raise ValueError(f"x has {x.shape[1]} columns and w2 K = {w2.k(fmt)}; w13 needs K = {K1}, w2 K = I = {I}")
+    g13 = K1 if group_size <= 0 else group_size
+    g2 = I if group_size <= 0 else group_size
+    c1, c2 = configs or get_configs(fmt, E, top_k, H=K1, I=I, M=M, group=group_size,
+                                           device=x.device)
+    if c1["BLOCK_M"] != c2["BLOCK_M"]:
+        raise ValueError(f"the two GEMMs share one alignment: BLOCK_M {c1['BLOCK_M']} != {c2['BLOCK_M']}")
+    act, P = ACTIVATIONS[activation], M * top_k
+    x = x.contiguous()
+    aligned = align(topk_ids, c1["BLOCK_M"], E, expert_offset)
+    # GEMM2 reads only the rows of aligned pairs, so a's other rows may stay unwritten
+    a = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    _launch(x, w13, a, aligned, None, fmt=f, group=g13, gated=True, act=act, alpha=alpha, limit=limit,
+            a_row_div=top_k, atomic_row_div=0, num_pairs=P, cfg=c1)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    if c2.get("SPLIT_K", 1) > 1:
+        out = torch.zeros(M, H, dtype=torch.float32, device=x.device)
+        _launch(a, w2, out, aligned, weights, fmt=f, group=g2, gated=False, act=act, alpha=alpha, limit=limit,
+                a_row_div=1, atomic_row_div=top_k, num_pairs=P, cfg=c2)
+        return out.to(x.dtype)
+    # pairs of other EP ranks' experts are in no block: their rows must be zeros for the sum
+    y = (torch.empty if all_ids_local else torch.zeros)(P, H, dtype=x.dtype, device=x.device)
+    _launch(a, w2, y, aligned, weights, fmt=f, group=g2, gated=False, act=act, alpha=alpha, limit=limit,
+            a_row_div=1, atomic_row_div=0, num_pairs=P, cfg=c2)
+    return y.view(M, top_k, H).sum(dim=1)
+
+
+def weights_from_tensors(tensors: dict[str, torch.Tensor], which: str) -> FastWeights:
+    """``w13`` / ``w2`` of a ``triton-fast`` layer's tensors (file names of the layout)."""
+    get = tensors.get
+    return FastWeights(tensors[f"{which}_weight"], tensors[f"{which}_weight_scale"],
+                       get(f"{which}_weight_zero_point"), get(f"{which}_bias"))
+
+
+def layer_forward(x: torch.Tensor, tensors: dict[str, torch.Tensor], layer, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """The runtime's hook for one ``MoELayer`` in a ``triton-fast`` layout: pads x to the layer's
+    (padded) K and cuts the output back to H."""
+    e = layer.entry
+    s = e.scheme
+    fmt = "mxfp4" if s.kind == "mxfp4" else f"int{s.bits}"
+    group = 32 if s.kind == "mxfp4" else s.group_size
+    w13, w2 = weights_from_tensors(tensors, "w13"), weights_from_tensors(tensors, "w2")
+    H, K = e.hidden_size, w13.k(fmt)
+    xin = x if K == H else torch.nn.functional.pad(x, (0, K - H))
+    params = e.activation_params
+    kw = {k: float(params[k]) for k in ("alpha", "limit") if k in params}
+    y = fused_moe_fast(xin, w13, w2, topk_weights, topk_ids, fmt=fmt, group_size=group, activation=e.activation,
+                       expert_offset=e.expert_offset, all_ids_local=e.num_experts == e.num_experts_global, **kw)
+    return y[:, :H]
