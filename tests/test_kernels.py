@@ -72,9 +72,10 @@ def test_align_matches_a_python_loop(M, k, E, offset, block_m):
     assert got.sorted_token_ids.dtype == got.expert_ids.dtype == torch.int32
 
 
-def test_supports_the_wna16_triton_layout_only():
-    assert supports("triton", "wna16")
-    assert not supports("triton", "mxfp4") and not supports("marlin", "wna16")
+def test_supports_the_layouts_made_for_our_kernels_only():
+    assert supports("triton", "wna16") and supports("triton-fast", "wna16") and supports("triton-fast", "mxfp4")
+    # vLLM's triton MXFP4 layout (triton_kernels' swizzle) and the CUDA kernels' layouts are not ours to read
+    assert not supports("triton", "mxfp4") and not supports("marlin", "wna16") and not supports("plain", "float")
 
 
 # ---------------------------------------------------------------------------------------------------
