@@ -64,7 +64,7 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, cursor_ptr, P, 
         ok = (offs < P) & (ids >= 0) & (ids < E)
         tl.atomic_add(cursor_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=ok)
     tl.debug_barrier()
-    counts = tl.load(cursor_ptr + e_offs, mask=e_ok, other=0)
+    counts = tl.load(cursor_ptr + e_offs, mask=e_ok, other=0, cache_modifier=".cg")  # atomics live in L2
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     end = tl.cumsum(padded, 0)
     tl.store(ntpp_ptr, tl.sum(padded, 0))
@@ -300,8 +300,10 @@ class FastWeights:
                    if t is not None)
 
 
-def _launch(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, group: int, gated: bool, act: int,
-            alpha: float, limit: float, a_row_div: int, atomic_row_div: int, num_pairs: int, cfg: dict):
+def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, group: int, gated: bool, act: int,
+                alpha: float, limit: float, a_row_div: int, atomic_row_div: int, num_pairs: int, cfg: dict):
+    """One GEMM launch over the aligned pairs (``fused_moe_fast`` makes two; ``bench kernel --tune`` times
+    them one by one). ``a_row_div``: row of ``a`` = pair // a_row_div (GEMM1 reads token rows)."""
     sorted_ids, expert_ids, ntpp = aligned
     for t in (w.weight, w.scale, w.zero_point, w.bias, a, out):
         if t is not None and t.stride(-1) != 1:
@@ -375,17 +377,17 @@ def fused_moe_fast(x: torch.Tensor, w13: FastWeights, w2: FastWeights, topk_weig
     aligned = align(topk_ids, c1["BLOCK_M"], E, expert_offset)
     # GEMM2 reads only the rows of aligned pairs, so a's other rows may stay unwritten
     a = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    _launch(x, w13, a, aligned, None, fmt=f, group=g13, gated=True, act=act, alpha=alpha, limit=limit,
+    launch_gemm(x, w13, a, aligned, None, fmt=f, group=g13, gated=True, act=act, alpha=alpha, limit=limit,
             a_row_div=top_k, atomic_row_div=0, num_pairs=P, cfg=c1)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     if c2.get("SPLIT_K", 1) > 1:
         out = torch.zeros(M, H, dtype=torch.float32, device=x.device)
-        _launch(a, w2, out, aligned, weights, fmt=f, group=g2, gated=False, act=act, alpha=alpha, limit=limit,
+        launch_gemm(a, w2, out, aligned, weights, fmt=f, group=g2, gated=False, act=act, alpha=alpha, limit=limit,
                 a_row_div=1, atomic_row_div=top_k, num_pairs=P, cfg=c2)
         return out.to(x.dtype)
     # pairs of other EP ranks' experts are in no block: their rows must be zeros for the sum
     y = (torch.empty if all_ids_local else torch.zeros)(P, H, dtype=x.dtype, device=x.device)
-    _launch(a, w2, y, aligned, weights, fmt=f, group=g2, gated=False, act=act, alpha=alpha, limit=limit,
+    launch_gemm(a, w2, y, aligned, weights, fmt=f, group=g2, gated=False, act=act, alpha=alpha, limit=limit,
             a_row_div=1, atomic_row_div=0, num_pairs=P, cfg=c2)
     return y.view(M, top_k, H).sum(dim=1)
 

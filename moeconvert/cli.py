@@ -568,6 +568,59 @@ def bench_layer_cmd(
     out.print(t)
 
 
+@bench_app.command("kernel")
+def bench_kernel_cmd(
+    shapes: str = typer.Option("mixtral,qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3,gpt-oss-120b", "--shapes",
+                               help="Comma-separated layer shapes (E, top-k, H, I of these models' routed experts)."),
+    tokens: str = typer.Option("1,16,64,256,4096", "--tokens", help="Comma-separated token counts M."),
+    contenders: str = typer.Option("marlin,humming,triton_kernels", "--contenders",
+                                   help="Engines' kernels to time beside ours (those not found are reported)."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="int4-g128 | int8-g128 | mxfp4 for every shape "
+                                      "(default: int4-g128, gpt-oss MXFP4)."),
+    tune: bool = typer.Option(False, "--tune", help="Sweep our kernel's tiles first and write the config table."),
+    table: Optional[str] = typer.Option(None, "--table", help="Config table to write (--tune) or read (default: "
+                                        "the user's cache for this GPU)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda | cuda:N."),
+    json_out: bool = JSON,
+):
+    """Whole-layer time of our Triton fused MoE vs the engines' kernels, with memory and compute floors."""
+    from moeconvert.runtime.bench_kernel import bench_kernel
+
+    try:
+        counts = [int(t) for t in tokens.split(",") if t.strip()]
+    except ValueError:
+        raise MoeConvertError("bad token counts", tensor="--tokens", expected="e.g. 1,16,64", found=tokens) from None
+    if not counts or min(counts) < 1:
+        raise MoeConvertError("bad token counts", tensor="--tokens", expected="positive integers", found=tokens)
+    log = (lambda *a: print(*a, file=sys.stderr)) if json_out else (lambda m: out.print(escape(str(m))))
+    r = bench_kernel([s for s in shapes.split(",") if s], counts, [c for c in contenders.split(",") if c],
+                     device=_bench_device(device), fmt=fmt, do_tune=tune, table=table, log=log)
+    if json_out:
+        print(json.dumps(r, indent=1))
+        return
+    names = ["ours"] + [c for c in CONTENDER_ORDER if any(c in row["us"] for row in r["rows"])]
+    t = Table(title=f"bench kernel on {r['device']}: us per layer (CUDA graph); copy {r['copy_TBps']} TB/s, "
+                    f"bf16 {r['bf16_TFLOPs']} TFLOP/s")
+    for col in ("shape", "M", "experts", "mem floor", "compute floor", *names, "vs best", "of mem floor",
+                "of compute floor"):
+        t.add_column(col, justify="right")
+    for row in r["rows"]:
+        cells = [f"{row['us'][n]:.1f}" if n in row["us"] else ("error" if n in row["errors"] else "-") for n in names]
+        ratio = lambda k: f"{row[k]:.2f}" if row.get(k) is not None else "-"
+        t.add_row(f"{row['shape']} ({row['fmt']})", str(row["M"]), str(row["experts_hit"]),
+                  f"{row['memory_floor_us']:.1f}", f"{row['compute_floor_us']:.1f}", *cells, ratio("vs_best_contender"),
+                  ratio("of_memory_floor"), ratio("of_compute_floor"))
+    out.print(t)
+    for k, v in r["contender_notes"].items():
+        out.print(f"[dim]{escape(k)}: {escape(v)}[/dim]")
+    for row in r["rows"]:
+        for k, v in row["errors"].items():
+            out.print(f"[dim]{escape(row['shape'])} M={row['M']} {escape(k)}: {escape(v)}[/dim]")
+
+
+CONTENDER_ORDER = ("marlin", "humming", "triton_kernels")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or bool(os.environ.get("MOECONVERT_DEBUG"))

@@ -1,0 +1,321 @@
+"""``moeconvert bench kernel``: our fused MoE kernel against the engines' on the same layers, one run.
+
+Per layer shape and token count M: the whole-layer time under a CUDA graph (``triton.testing.do_bench``
+on the graph's replay, L2 flushed between replays) of
+
+* ``ours``: kernels/moe_fast.py on random ``triton-fast`` tensors (align, GEMM1 + activation, GEMM2, sum);
+* the contenders of runtime/contenders.py where they can run (vLLM Marlin, humming, triton_kernels),
+
+all from the same ``x``, routing and (for triton_kernels) router logits, with uniform random routing
+(top-k of the softmax of Gaussian logits). Next to them, measured in the same run:
+
+* the memory floor: bytes of the distinct experts touched (weights + scales of the format) plus the
+  activations read and written (x and the output, bf16), over the device-to-device copy bandwidth;
+* the compute floor: the layer's ``2 * M * top_k * 3 * H * I`` flops at the bf16 dense GEMM rate
+  (``torch.mm`` of 8192^3).
+
+``--tune`` first sweeps the kernel's tile configs per (shape, M) (docs/kernels.md says which) and
+writes the table the kernel then reads (configs.py), by default the user's cache for this GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import traceback
+
+import torch
+import triton
+
+from moeconvert.errors import MoeConvertError
+from moeconvert.runtime.contenders import Problem, Unavailable, random_layout_tensors
+
+SHAPES = {  # E, top_k, H, I, format
+    "mixtral": (8, 2, 4096, 14336, "int4-g128"),
+    "qwen3-30b-a3b": (128, 8, 2048, 768, "int4-g128"),
+    "qwen3-235b-a22b": (128, 8, 4096, 1536, "int4-g128"),
+    "deepseek-v3": (256, 8, 7168, 2048, "int4-g128"),
+    "gpt-oss-120b": (128, 4, 2880, 2880, "mxfp4"),
+}
+MS = (1, 16, 64, 256, 4096)
+CONTENDERS = ("marlin", "humming", "triton_kernels")
+
+
+def problems(names: list[str], fmt: str | None = None) -> list[Problem]:
+    out = []
+    for n in names:
+        if n not in SHAPES:
+            raise MoeConvertError("unknown shape", tensor="--shapes", expected=" | ".join(SHAPES), found=n)
+        E, k, H, I, f = SHAPES[n]
+        out.append(Problem(n, E, k, H, I, fmt or f))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# timing and floors
+
+
+def graph_us(fn, rep_ms: int = 100) -> float:
+    """Microseconds per replay of a CUDA graph of ``fn()`` (run twice first on a side stream: JIT)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    t = triton.testing.do_bench(g.replay, warmup=max(5, rep_ms // 10), rep=rep_ms)
+    del g
+    return t * 1e3
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a 2 GiB device-to-device copy (read + write)."""
+    x = torch.empty(2 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    t = triton.testing.do_bench(lambda: y.copy_(x), warmup=5, rep=100)
+    del x, y
+    return 2 * (2 << 30) / (t * 1e-3)
+
+
+def dense_rate(device) -> float:
+    """Flop/s of a bf16 ``torch.mm`` 8192 x 8192 x 8192."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    t = triton.testing.do_bench(lambda: torch.mm(a, b), warmup=10, rep=200)
+    return 2 * 8192 ** 3 / (t * 1e-3)
+
+
+def routing_inputs(p: Problem, M: int, device):
+    g = torch.Generator(device=device).manual_seed(1000 + M)
+    x = torch.randn(M, p.H, device=device, dtype=torch.bfloat16, generator=g)
+    logits = torch.randn(M, p.E, device=device, generator=g)
+    tw, ids = torch.topk(torch.softmax(logits, -1), p.top_k, -1)
+    return x, tw.float(), ids.to(torch.int32), logits
+
+
+# ---------------------------------------------------------------------------------------------------
+# ours
+
+
+def _fmt(p: Problem) -> tuple[str, int]:
+    """(moe_fast format, group size) of a problem."""
+    if p.fmt == "mxfp4":
+        return "mxfp4", 32
+    return f"int{p.scheme.bits}", p.scheme.group_size
+
+
+def ours(p: Problem, device):
+    from moeconvert.kernels.moe_fast import fused_moe_fast, weights_from_tensors
+
+    t = random_layout_tensors("triton-fast", p, device)
+    w13, w2 = weights_from_tensors(t, "w13"), weights_from_tensors(t, "w2")
+    fmt, group = _fmt(p)
+
+    def run(x, tw, ids, logits, configs=None):
+        return fused_moe_fast(x, w13, w2, tw, ids, fmt=fmt, group_size=group, activation=p.activation,
+                              configs=configs)
+
+    return run, sum(v.numel() * v.element_size() for v in t.values()), (w13, w2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# --tune
+
+
+def _candidates(p: Problem, M: int, num_sms: int) -> list[tuple[int, list[dict], list[dict]]]:
+    """(BLOCK_M, GEMM1 configs, GEMM2 configs) to try for one (shape, M)."""
+    ppe = M * p.top_k / p.E
+    bms = [16] if ppe <= 8 else [16, 32] if ppe <= 32 else [32, 64] if ppe <= 96 else [64, 128]
+    out = []
+    for bm in bms:
+        if bm <= 32:
+            g1 = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4) for bn in (32, 64, 128) for bk in (128, 256)]
+            g1.append(dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3))
+            blocks = min(p.E, M * p.top_k)
+            g2 = []
+            for bn in (32, 64, 128):
+                for bk in (128, 256):
+                    programs = blocks * math.ceil(p.H / bn)
+                    splits = (1, 2, 4) if programs < 4 * num_sms else (1,)
+                    g2 += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4, SPLIT_K=s) for s in splits
+                           if p.I // bk >= s]
+            g1 = [dict(c, GROUP_M=1, SPLIT_K=1) for c in g1]
+            g2 = [dict(c, GROUP_M=1) for c in g2]
+        else:
+            base = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, GROUP_M=8, SPLIT_K=1)
+                    for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]
+            g1, g2 = base, [dict(c) for c in base]
+        out.append((bm, [dict(c, BLOCK_M=bm) for c in g1], [dict(c, BLOCK_M=bm) for c in g2]))
+    return out
+
+
+def tune(p: Problem, device, ms: list[int], log=print) -> dict:
+    """{str(M): [GEMM1 config, GEMM2 config]} of the fastest tiles found for ``p``, with their times."""
+    from moeconvert.kernels.moe_fast import ACTIVATIONS, FORMATS, align, check_config, launch_gemm
+
+    _, _, (w13, w2) = ours(p, device)
+    fmt, group = _fmt(p)
+    f, act = FORMATS[fmt], ACTIVATIONS[p.activation]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    entry, report = {}, {}
+    for M in ms:
+        x, tw, ids, _ = routing_inputs(p, M, device)
+        P = M * p.top_k
+        a = torch.randn(P, p.I, device=device, dtype=torch.bfloat16) * 0.1
+        weights = tw.reshape(-1).contiguous()
+        best = None
+        for bm, g1s, g2s in _candidates(p, M, sms):
+            aligned = align(ids, bm, p.E)
+            t_align = graph_us(lambda: align(ids, bm, p.E), rep_ms=20)
+            h = torch.empty(P, p.I, device=device, dtype=torch.bfloat16)
+
+            def time_g1(c):
+                return graph_us(lambda: launch_gemm(x, w13, h, aligned, None, fmt=f, group=group, gated=True, act=act,
+                                                    alpha=1.702, limit=7.0, a_row_div=p.top_k, atomic_row_div=0,
+                                                    num_pairs=P, cfg=c), rep_ms=20)
+
+            def time_g2(c):
+                if c["SPLIT_K"] > 1:
+                    def fn():
+                        out = torch.zeros(M, p.H, device=device, dtype=torch.float32)
+                        launch_gemm(a, w2, out, aligned, weights, fmt=f, group=group, gated=False, act=act,
+                                    alpha=1.702, limit=7.0, a_row_div=1, atomic_row_div=p.top_k, num_pairs=P, cfg=c)
+                        return out.to(torch.bfloat16)
+                else:
+                    def fn():
+                        y = torch.empty(P, p.H, device=device, dtype=torch.bfloat16)
+                        launch_gemm(a, w2, y, aligned, weights, fmt=f, group=group, gated=False, act=act,
+                                    alpha=1.702, limit=7.0, a_row_div=1, atomic_row_div=0, num_pairs=P, cfg=c)
+                        return y.view(M, p.top_k, p.H).sum(1)
+                return graph_us(fn, rep_ms=20)
+
+            picked = []
+            for which, cands, timer in (("GEMM1", g1s, time_g1), ("GEMM2", g2s, time_g2)):
+                times = []
+                for c in cands:
+                    check_config(c, fmt)
+                    try:
+                        times.append((timer(c), c))
+                    except Exception as e:  # a tile the GPU cannot hold (shared memory, registers)
+                        log(f"  skip {which} {c}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                if not times:
+                    break
+                picked.append(min(times, key=lambda tc: tc[0]))
+            if len(picked) < 2:
+                continue
+            total = t_align + picked[0][0] + picked[1][0]
+            if best is None or total < best[0]:
+                best = (total, picked[0][1], picked[1][1], t_align, picked[0][0], picked[1][0])
+        if best is None:
+            raise MoeConvertError(f"no tile config ran for {p.name} at M={M}")
+        entry[str(M)] = [best[1], best[2]]
+        report[str(M)] = dict(total_us=round(best[0], 1), align_us=round(best[3], 1), gemm1_us=round(best[4], 1),
+                              gemm2_us=round(best[5], 1))
+        log(f"  {p.name} M={M}: {report[str(M)]} GEMM1 {best[1]} GEMM2 {best[2]}")
+    return {"entry": entry, "report": report}
+
+
+def write_table(path, device_name: str, entries: dict) -> None:
+    """Merge ``entries`` into the table at ``path`` (other layers' entries kept), atomically."""
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    data = {"device": device_name, "triton": triton.__version__, "entries": {}}
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+            data["entries"] = dict(old.get("entries", {}))
+        except (OSError, json.JSONDecodeError):
+            pass
+    data["entries"].update(entries)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the bench
+
+
+def bench_kernel(shapes: list[str], ms: list[int], contenders: list[str], *, device="cuda", fmt: str | None = None,
+                 do_tune: bool = False, table: str | None = None, log=print) -> dict:
+    from moeconvert.kernels import configs
+    from moeconvert.runtime import contenders as C
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise MoeConvertError("bench kernel times CUDA graphs: it needs a CUDA device", expected="cuda",
+                              found=str(device))
+    for c in contenders:
+        if c not in CONTENDERS:
+            raise MoeConvertError("unknown contender", tensor="--contenders", expected=" | ".join(CONTENDERS), found=c)
+    name = torch.cuda.get_device_name(device)
+    probs = problems(shapes, fmt)
+    result = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "rows": [], "tuned": {},
+              "contender_notes": {}}
+    if do_tune:
+        path = table or str(configs.user_table_path(name))
+        t0 = time.time()
+        for p in probs:
+            f, g = _fmt(p)
+            log(f"tuning {p.name} ({p.fmt})")
+            r = tune(p, device, ms, log)
+            write_table(path, name, {configs.entry_key(f, g, p.E, p.top_k, p.H, p.I): r["entry"]})
+            result["tuned"][p.name] = r["report"]
+            torch.cuda.empty_cache()
+        result["table"] = path
+        result["tune_seconds"] = round(time.time() - t0, 1)
+        log(f"wrote {path} ({result['tune_seconds']} s)")
+    elif table:
+        import os
+        os.environ[configs.ENV_TABLE] = table
+    bw, rate = copy_bandwidth(device), dense_rate(device)
+    result["copy_TBps"], result["bf16_TFLOPs"] = round(bw / 1e12, 3), round(rate / 1e12, 1)
+    log(f"{name}: copy {bw / 1e12:.2f} TB/s, bf16 mm {rate / 1e12:.0f} TFLOP/s")
+    for p in probs:
+        runners = {}
+        try:
+            run, nbytes, _ = ours(p, device)
+            runners["ours"] = run
+        except Exception as e:
+            result["contender_notes"][f"ours/{p.name}"] = f"{type(e).__name__}: {e}"
+        for c in contenders:
+            try:
+                built = {"marlin": lambda: C.marlin(p, device), "humming": lambda: C.humming(p, device, ms),
+                         "triton_kernels": lambda: C.triton_kernels(p, device)}[c]()
+                runners[c] = built[0]
+            except Unavailable as e:
+                result["contender_notes"][f"{c}/{p.name}"] = str(e)
+            except Exception as e:
+                result["contender_notes"][f"{c}/{p.name}"] = f"{type(e).__name__}: {str(e)[:200]}"
+                traceback.print_exc()
+        for M in ms:
+            x, tw, ids, logits = routing_inputs(p, M, device)
+            hit = int(torch.unique(ids).numel())
+            mem_bytes = hit * p.expert_bytes + 2 * M * p.H * 2
+            row = {"shape": p.name, "fmt": p.fmt, "E": p.E, "top_k": p.top_k, "H": p.H, "I": p.I, "M": M,
+                   "experts_hit": hit, "layer_MB": round(p.E * p.expert_bytes / 1e6, 1),
+                   "memory_floor_us": round(mem_bytes / bw * 1e6, 2),
+                   "compute_floor_us": round(2 * M * p.top_k * 3 * p.H * p.I / rate * 1e6, 2), "us": {}, "errors": {}}
+            for who, run in runners.items():
+                try:
+                    row["us"][who] = round(graph_us(lambda: run(x, tw, ids, logits)), 2)
+                except Exception as e:
+                    row["errors"][who] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            others = [v for k, v in row["us"].items() if k != "ours"]
+            if "ours" in row["us"]:
+                t = row["us"]["ours"]
+                row["vs_best_contender"] = round(min(others) / t, 3) if others else None
+                row["of_memory_floor"] = round(row["memory_floor_us"] / t, 3)
+                row["of_compute_floor"] = round(row["compute_floor_us"] / t, 3)
+            log(json.dumps(row))
+            result["rows"].append(row)
+        runners.clear()
+        torch.cuda.empty_cache()
+    return result
