@@ -28,6 +28,7 @@ split-K.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,7 @@ INT4, INT8, MXFP4 = 0, 1, 2
 FORMATS = {"int4": INT4, "int8": INT8, "mxfp4": MXFP4}
 SILU, SWIGLUOAI = 0, 1
 ACTIVATIONS = {"silu": SILU, "swigluoai": SWIGLUOAI}
+ENV_PORTABLE = "MOECONVERT_PORTABLE_DEQUANT"  # set: the portable dequantization on GPUs too (to compare)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -89,20 +91,71 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, cursor_ptr, P, 
         tl.store(sorted_ptr + slot, offs, mask=ok)
 
 
+@triton.jit
+def _align_count_kernel(ids_ptr, counts_ptr, P, E, offset, CHUNK: tl.constexpr):
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1) - offset
+    ok = (offs < P) & (ids >= 0) & (ids < E)
+    tl.atomic_add(counts_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=ok, sem="relaxed")
+
+
+@triton.jit
+def _align_offsets_kernel(counts_ptr, cursor_ptr, expert_ids_ptr, ntpp_ptr, E, max_padded,
+                          BLOCK_M: tl.constexpr, E_P2: tl.constexpr, BCHUNK: tl.constexpr):
+    e_offs = tl.arange(0, E_P2)
+    e_ok = e_offs < E
+    counts = tl.load(counts_ptr + e_offs, mask=e_ok, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    tl.store(ntpp_ptr, tl.sum(padded, 0))
+    tl.store(cursor_ptr + e_offs, end - padded, mask=e_ok)
+    num_blocks = max_padded // BLOCK_M
+    for c in range(0, tl.cdiv(num_blocks, BCHUNK)):
+        b = c * BCHUNK + tl.arange(0, BCHUNK)
+        before = (end[None, :] <= (b * BLOCK_M)[:, None]) & e_ok[None, :]
+        e = tl.sum(before.to(tl.int32), 1)
+        tl.store(expert_ids_ptr + b, tl.where(e < E, e, -1), mask=b < num_blocks)
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, sorted_ptr, cursor_ptr, P, E, offset, CHUNK: tl.constexpr):
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1) - offset
+    ok = (offs < P) & (ids >= 0) & (ids < E)
+    slot = tl.atomic_add(cursor_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=ok, sem="relaxed")
+    tl.store(sorted_ptr + slot, offs, mask=ok)
+
+
+#: up to this many pairs one program aligns them (one launch); above, count / offsets / scatter
+#: kernels over the pairs (a single program takes ~0.4 ms for 32k pairs)
+ALIGN_ONE_PROGRAM_MAX = 4096
+
+
 def align(topk_ids: torch.Tensor, block_m: int, num_experts: int, expert_offset: int = 0):
     """(sorted_token_ids, expert_ids, num_tokens_post_padded) as align.moe_align_block_size gives them,
-    from one Triton launch (pairs inside one expert's run in no fixed order)."""
+    from Triton launches (pairs inside one expert's run in no fixed order)."""
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     P, E = ids.numel(), num_experts
     max_padded = max_padded_tokens(P, E, block_m)
     dev = ids.device
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
     ntpp = torch.empty(1, dtype=torch.int32, device=dev)
     e_p2 = max(16, triton.next_power_of_2(E))
+    bchunk = max(1, 8192 // e_p2)
+    if P <= ALIGN_ONE_PROGRAM_MAX:
+        sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+        cursor = torch.empty(e_p2, dtype=torch.int32, device=dev)
+        _align_kernel[(1,)](ids, sorted_ids, expert_ids, ntpp, cursor, P, E, expert_offset, max_padded,
+                            BLOCK_M=block_m, E_P2=e_p2, CHUNK=256, BCHUNK=bchunk, num_warps=4)
+        return sorted_ids, expert_ids, ntpp
+    sorted_ids = torch.full((max_padded,), P, dtype=torch.int32, device=dev)
+    counts = torch.zeros(e_p2, dtype=torch.int32, device=dev)
     cursor = torch.empty(e_p2, dtype=torch.int32, device=dev)
-    _align_kernel[(1,)](ids, sorted_ids, expert_ids, ntpp, cursor, P, E, expert_offset, max_padded,
-                        BLOCK_M=block_m, E_P2=e_p2, CHUNK=256, BCHUNK=max(1, 8192 // e_p2), num_warps=4)
+    grid = (triton.cdiv(P, 1024),)
+    _align_count_kernel[grid](ids, counts, P, E, expert_offset, CHUNK=1024, num_warps=4)
+    _align_offsets_kernel[(1,)](counts, cursor, expert_ids, ntpp, E, max_padded, BLOCK_M=block_m, E_P2=e_p2,
+                                BCHUNK=bchunk, num_warps=4)
+    _align_scatter_kernel[grid](ids, sorted_ids, cursor, P, E, expert_offset, CHUNK=1024, num_warps=4)
     return sorted_ids, expert_ids, ntpp
 
 
@@ -129,6 +182,97 @@ def _dequant(code, scale, zp, FMT: tl.constexpr, HAS_ZP: tl.constexpr, compute_t
     return w.to(compute_type)
 
 
+# Register-level dequantization for the GPU (FAST): four codes a 32-bit word, no int->float conversion
+# (those run at a quarter of the ALU rate and would cap the GEMM well below the memory bandwidth).
+# int4: the nibble is OR-ed into the mantissa of 128.0 (bf16 0x4300) / 1024.0 (fp16 0x6400), giving
+# magic + u exactly; one FMA subtracts magic + zero point (exact), one multiplies the scale (the one
+# rounding). MXFP4: the e2m1 sign / exponent / mantissa bits go to the bf16 bit positions
+# (value * 2^-126, exact, subnormals included), times 2^126 (exact), times the e8m0 scale (rounded).
+_INT4_ASM = """{
+.reg .b32 t0, t1, one, nz;
+mov.b32 one, ONE;
+mov.b32 nz, 0x80008000;
+SHIFT
+prmt.b32 t1, t0, 0, 0x4342;
+prmt.b32 t0, t0, 0, 0x4140;
+lop3.b32 t0, t0, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 t1, t1, 0x000F000F, MAGIC, 0xEA;
+fma.rn.T t0, t0, one, $4;
+fma.rn.T t1, t1, one, $5;
+fma.rn.T $0, t0, $2, nz;
+fma.rn.T $1, t1, $3, nz;
+}"""
+_MXFP4_ASM = """{
+.reg .b32 t0, t1, x0, x1, y0, y1, c, nz;
+mov.b32 c, 0x7E807E80;
+mov.b32 nz, 0x80008000;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shl.b32 x0, t0, SA;
+shl.b32 x1, t1, SA;
+and.b32 x0, x0, 0x01C001C0;
+and.b32 x1, x1, 0x01C001C0;
+shl.b32 y0, t0, SB;
+shl.b32 y1, t1, SB;
+lop3.b32 x0, y0, 0x80008000, x0, 0xEA;
+lop3.b32 x1, y1, 0x80008000, x1, 0xEA;
+fma.rn.bf16x2 x0, x0, c, nz;
+fma.rn.bf16x2 x1, x1, c, nz;
+fma.rn.bf16x2 $0, x0, $2, nz;
+fma.rn.bf16x2 $1, x1, $3, nz;
+}"""
+
+
+def _int4_asm(high: bool, half: bool) -> str:
+    # operands: $0 $1 out (4 x 16 bit), $2 $3 scale, $4 $5 -(magic + zero point), $6 the 4 code bytes
+    asm = _INT4_ASM.replace("SHIFT", "shr.b32 t0, $6, 4;" if high else "mov.b32 t0, $6;")
+    if half:
+        return asm.replace("ONE", "0x3C003C00").replace("MAGIC", "0x64006400").replace(".T", ".f16x2")
+    return asm.replace("ONE", "0x3F803F80").replace("MAGIC", "0x43004300").replace(".T", ".bf16x2")
+
+
+_ASM_I4_BF16_LO = tl.constexpr(_int4_asm(False, False))
+_ASM_I4_BF16_HI = tl.constexpr(_int4_asm(True, False))
+_ASM_I4_F16_LO = tl.constexpr(_int4_asm(False, True))
+_ASM_I4_F16_HI = tl.constexpr(_int4_asm(True, True))
+# operands: $0 $1 out (4 x bf16), $2 $3 scale, $4 the 4 code bytes
+_ASM_MX_LO = tl.constexpr(_MXFP4_ASM.replace("SA", "6").replace("SB", "12"))
+_ASM_MX_HI = tl.constexpr(_MXFP4_ASM.replace("SA", "2").replace("SB", "8"))
+_C_INT4: tl.constexpr = tl.constexpr("=r,=r,r,r,r,r,r")
+_C_MX: tl.constexpr = tl.constexpr("=r,=r,r,r,r")
+
+
+@triton.jit
+def _fast_int4(raw, scale, nbias, HIGH: tl.constexpr, compute_type: tl.constexpr):
+    """uint8 code bytes [R, N] -> (nibble - zp) * scale in compute_type (bf16 / fp16); ``scale`` and
+    ``nbias`` = -(magic + zero point) in compute_type, broadcastable."""
+    if compute_type == tl.float16:
+        if HIGH:
+            w = tl.inline_asm_elementwise(_ASM_I4_F16_HI, _C_INT4, [scale, nbias, raw], dtype=tl.float16,
+                                          is_pure=True, pack=4)
+        else:
+            w = tl.inline_asm_elementwise(_ASM_I4_F16_LO, _C_INT4, [scale, nbias, raw], dtype=tl.float16,
+                                          is_pure=True, pack=4)
+    else:
+        if HIGH:
+            w = tl.inline_asm_elementwise(_ASM_I4_BF16_HI, _C_INT4, [scale, nbias, raw], dtype=tl.bfloat16,
+                                          is_pure=True, pack=4)
+        else:
+            w = tl.inline_asm_elementwise(_ASM_I4_BF16_LO, _C_INT4, [scale, nbias, raw], dtype=tl.bfloat16,
+                                          is_pure=True, pack=4)
+    return w
+
+
+@triton.jit
+def _fast_mxfp4(raw, scale, HIGH: tl.constexpr):
+    """uint8 e2m1 byte pairs [R, N] -> value * scale in bf16; ``scale`` bf16, broadcastable."""
+    if HIGH:
+        w = tl.inline_asm_elementwise(_ASM_MX_HI, _C_MX, [scale, raw], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        w = tl.inline_asm_elementwise(_ASM_MX_LO, _C_MX, [scale, raw], dtype=tl.bfloat16, is_pure=True, pack=4)
+    return w
+
+
 @triton.jit
 def _scale(ptrs, mask, FMT: tl.constexpr):
     """fp32 scales: MXFP4's e8m0 byte S is 2^(S - 127) (S = 0: 2^-127, a subnormal)."""
@@ -142,13 +286,14 @@ def _scale(ptrs, mask, FMT: tl.constexpr):
 @triton.jit
 def _tile(a_rows, a_mask, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, k_shift, g_row, g_shift,
           stride_bk, stride_sg, stride_zg, acc,
-          FMT: tl.constexpr, GROUP: tl.constexpr, BKR: tl.constexpr, HAS_ZP: tl.constexpr,
-          compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc += A[:, k] @ W[k, n] over one K step: ``kr`` are the weight rows of this step (bytes of two
+          FMT: tl.constexpr, GROUP: tl.constexpr, BKR: tl.constexpr, HAS_ZP: tl.constexpr, FAST: tl.constexpr,
+          SWAP: tl.constexpr, compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc += A[:, k] @ W[k, n] over one K step (``SWAP``: acc^T += W^T @ A^T, the weights the MMA's
+    first operand, straight from registers, and the tokens its second, as narrow as 8 / 16 rows): ``kr`` are the weight rows of this step (bytes of two
     codes for 4-bit formats), ``k_shift`` the column of the high-nibble operand (K/2), ``g_row`` the
     first scale group of the step and ``g_shift`` the group of the high half (K/2 / GROUP)."""
     bmask = kr_mask[:, None] & n_mask[None, :]
-    raw = tl.load(b_base + kr[:, None] * stride_bk + offs_n[None, :], mask=bmask, other=0).to(tl.int32)
+    raw = tl.load(b_base + kr[:, None] * stride_bk + offs_n[None, :], mask=bmask, other=0)
     if GROUP % BKR == 0:  # the step lies in one scale group: one [1, BLOCK_N] row of scales
         s_lo = _scale(s_base + g_row * stride_sg + offs_n[None, :], n_mask[None, :], FMT)
         if HAS_ZP:
@@ -170,16 +315,46 @@ def _tile(a_rows, a_mask, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, k
     if not HAS_ZP:
         z_lo = 0
         z_hi = 0
-    a_lo = tl.load(a_rows + kr[None, :], mask=a_mask[:, None] & kr_mask[None, :], other=0.0)
-    if FMT == 1:
-        acc = tl.dot(a_lo, _dequant(raw, s_lo, z_lo, FMT, HAS_ZP, compute_type), acc=acc,
-                     input_precision=DOT_PRECISION)
+    if SWAP:  # a_rows is [1, BLOCK_M]: the activations' tile read transposed, [BKR, BLOCK_M]
+        a_lo = tl.load(a_rows + kr[:, None], mask=kr_mask[:, None] & a_mask[None, :], other=0.0)
     else:
-        acc = tl.dot(a_lo, _dequant(raw & 15, s_lo, z_lo, FMT, HAS_ZP, compute_type), acc=acc,
-                     input_precision=DOT_PRECISION)
-        a_hi = tl.load(a_rows + (kr + k_shift)[None, :], mask=a_mask[:, None] & kr_mask[None, :], other=0.0)
-        acc = tl.dot(a_hi, _dequant(raw >> 4, s_hi, z_hi, FMT, HAS_ZP, compute_type), acc=acc,
-                     input_precision=DOT_PRECISION)
+        a_lo = tl.load(a_rows + kr[None, :], mask=a_mask[:, None] & kr_mask[None, :], other=0.0)
+    if FMT == 1:
+        w = _dequant(raw.to(tl.int32), s_lo, z_lo, FMT, HAS_ZP, compute_type)
+        if SWAP:
+            acc = tl.dot(tl.trans(w), a_lo, acc=acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(a_lo, w, acc=acc, input_precision=DOT_PRECISION)
+    else:
+        if FAST:
+            if FMT == 2:
+                w_lo = _fast_mxfp4(raw, s_lo.to(tl.bfloat16), False)
+                w_hi = _fast_mxfp4(raw, s_hi.to(tl.bfloat16), True)
+            else:
+                if compute_type == tl.float16:
+                    magic = 1024.0
+                else:
+                    magic = 128.0
+                if HAS_ZP:
+                    nb_lo = (-(z_lo.to(tl.float32) + magic)).to(compute_type)
+                    nb_hi = (-(z_hi.to(tl.float32) + magic)).to(compute_type)
+                else:
+                    nb_lo = (tl.zeros_like(s_lo) - (magic + 8.0)).to(compute_type)
+                    nb_hi = (tl.zeros_like(s_hi) - (magic + 8.0)).to(compute_type)
+                w_lo = _fast_int4(raw, s_lo.to(compute_type), nb_lo, False, compute_type)
+                w_hi = _fast_int4(raw, s_hi.to(compute_type), nb_hi, True, compute_type)
+        else:
+            codes = raw.to(tl.int32)
+            w_lo = _dequant(codes & 15, s_lo, z_lo, FMT, HAS_ZP, compute_type)
+            w_hi = _dequant(codes >> 4, s_hi, z_hi, FMT, HAS_ZP, compute_type)
+        if SWAP:
+            acc = tl.dot(tl.trans(w_lo), a_lo, acc=acc, input_precision=DOT_PRECISION)
+            a_hi = tl.load(a_rows + (kr + k_shift)[:, None], mask=kr_mask[:, None] & a_mask[None, :], other=0.0)
+            acc = tl.dot(tl.trans(w_hi), a_hi, acc=acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(a_lo, w_lo, acc=acc, input_precision=DOT_PRECISION)
+            a_hi = tl.load(a_rows + (kr + k_shift)[None, :], mask=a_mask[:, None] & kr_mask[None, :], other=0.0)
+            acc = tl.dot(a_hi, w_hi, acc=acc, input_precision=DOT_PRECISION)
     return acc
 
 
@@ -191,7 +366,7 @@ def _moe_gemm(
     stride_am, stride_be, stride_bk, stride_se, stride_sg, stride_ze, stride_zg, stride_biase, stride_cm,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, A_ROW_DIV: tl.constexpr,
-    ATOMIC_ROW_DIV: tl.constexpr, SPLIT_K: tl.constexpr,
+    ATOMIC_ROW_DIV: tl.constexpr, SPLIT_K: tl.constexpr, FAST: tl.constexpr, SWAP: tl.constexpr,
     compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -218,7 +393,10 @@ def _moe_gemm(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
 
-    a_rows = a_ptr + (offs_pair // A_ROW_DIV)[:, None] * stride_am
+    if SWAP:
+        a_rows = a_ptr + (offs_pair // A_ROW_DIV)[None, :] * stride_am
+    else:
+        a_rows = a_ptr + (offs_pair // A_ROW_DIV)[:, None] * stride_am
     b_base = b_ptr + expert * stride_be
     s_base = s_ptr + expert * stride_se
     z_base = z_ptr + expert * stride_ze
@@ -233,20 +411,27 @@ def _moe_gemm(
     last = min(first + per_split, steps)
     offs_r = tl.arange(0, BKR)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if GATED:
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros_like(acc)
     for step in range(first, last):
         kr = step * BKR + offs_r
         kr_mask = kr < KR
         g_row = (step * BKR) // GROUP
         acc = _tile(a_rows, pair_ok, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, k_shift, g_row,
                     g_shift, stride_bk, stride_sg, stride_zg, acc,
-                    FMT, GROUP, BKR, HAS_ZP, compute_type, DOT_PRECISION)
+                    FMT, GROUP, BKR, HAS_ZP, FAST, SWAP, compute_type, DOT_PRECISION)
         if GATED:
             acc_up = _tile(a_rows, pair_ok, b_base + up_offset, s_base + up_offset, z_base + up_offset, kr,
                            kr_mask, offs_n, n_mask, k_shift, g_row, g_shift, stride_bk, stride_sg, stride_zg,
-                           acc_up, FMT, GROUP, BKR, HAS_ZP, compute_type, DOT_PRECISION)
+                           acc_up, FMT, GROUP, BKR, HAS_ZP, FAST, SWAP, compute_type, DOT_PRECISION)
+    if SWAP:  # back to [BLOCK_M, BLOCK_N] for the epilogue (one layout change a program)
+        acc = tl.trans(acc)
+        if GATED:
+            acc_up = tl.trans(acc_up)
 
     if HAS_BIAS:
         bias_base = bias_ptr + expert * stride_biase
@@ -300,6 +485,14 @@ class FastWeights:
                    if t is not None)
 
 
+def _fast(fmt: int, a: torch.Tensor) -> bool:
+    """The register-level dequantization (inline PTX) runs on CUDA devices for int4 in bf16 / fp16 and
+    MXFP4 in bf16; the interpreter and other cases take the portable path."""
+    if a.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get(ENV_PORTABLE):
+        return False
+    return (fmt == INT4 and a.dtype in (torch.float16, torch.bfloat16)) or (fmt == MXFP4 and a.dtype == torch.bfloat16)
+
+
 def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, group: int, gated: bool, act: int,
                 alpha: float, limit: float, a_row_div: int, atomic_row_div: int, num_pairs: int, cfg: dict):
     """One GEMM launch over the aligned pairs (``fused_moe_fast`` makes two; ``bench kernel --tune`` times
@@ -325,7 +518,7 @@ def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, grou
         bias.stride(0) if w.bias is not None else 0, out.stride(0),
         FMT=fmt, GROUP=group, HAS_ZP=w.zero_point is not None, HAS_BIAS=w.bias is not None,
         GATED=gated, ACT=act, MUL_ROUTED_WEIGHT=topk_weights is not None, A_ROW_DIV=a_row_div,
-        ATOMIC_ROW_DIV=atomic_row_div, SPLIT_K=split, compute_type=_TL_DTYPES[a.dtype],
+        ATOMIC_ROW_DIV=atomic_row_div, SPLIT_K=split, FAST=_fast(fmt, a), SWAP=bool(cfg.get("SWAP_AB", 0)), compute_type=_TL_DTYPES[a.dtype],
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 1),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
@@ -342,6 +535,8 @@ def check_config(cfg: dict, fmt: str) -> None:
             raise ValueError(f"{key} = {v} must be a power of two >= 16")
     if rows < 16:
         raise ValueError(f"BLOCK_K = {bk} gives {rows} weight rows a step; the dot needs at least 16")
+    if cfg.get("SWAP_AB", 0) not in (0, 1):
+        raise ValueError(f"SWAP_AB = {cfg['SWAP_AB']} must be 0 or 1")
     if cfg.get("SPLIT_K", 1) < 1:
         raise ValueError(f"SPLIT_K = {cfg['SPLIT_K']} must be >= 1")
 

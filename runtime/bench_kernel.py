@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import traceback
 
@@ -127,27 +128,30 @@ def ours(p: Problem, device):
 
 
 def _candidates(p: Problem, M: int, num_sms: int) -> list[tuple[int, list[dict], list[dict]]]:
-    """(BLOCK_M, GEMM1 configs, GEMM2 configs) to try for one (shape, M)."""
+    """(BLOCK_M, GEMM1 configs, GEMM2 configs) to try for one (shape, M): both operand orders
+    (``SWAP_AB``), the tile widths and depths that matter at this M, split-K for GEMM2 when its
+    programs would not fill the GPU."""
     ppe = M * p.top_k / p.E
     bms = [16] if ppe <= 8 else [16, 32] if ppe <= 32 else [32, 64] if ppe <= 96 else [64, 128]
     out = []
     for bm in bms:
         if bm <= 32:
-            g1 = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4) for bn in (32, 64, 128) for bk in (128, 256)]
-            g1.append(dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3))
+            tiles = [(64, 128), (128, 128), (64, 256)] + ([(32, 128)] if ppe <= 1 else [])
+            g1 = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4, SWAP_AB=sw) for bn, bk in tiles
+                  for sw in (0, 1)]
+            g1 += [dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, SWAP_AB=sw) for sw in (0, 1)]
             blocks = min(p.E, M * p.top_k)
             g2 = []
-            for bn in (32, 64, 128):
-                for bk in (128, 256):
-                    programs = blocks * math.ceil(p.H / bn)
-                    splits = (1, 2, 4) if programs < 4 * num_sms else (1,)
-                    g2 += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4, SPLIT_K=s) for s in splits
-                           if p.I // bk >= s]
+            for bn, bk in tiles:
+                splits = (1, 2) if blocks * math.ceil(p.H / bn) < 4 * num_sms else (1,)
+                g2 += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4, SPLIT_K=sk, SWAP_AB=sw)
+                       for sk in splits if p.I // bk >= sk for sw in (0, 1)]
             g1 = [dict(c, GROUP_M=1, SPLIT_K=1) for c in g1]
             g2 = [dict(c, GROUP_M=1) for c in g2]
         else:
-            base = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, GROUP_M=8, SPLIT_K=1)
-                    for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]
+            tiles = [(64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8)]
+            base = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, GROUP_M=8, SPLIT_K=1, SWAP_AB=sw)
+                    for bn, bk, w in tiles for sw in (0, 1)]
             g1, g2 = base, [dict(c) for c in base]
         out.append((bm, [dict(c, BLOCK_M=bm) for c in g1], [dict(c, BLOCK_M=bm) for c in g2]))
     return out
@@ -221,7 +225,6 @@ def tune(p: Problem, device, ms: list[int], log=print) -> dict:
 
 def write_table(path, device_name: str, entries: dict) -> None:
     """Merge ``entries`` into the table at ``path`` (other layers' entries kept), atomically."""
-    import os
     from pathlib import Path
 
     path = Path(path)
@@ -269,12 +272,12 @@ def bench_kernel(shapes: list[str], ms: list[int], contenders: list[str], *, dev
             write_table(path, name, {configs.entry_key(f, g, p.E, p.top_k, p.H, p.I): r["entry"]})
             result["tuned"][p.name] = r["report"]
             torch.cuda.empty_cache()
-        result["table"] = path
         result["tune_seconds"] = round(time.time() - t0, 1)
         log(f"wrote {path} ({result['tune_seconds']} s)")
-    elif table:
-        import os
+        table = path
+    if table:  # the bench reads the table just written (or named) first
         os.environ[configs.ENV_TABLE] = table
+    result["table"] = table
     bw, rate = copy_bandwidth(device), dense_rate(device)
     result["copy_TBps"], result["bf16_TFLOPs"] = round(bw / 1e12, 3), round(rate / 1e12, 1)
     log(f"{name}: copy {bw / 1e12:.2f} TB/s, bf16 mm {rate / 1e12:.0f} TFLOP/s")

@@ -182,6 +182,13 @@ def _cases():
         configs=[CFG(GROUP_M=4, BLOCK_N=64), CFG(SPLIT_K=2, BLOCK_K=32)])
     add("fp32-mxfp4-splitk-bias-M7", quant="mxfp4", dtype="float32", M=7, bias=True,
         configs=[CFG(BLOCK_M=32), CFG(BLOCK_M=32, SPLIT_K=3)])
+    # swapped operands (weights first): every format, split-K
+    S = lambda **kw: CFG(SWAP_AB=1, **kw)
+    add("fp32-int4-asym-g64-swap-M13", quant="int4-asym-g64", dtype="float32", M=13, configs=[S(), S()])
+    add("fp16-int4-sym-g32-swap-M13", quant="int4-sym-g32", dtype="float16", M=13, configs=[S(BLOCK_K=128), S()])
+    add("fp32-int8-asym-g32-swap-M5", quant="int8-asym-g32", dtype="float32", M=5, configs=[S(), S(SPLIT_K=2)])
+    add("fp32-mxfp4-swigluoai-swap-M13", quant="mxfp4", dtype="float32", M=13, bias=True, act="swigluoai",
+        configs=[S(BLOCK_N=64), S(BLOCK_M=16, SPLIT_K=2)])
     # EP: rank 1 of 2 (experts 4..7 of 8), ids on both sides of the cut; with and without split-K
     add("fp32-int4-sym-g32-ep-M13", quant="int4-sym-g32", dtype="float32", M=13, offset=4, e_global=8)
     add("fp32-int4-sym-g32-ep-splitk-M13", quant="int4-sym-g32", dtype="float32", M=13, offset=4, e_global=8,
@@ -225,7 +232,8 @@ def _run_align() -> dict:
 
     out = {}
     for M, k, E_, offset, bm in [(1, 1, 1, 0, 16), (13, 2, 4, 0, 4), (13, 2, 4, 2, 4), (37, 4, 8, 8, 16),
-                                 (300, 8, 64, 0, 16), (5, 3, 3, 100, 8)]:
+                                 (300, 8, 64, 0, 16), (5, 3, 3, 100, 8),
+                                 (700, 8, 32, 16, 32)]:  # 5600 pairs: the multi-program path
         g = torch.Generator().manual_seed(M * 7 + E_)
         ids = torch.randint(0, max(E_ + offset, 2 * E_), (M, k), generator=g, dtype=torch.int32)
         sorted_ids, expert_ids, ntpp = align(ids, bm, E_, offset)
@@ -346,7 +354,7 @@ def test_fused_moe_fast_matches_the_reference_interpreted(interpreted, case):
 def test_align_kernel_matches_a_python_loop_interpreted(interpreted):
     r = _result(interpreted, "align")
     bad = {k: v for k, v in r.items() if not v["ok"]}
-    assert len(r) == 6 and not bad, bad
+    assert len(r) == 7 and not bad, bad
 
 
 @pytest.mark.parametrize("name", list(LOADS))
@@ -369,7 +377,8 @@ GPU_CASES = [("int4-sym-g128", 128, 8, 2048, 768), ("int4-asym-g32", 128, 8, 204
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("quant,E_,k,H,I", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 @pytest.mark.parametrize("M", [1, 64, 1024])
-def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M):
+@pytest.mark.parametrize("swap", [0, 1], ids=["w-second", "w-first"])
+def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, swap):
     from moeconvert.kernels.moe_fast import fused_moe_fast, weights_from_tensors
     from moeconvert.runtime.reference import activation_fn, reference_moe
 
@@ -384,8 +393,11 @@ def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M):
     tw, ids = torch.topk(torch.softmax(logits, -1), k)
     fmt = "mxfp4" if quant == "mxfp4" else quant[:4]
     group = 32 if quant == "mxfp4" else (-1 if "gch" in quant else int(quant.rsplit("-g", 1)[1]))
+    from moeconvert.kernels.configs import heuristic_configs
+
+    configs = tuple(dict(c, SWAP_AB=swap) for c in heuristic_configs(fmt, E_, k, Hp, Ip, M))
     y = fused_moe_fast(x, weights_from_tensors(tensors, "w13"), weights_from_tensors(tensors, "w2"), tw,
-                       ids.to(torch.int32), fmt=fmt, group_size=group, activation=act)
+                       ids.to(torch.int32), fmt=fmt, group_size=group, activation=act, configs=configs)
     want = reference_moe(x.float(), ref_w, tw, ids, activation_fn(act))
     assert y.dtype == torch.bfloat16 and y.shape == (M, Hp)
     assert rel(y, want) < TOL["bfloat16"]
