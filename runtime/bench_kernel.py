@@ -136,7 +136,10 @@ def _candidates(p: Problem, M: int, num_sms: int) -> list[tuple[int, list[dict],
     out = []
     for bm in bms:
         if bm <= 32:
-            tiles = [(64, 128), (128, 128), (64, 256)] + ([(32, 128)] if ppe <= 1 else [])
+            if p.fmt == "mxfp4":  # BLOCK_K 64: a step's 32 byte rows are one scale group
+                tiles = [(64, 64), (128, 64), (64, 128)] + ([(32, 64)] if ppe <= 1 else [])
+            else:
+                tiles = [(64, 128), (128, 128), (64, 256)] + ([(32, 128)] if ppe <= 1 else [])
             g1 = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4, SWAP_AB=sw) for bn, bk in tiles
                   for sw in (0, 1)]
             g1 += [dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, SWAP_AB=sw) for sw in (0, 1)]
