@@ -41,6 +41,7 @@ SHAPES = {  # E, top_k, H, I, format
 }
 MS = (1, 16, 64, 256, 4096)
 CONTENDERS = ("marlin", "humming", "triton_kernels")
+FORMATS = ("int4-g128", "int4-g64", "int4-g32", "int8-g128", "mxfp4")
 
 
 def problems(names: list[str], fmt: str | None = None) -> list[Problem]:
@@ -254,15 +255,17 @@ def bench_kernel(shapes: list[str], ms: list[int], contenders: list[str], *, dev
     from moeconvert.kernels import configs
     from moeconvert.runtime import contenders as C
 
+    for c in contenders:
+        if c not in CONTENDERS:
+            raise MoeConvertError("unknown contender", tensor="--contenders", expected=" | ".join(CONTENDERS), found=c)
+    if fmt is not None and fmt not in FORMATS:
+        raise MoeConvertError("unknown weight format", tensor="--format", expected=" | ".join(FORMATS), found=fmt)
+    probs = problems(shapes, fmt)
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise MoeConvertError("bench kernel times CUDA graphs: it needs a CUDA device", expected="cuda",
                               found=str(device))
-    for c in contenders:
-        if c not in CONTENDERS:
-            raise MoeConvertError("unknown contender", tensor="--contenders", expected=" | ".join(CONTENDERS), found=c)
     name = torch.cuda.get_device_name(device)
-    probs = problems(shapes, fmt)
     result = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "rows": [], "tuned": {},
               "contender_notes": {}}
     if do_tune:

@@ -1,0 +1,112 @@
+"""``moeconvert bench kernel`` and its config tables, on CPU: refusals, the tuning space, the tables.
+
+The timings themselves are GPU-only (docs/kernels.md has the H200 table); nothing here times anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeconvert.cli import main
+from moeconvert.kernels import configs
+from moeconvert.kernels.moe_fast import check_config
+from moeconvert.layouts import get_layout
+from moeconvert.runtime.bench_kernel import SHAPES, _candidates, _fmt, problems, write_table
+from moeconvert.runtime.contenders import Problem, padded_shape, random_layout_tensors
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    cap = capsys.readouterr()
+    return exc.value.code, cap.out, cap.err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
+def test_bench_kernel_refuses_without_a_gpu_in_one_line(capsys):
+    code, out, err = run_cli(["bench", "kernel", "--shapes", "mixtral", "--tokens", "1"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "needs a CUDA device" in err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--shapes", "llama"], "unknown shape"),
+    (["--contenders", "cutlass"], "unknown contender"),
+    (["--tokens", "0"], "bad token counts"),
+    (["--tokens", "x"], "bad token counts"),
+    (["--format", "fp8"], "unknown weight format"),
+])
+def test_bench_kernel_bad_arguments_exit_2(argv, needle, capsys):
+    code, out, err = run_cli(["bench", "kernel", *argv], capsys)
+    assert code == 2 and needle in err and err.count("\n") == 1, err
+
+
+def test_problem_bytes_per_weight_by_hand():
+    assert Problem("x", 8, 2, 4096, 14336, "int4-g128").bytes_per_weight == 0.5 + 2 / 128
+    assert Problem("x", 128, 4, 2880, 2880, "mxfp4").bytes_per_weight == 0.5 + 1 / 32
+    # Mixtral's layer at int4 g128: 8 experts x 3 x 4096 x 14336 weights x 0.515625 B
+    p = problems(["mixtral"])[0]
+    assert p.E * p.expert_bytes == 8 * 3 * 4096 * 14336 * 0.515625
+
+
+@pytest.mark.parametrize("layout", ["triton-fast", "marlin"])
+@pytest.mark.parametrize("fmt", ["int4-g128", "mxfp4"])
+def test_random_layout_tensors_follow_the_layout_plan(layout, fmt):
+    p = Problem("small", 4, 2, 256, 256, fmt)
+    t = random_layout_tensors(layout, p, "cpu")
+    shape = padded_shape(layout, p)
+    plan = {s.suffix: s for s in get_layout(layout, p.kind).plan(shape, p.scheme)}
+    assert set(t) == set(plan)
+    for name, v in t.items():
+        assert tuple(v.shape) == tuple(plan[name].shape) and v.dtype == plan[name].dtype, name
+        if v.dtype.is_floating_point:
+            assert torch.isfinite(v.float()).all(), name
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("M", [1, 16, 64, 256, 4096])
+def test_tuning_candidates_are_valid_configs(name, M):
+    p = problems([name])[0]
+    fmt, _ = _fmt(p)
+    groups = _candidates(p, M, 132)
+    assert groups
+    for bm, g1, g2 in groups:
+        assert g1 and g2
+        for c in g1 + g2:
+            check_config(c, fmt)
+            assert c["BLOCK_M"] == bm
+        assert all(c["SPLIT_K"] == 1 for c in g1)  # GEMM1's epilogue needs the whole sum
+        for c in g2:  # a split never leaves a K split without steps
+            assert math.ceil(p.I / c["BLOCK_K"]) >= c["SPLIT_K"]
+
+
+def test_write_table_merges_and_lookup_reads_it(tmp_path, monkeypatch):
+    path = tmp_path / "t.json"
+    c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=4, SWAP_AB=0)
+    write_table(path, "Test GPU", {"a": {"1": [c, c]}})
+    write_table(path, "Test GPU", {"b": {"64": [dict(c, BLOCK_M=32), dict(c, BLOCK_M=32)]}})
+    data = json.loads(path.read_text())
+    assert set(data["entries"]) == {"a", "b"} and data["device"] == "Test GPU"
+    monkeypatch.setenv(configs.ENV_TABLE, str(path))
+    assert configs.lookup("b", 100, "Test GPU")[0]["BLOCK_M"] == 32
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_shipped_h200_table_covers_the_bench_shapes_with_valid_configs():
+    path = REPO / "kernels" / "tuned" / "nvidia-h200.json"
+    data = json.loads(path.read_text())
+    assert data["device"] == "NVIDIA H200"
+    for p in problems(list(SHAPES)):
+        fmt, group = _fmt(p)
+        entry = data["entries"][configs.entry_key(fmt, group, p.E, p.top_k, p.H, p.I)]
+        assert sorted(int(m) for m in entry) == [1, 16, 64, 256, 4096]
+        for c1, c2 in entry.values():
+            check_config(c1, fmt)
+            check_config(c2, fmt)
+            assert c1["BLOCK_M"] == c2["BLOCK_M"] and c1["SPLIT_K"] == 1
