@@ -287,14 +287,15 @@ def _scale(ptrs, mask, FMT: tl.constexpr):
 def _tile(a_rows, a_mask, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, k_shift, g_row, g_shift,
           stride_bk, stride_sg, stride_zg, acc,
           FMT: tl.constexpr, GROUP: tl.constexpr, BKR: tl.constexpr, HAS_ZP: tl.constexpr, FAST: tl.constexpr,
-          SWAP: tl.constexpr, compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr):
+          SWAP: tl.constexpr, HALF_GROUPS: tl.constexpr, compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc += A[:, k] @ W[k, n] over one K step (``SWAP``: acc^T += W^T @ A^T, the weights the MMA's
     first operand, straight from registers, and the tokens its second, as narrow as 8 / 16 rows): ``kr`` are the weight rows of this step (bytes of two
     codes for 4-bit formats), ``k_shift`` the column of the high-nibble operand (K/2), ``g_row`` the
-    first scale group of the step and ``g_shift`` the group of the high half (K/2 / GROUP)."""
+    first scale group of the step and ``g_shift`` the group of the high half (K/2 / GROUP) when
+    ``HALF_GROUPS`` (K/2 is whole groups; else the high half's steps may straddle groups)."""
     bmask = kr_mask[:, None] & n_mask[None, :]
     raw = tl.load(b_base + kr[:, None] * stride_bk + offs_n[None, :], mask=bmask, other=0)
-    if GROUP % BKR == 0:  # the step lies in one scale group: one [1, BLOCK_N] row of scales
+    if GROUP % BKR == 0 and (HALF_GROUPS or FMT == 1):  # the step lies in one group: one [1, BLOCK_N] row
         s_lo = _scale(s_base + g_row * stride_sg + offs_n[None, :], n_mask[None, :], FMT)
         if HAS_ZP:
             z_lo = tl.load(z_base + g_row * stride_zg + offs_n[None, :], mask=n_mask[None, :], other=0).to(tl.int32)
@@ -309,9 +310,10 @@ def _tile(a_rows, a_mask, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, k
         if HAS_ZP:
             z_lo = tl.load(z_base + g * stride_zg + offs_n[None, :], mask=bmask, other=0).to(tl.int32)
         if FMT != 1:
-            s_hi = _scale(s_base + (g + g_shift) * stride_sg + offs_n[None, :], bmask, FMT)
+            gh = ((kr + k_shift) // GROUP)[:, None]
+            s_hi = _scale(s_base + gh * stride_sg + offs_n[None, :], bmask, FMT)
             if HAS_ZP:
-                z_hi = tl.load(z_base + (g + g_shift) * stride_zg + offs_n[None, :], mask=bmask, other=0).to(tl.int32)
+                z_hi = tl.load(z_base + gh * stride_zg + offs_n[None, :], mask=bmask, other=0).to(tl.int32)
     if not HAS_ZP:
         z_lo = 0
         z_hi = 0
@@ -367,7 +369,7 @@ def _moe_gemm(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, A_ROW_DIV: tl.constexpr,
     ATOMIC_ROW_DIV: tl.constexpr, SPLIT_K: tl.constexpr, FAST: tl.constexpr, SWAP: tl.constexpr,
-    compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HALF_GROUPS: tl.constexpr, compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One program: BLOCK_M sorted pairs of one expert x BLOCK_N output columns x one K split.
@@ -423,11 +425,11 @@ def _moe_gemm(
         g_row = (step * BKR) // GROUP
         acc = _tile(a_rows, pair_ok, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, k_shift, g_row,
                     g_shift, stride_bk, stride_sg, stride_zg, acc,
-                    FMT, GROUP, BKR, HAS_ZP, FAST, SWAP, compute_type, DOT_PRECISION)
+                    FMT, GROUP, BKR, HAS_ZP, FAST, SWAP, HALF_GROUPS, compute_type, DOT_PRECISION)
         if GATED:
             acc_up = _tile(a_rows, pair_ok, b_base + up_offset, s_base + up_offset, z_base + up_offset, kr,
                            kr_mask, offs_n, n_mask, k_shift, g_row, g_shift, stride_bk, stride_sg, stride_zg,
-                           acc_up, FMT, GROUP, BKR, HAS_ZP, FAST, SWAP, compute_type, DOT_PRECISION)
+                           acc_up, FMT, GROUP, BKR, HAS_ZP, FAST, SWAP, HALF_GROUPS, compute_type, DOT_PRECISION)
     if SWAP:  # back to [BLOCK_M, BLOCK_N] for the epilogue (one layout change a program)
         acc = tl.trans(acc)
         if GATED:
@@ -518,7 +520,8 @@ def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, grou
         bias.stride(0) if w.bias is not None else 0, out.stride(0),
         FMT=fmt, GROUP=group, HAS_ZP=w.zero_point is not None, HAS_BIAS=w.bias is not None,
         GATED=gated, ACT=act, MUL_ROUTED_WEIGHT=topk_weights is not None, A_ROW_DIV=a_row_div,
-        ATOMIC_ROW_DIV=atomic_row_div, SPLIT_K=split, FAST=_fast(fmt, a), SWAP=bool(cfg.get("SWAP_AB", 0)), compute_type=_TL_DTYPES[a.dtype],
+        ATOMIC_ROW_DIV=atomic_row_div, SPLIT_K=split, FAST=_fast(fmt, a), SWAP=bool(cfg.get("SWAP_AB", 0)),
+        HALF_GROUPS=(K // 2) % group == 0, compute_type=_TL_DTYPES[a.dtype],
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 1),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),

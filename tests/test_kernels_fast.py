@@ -118,7 +118,8 @@ def test_encode_decode_round_trip_exact(quant, bias):
 
 
 @pytest.mark.parametrize("scheme,shape,needle", [
-    (WNA16Scheme(4, 64, True, "bfloat16"), LayerShape(4, 256, 64), "multiple of 128"),
+    (WNA16Scheme(4, 64, True, "bfloat16"), LayerShape(4, 256, 96), "divisible by group_size 64"),
+    (WNA16Scheme(4, -1, True, "bfloat16"), LayerShape(4, 256, 97), "must be even"),
     (WNA16Scheme(4, 32, True, "bfloat16"), LayerShape(4, 256, 128, activation="gelu"), "activation = gelu"),
     (WNA16Scheme(2, 32, True, "bfloat16"), LayerShape(4, 256, 128), "bits = 2"),
     (WNA16Scheme(4, 32, True, "bfloat16"), LayerShape(2048, 256, 128), "at most 1024 experts"),
@@ -182,6 +183,10 @@ def _cases():
         configs=[CFG(GROUP_M=4, BLOCK_N=64), CFG(SPLIT_K=2, BLOCK_K=32)])
     add("fp32-mxfp4-splitk-bias-M7", quant="mxfp4", dtype="float32", M=7, bias=True,
         configs=[CFG(BLOCK_M=32), CFG(BLOCK_M=32, SPLIT_K=3)])
+    # K/2 not whole groups (I = 128, H = 384 at g = 128): scales per element for the high half
+    add("fp32-int4-sym-g128-I128-M13", quant="int4-sym-g128", dtype="float32", M=13, I=128)
+    add("fp16-int4-asym-g128-H384-M5", quant="int4-asym-g128", dtype="float16", M=5, H=384, I=128,
+        configs=[CFG(BLOCK_K=256), CFG(BLOCK_K=128, SPLIT_K=1)])
     # swapped operands (weights first): every format, split-K
     S = lambda **kw: CFG(SWAP_AB=1, **kw)
     add("fp32-int4-asym-g64-swap-M13", quant="int4-asym-g64", dtype="float32", M=13, configs=[S(), S()])
@@ -264,6 +269,7 @@ def _run_align() -> dict:
 LOADS = {
     "repack-w4a16-g32": dict(family="qwen3-moe", args=dict(scheme="w4a16", group_size=32), cmd="repack",
                              extra=[], load={}),
+    "repack-w4a16-g128-example": dict(family="qwen3-moe", args=dict(scheme="w4a16"), cmd="repack", extra=[], load={}),
     "repack-w8a16-g64-asym-ep1of2": dict(family="qwen3-moe", args=dict(scheme="w8a16", group_size=64, symmetric=False),
                                          cmd="repack", extra=["--ep-size", "2", "--ep-rank", "1"],
                                          load=dict(ep_size=2, ep_rank=1)),
@@ -370,12 +376,13 @@ def test_runtime_runs_a_triton_fast_folder_with_our_kernel_interpreted(interpret
 
 GPU_CASES = [("int4-sym-g128", 128, 8, 2048, 768), ("int4-asym-g32", 128, 8, 2048, 768),
              ("int8-sym-g128", 128, 8, 2048, 768), ("int4-sym-gch", 128, 8, 2048, 768),
+             ("int4-sym-g128", 128, 8, 2048, 384),  # Qwen3-30B-A3B at TP 2: K/2 of w2 not whole groups
              ("mxfp4", 32, 4, 2880, 2880)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("quant,E_,k,H,I", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+@pytest.mark.parametrize("quant,E_,k,H,I", GPU_CASES, ids=[f"{c[0]}-I{c[4]}" for c in GPU_CASES])
 @pytest.mark.parametrize("M", [1, 64, 1024])
 @pytest.mark.parametrize("swap", [0, 1], ids=["w-second", "w-first"])
 def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, swap):

@@ -16,9 +16,9 @@ tensor                     shape                dtype / contents
 
 The 4-bit byte pairs input ``k`` with input ``k + K/2`` (a "half split", not neighbours): the two
 nibbles of a ``[BLOCK_K/2, BLOCK_N]`` byte tile are then two ready MMA operands, multiplied with the
-contiguous activation columns ``k..`` and ``K/2 + k..``. A scale group must not straddle the halves,
-so K/2 is a multiple of the group size (WNA16: H and I multiples of 2g; MXFP4: of 64, padded so by
-``quantize``). w13 keeps [gate; up] rows for every activation (gpt-oss' swiglu included): the kernel
+contiguous activation columns ``k..`` and ``K/2 + k..``. When K/2 is whole scale groups (WNA16: K a
+multiple of 2g; MXFP4: H and I multiples of 64, padded so by ``quantize``) a K step reads one row of
+scales for each half; otherwise (e.g. I = 384 at g = 128) the kernel reads a scale per element. w13 keeps [gate; up] rows for every activation (gpt-oss' swiglu included): the kernel
 reads gate column n and up column n + I in one program and applies the activation there.
 
 WNA16 codes stay unsigned (``u = q + 2^(b-1)``); symmetric layers have no zero-point tensor (the
@@ -112,12 +112,8 @@ class TritonFastWNA16Layout(Layout):
         for what, k in (("hidden_size H", H), ("intermediate_size I (per TP partition)", I)):
             if g > 0 and k % g:
                 problems.append(f"{what} = {k} must be divisible by group_size {g}")
-            elif b == 4:
-                step = 2 * g if g > 0 else 2
-                if k % step:
-                    problems.append(
-                        f"{what} = {k} must be a multiple of {step} for int4: a byte pairs input k with k + K/2, so "
-                        "K/2 must be whole scale groups" if g > 0 else f"{what} = {k} must be even for int4")
+            elif b == 4 and k % 2:
+                problems.append(f"{what} = {k} must be even for int4: a byte pairs input k with k + K/2")
         return problems
 
     def plan(self, shape: LayerShape, scheme: Scheme) -> list[TensorSpec]:
