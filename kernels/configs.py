@@ -76,21 +76,23 @@ def lookup(key: str, M: int, device_name: str) -> tuple[dict, dict] | None:
 
 def heuristic_configs(fmt: str, E: int, top_k: int, H: int, I: int, M: int, num_sms: int = 132) -> tuple[dict, dict]:
     """Tiles from the expected pairs per expert (uniform routing), for GPUs or shapes with no table."""
+    # what --tune picked on the H200 for the bench shapes, by regime (kernels/tuned/nvidia-h200.json)
     per_expert = M * top_k / E
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64 if per_expert <= 160 else 128
     small = bm <= 32
-    bk = 64 if fmt == "mxfp4" or not small else 128
-    bn = 64 if small else 128
-    warps = 4 if bm < 128 else 8
-    stages = 4 if small else 3
-    c1 = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1 if small else 8, SPLIT_K=1,
-              num_warps=warps, num_stages=stages)
-    c2 = dict(c1)
+    if small:  # weight streaming: BLOCK_K 128 (MXFP4 64, one scale group a step), 64 columns, 4 stages
+        c1 = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64 if fmt == "mxfp4" else 128, GROUP_M=1, SPLIT_K=1,
+                  num_warps=4, num_stages=4)
+        c2 = dict(c1)
+    else:  # MMA-bound: wide GEMM1 tiles, narrower GEMM2 tiles (N = H is large, K = I small)
+        c1 = dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64 if fmt == "mxfp4" else 128, GROUP_M=8, SPLIT_K=1,
+                  num_warps=8 if bm >= 128 else 4, num_stages=3)
+        c2 = dict(c1, BLOCK_N=64, BLOCK_K=64, num_warps=4)
     # GEMM2 (N = H, K = I): split K when the blocks x column tiles would leave SMs idle
-    blocks = min(E, M * top_k) if small else math.ceil(M * top_k / bm) + E
-    programs = blocks * math.ceil(H / bn)
+    blocks = min(E, M * top_k)
+    programs = blocks * math.ceil(H / c2["BLOCK_N"])
     if small and programs < 2 * num_sms:
-        steps = max(1, I // bk)  # K steps of GEMM2
+        steps = max(1, I // c2["BLOCK_K"])  # K steps of GEMM2
         c2["SPLIT_K"] = max(1, min(8, (2 * num_sms) // max(programs, 1), steps))
     return c1, c2
 

@@ -86,6 +86,17 @@ def test_tuning_candidates_are_valid_configs(name, M):
             assert math.ceil(p.I / c["BLOCK_K"]) >= c["SPLIT_K"]
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int8", "mxfp4"])
+@pytest.mark.parametrize("E,k,H,I", [(8, 2, 4096, 14336), (128, 8, 2048, 384), (256, 8, 7168, 2048), (1, 1, 64, 64)])
+@pytest.mark.parametrize("M", [1, 7, 64, 300, 8192])
+def test_heuristic_configs_are_valid_and_share_block_m(fmt, E, k, H, I, M):
+    c1, c2 = configs.heuristic_configs(fmt, E, k, H, I, M)
+    check_config(c1, fmt)
+    check_config(c2, fmt)
+    assert c1["BLOCK_M"] == c2["BLOCK_M"] and c1["SPLIT_K"] == 1
+    assert math.ceil(I / c2["BLOCK_K"]) >= c2["SPLIT_K"] >= 1
+
+
 def test_write_table_merges_and_lookup_reads_it(tmp_path, monkeypatch):
     path = tmp_path / "t.json"
     c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=4, SWAP_AB=0)
