@@ -285,7 +285,7 @@ def _scale(ptrs, mask, FMT: tl.constexpr):
 
 @triton.jit
 def _tile(a_rows, a_mask, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, k_shift, g_row, g_shift,
-          stride_bk, stride_sg, stride_zg, acc,
+          stride_bk, stride_bn, stride_sg, stride_zg, acc,
           FMT: tl.constexpr, GROUP: tl.constexpr, BKR: tl.constexpr, HAS_ZP: tl.constexpr, FAST: tl.constexpr,
           SWAP: tl.constexpr, HALF_GROUPS: tl.constexpr, compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc += A[:, k] @ W[k, n] over one K step (``SWAP``: acc^T += W^T @ A^T, the weights the MMA's
@@ -294,7 +294,7 @@ def _tile(a_rows, a_mask, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, k
     first scale group of the step and ``g_shift`` the group of the high half (K/2 / GROUP) when
     ``HALF_GROUPS`` (K/2 is whole groups; else the high half's steps may straddle groups)."""
     bmask = kr_mask[:, None] & n_mask[None, :]
-    raw = tl.load(b_base + kr[:, None] * stride_bk + offs_n[None, :], mask=bmask, other=0)
+    raw = tl.load(b_base + kr[:, None] * stride_bk + offs_n[None, :] * stride_bn, mask=bmask, other=0)
     if GROUP % BKR == 0 and (HALF_GROUPS or FMT == 1):  # the step lies in one group: one [1, BLOCK_N] row
         s_lo = _scale(s_base + g_row * stride_sg + offs_n[None, :], n_mask[None, :], FMT)
         if HAS_ZP:
@@ -365,7 +365,7 @@ def _moe_gemm(
     a_ptr, b_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, topk_weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, ntpp_ptr,
     N, K, EM, num_pairs, up_offset, alpha, limit,
-    stride_am, stride_be, stride_bk, stride_se, stride_sg, stride_ze, stride_zg, stride_biase, stride_cm,
+    stride_am, stride_be, stride_bk, stride_bn, stride_se, stride_sg, stride_ze, stride_zg, stride_biase, stride_cm,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, A_ROW_DIV: tl.constexpr,
     ATOMIC_ROW_DIV: tl.constexpr, SPLIT_K: tl.constexpr, FAST: tl.constexpr, SWAP: tl.constexpr,
@@ -424,11 +424,12 @@ def _moe_gemm(
         kr_mask = kr < KR
         g_row = (step * BKR) // GROUP
         acc = _tile(a_rows, pair_ok, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, k_shift, g_row,
-                    g_shift, stride_bk, stride_sg, stride_zg, acc,
+                    g_shift, stride_bk, stride_bn, stride_sg, stride_zg, acc,
                     FMT, GROUP, BKR, HAS_ZP, FAST, SWAP, HALF_GROUPS, compute_type, DOT_PRECISION)
         if GATED:
-            acc_up = _tile(a_rows, pair_ok, b_base + up_offset, s_base + up_offset, z_base + up_offset, kr,
-                           kr_mask, offs_n, n_mask, k_shift, g_row, g_shift, stride_bk, stride_sg, stride_zg,
+            acc_up = _tile(a_rows, pair_ok, b_base + up_offset * stride_bn, s_base + up_offset, z_base + up_offset,
+                           kr, kr_mask, offs_n, n_mask, k_shift, g_row, g_shift, stride_bk, stride_bn, stride_sg,
+                           stride_zg,
                            acc_up, FMT, GROUP, BKR, HAS_ZP, FAST, SWAP, HALF_GROUPS, compute_type, DOT_PRECISION)
     if SWAP:  # back to [BLOCK_M, BLOCK_N] for the epilogue (one layout change a program)
         acc = tl.trans(acc)
@@ -466,8 +467,9 @@ def _moe_gemm(
 @dataclass(frozen=True)
 class FastWeights:
     """One projection in the ``triton-fast`` layout: ``weight [E, K/2, N]`` (int4, MXFP4) or ``[E, K, N]``
-    (int8) uint8; ``scale [E, K/g, N]`` (model dtype; uint8 e8m0 for MXFP4); ``zero_point [E, K/g, N]``
-    uint8 or None; ``bias [E, N]`` or None. For w13, N = 2I: the gate columns, then the up columns."""
+    (int8) uint8, N contiguous (the layout) or K contiguous (a transposed view, read through strides);
+    ``scale [E, K/g, N]`` (model dtype; uint8 e8m0 for MXFP4); ``zero_point [E, K/g, N]`` uint8 or None;
+    ``bias [E, N]`` or None. For w13, N = 2I: the gate columns, then the up columns."""
 
     weight: torch.Tensor
     scale: torch.Tensor
@@ -500,9 +502,11 @@ def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, grou
     """One GEMM launch over the aligned pairs (``fused_moe_fast`` makes two; ``bench kernel --tune`` times
     them one by one). ``a_row_div``: row of ``a`` = pair // a_row_div (GEMM1 reads token rows)."""
     sorted_ids, expert_ids, ntpp = aligned
-    for t in (w.weight, w.scale, w.zero_point, w.bias, a, out):
+    for t in (w.scale, w.zero_point, w.bias, a, out):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"the kernel needs the last dimension contiguous, found strides {t.stride()}")
+    if 1 not in w.weight.stride()[1:]:
+        raise ValueError(f"the weight bytes need N or K contiguous, found strides {w.weight.stride()}")
     E, KR, Nw = w.weight.shape
     K = KR * (1 if fmt == INT8 else 2)
     N = Nw // 2 if gated else Nw
@@ -515,7 +519,7 @@ def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, grou
         a, w.weight, w.scale, z, bias, out, topk_weights if topk_weights is not None else w.scale,
         sorted_ids, expert_ids, ntpp,
         N, K, EM, num_pairs, Nw // 2, alpha, limit,
-        a.stride(0), w.weight.stride(0), w.weight.stride(1), w.scale.stride(0), w.scale.stride(1),
+        a.stride(0), w.weight.stride(0), w.weight.stride(1), w.weight.stride(2), w.scale.stride(0), w.scale.stride(1),
         z.stride(0) if w.zero_point is not None else 0, z.stride(1) if w.zero_point is not None else 0,
         bias.stride(0) if w.bias is not None else 0, out.stride(0),
         FMT=fmt, GROUP=group, HAS_ZP=w.zero_point is not None, HAS_BIAS=w.bias is not None,

@@ -194,6 +194,11 @@ def _cases():
     add("fp32-int8-asym-g32-swap-M5", quant="int8-asym-g32", dtype="float32", M=5, configs=[S(), S(SPLIT_K=2)])
     add("fp32-mxfp4-swigluoai-swap-M13", quant="mxfp4", dtype="float32", M=13, bias=True, act="swigluoai",
         configs=[S(BLOCK_N=64), S(BLOCK_M=16, SPLIT_K=2)])
+    # the weight bytes K-contiguous (a transposed view): the kernel reads them through strides
+    add("fp32-int4-asym-g64-kmajor-M13", quant="int4-asym-g64", dtype="float32", M=13, kmajor=True)
+    add("fp16-int8-sym-g32-kmajor-M5", quant="int8-sym-g32", dtype="float16", M=5, kmajor=True)
+    add("fp32-mxfp4-swigluoai-kmajor-M7", quant="mxfp4", dtype="float32", M=7, bias=True, act="swigluoai",
+        kmajor=True, configs=[CFG(SWAP_AB=1), CFG(SPLIT_K=2)])
     # EP: rank 1 of 2 (experts 4..7 of 8), ids on both sides of the cut; with and without split-K
     add("fp32-int4-sym-g32-ep-M13", quant="int4-sym-g32", dtype="float32", M=13, offset=4, e_global=8)
     add("fp32-int4-sym-g32-ep-splitk-M13", quant="int4-sym-g32", dtype="float32", M=13, offset=4, e_global=8,
@@ -212,6 +217,10 @@ def _run_case(case: dict) -> dict:
     dtype = getattr(torch, case["dtype"])
     q, M, offset = case["quant"], case["M"], case["offset"]
     tensors, ref_w = encoded(q, case["E"], case["H"], case["I"], dtype, case["bias"], g, case["act"])
+    if case.get("kmajor"):
+        for w in ("w13_weight", "w2_weight"):
+            tensors[w] = tensors[w].transpose(1, 2).contiguous().transpose(1, 2)
+            assert tensors[w].stride(1) == 1
     x = torch.randn(M, case["H"], generator=g).to(dtype)
     ids = torch.randint(0, case["e_global"], (M, TOP_K), generator=g, dtype=torch.int32)
     if offset:  # both sides of the cut, and token 0 fully local
