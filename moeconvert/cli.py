@@ -580,6 +580,7 @@ def bench_kernel_cmd(
     tune: bool = typer.Option(False, "--tune", help="Sweep our kernel's tiles first and write the config table."),
     table: Optional[str] = typer.Option(None, "--table", help="Config table to write (--tune) or read (default: "
                                         "the user's cache for this GPU)."),
+    breakdown: bool = typer.Option(False, "--breakdown", help="Also time our align / GEMM1 / GEMM2 one by one."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda | cuda:N."),
     json_out: bool = JSON,
 ):
@@ -594,7 +595,7 @@ def bench_kernel_cmd(
         raise MoeConvertError("bad token counts", tensor="--tokens", expected="positive integers", found=tokens)
     log = (lambda *a: print(*a, file=sys.stderr)) if json_out else (lambda m: out.print(escape(str(m))))
     r = bench_kernel([s for s in shapes.split(",") if s], counts, [c for c in contenders.split(",") if c],
-                     device=_bench_device(device), fmt=fmt, do_tune=tune, table=table, log=log)
+                     device=_bench_device(device), fmt=fmt, do_tune=tune, table=table, breakdown=breakdown, log=log)
     if json_out:
         print(json.dumps(r, indent=1))
         return
@@ -611,6 +612,16 @@ def bench_kernel_cmd(
                   f"{row['memory_floor_us']:.1f}", f"{row['compute_floor_us']:.1f}", *cells, ratio("vs_best_contender"),
                   ratio("of_memory_floor"), ratio("of_compute_floor"))
     out.print(t)
+    steps = [row for row in r["rows"] if "ours_steps" in row]
+    if steps:
+        b = Table(title="ours, step by step (us; each GEMM's memory floor in brackets)")
+        for col in ("shape", "M", "align", "GEMM1", "GEMM2"):
+            b.add_column(col, justify="right")
+        for row in steps:
+            st = row["ours_steps"]
+            b.add_row(row["shape"], str(row["M"]), f"{st['align_us']:.1f}",
+                      f"{st['gemm1_us']:.1f} ({st['gemm1_floor_us']:.1f})", f"{st['gemm2_us']:.1f} ({st['gemm2_floor_us']:.1f})")
+        out.print(b)
     for k, v in r["contender_notes"].items():
         out.print(f"[dim]{escape(k)}: {escape(v)}[/dim]")
     for row in r["rows"]:

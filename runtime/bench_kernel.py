@@ -16,6 +16,8 @@ all from the same ``x``, routing and (for triton_kernels) router logits, with un
 
 ``--tune`` first sweeps the kernel's tile configs per (shape, M) (docs/kernels.md says which) and
 writes the table the kernel then reads (configs.py), by default the user's cache for this GPU.
+``--breakdown`` adds our layer's steps (align, GEMM1, GEMM2 with its reduction), each timed alone with
+the configs the layer runs, next to each GEMM's share of the memory floor.
 """
 
 from __future__ import annotations
@@ -91,9 +93,9 @@ def dense_rate(device) -> float:
     return 2 * 8192 ** 3 / (t * 1e-3)
 
 
-def routing_inputs(p: Problem, M: int, device):
+def routing_inputs(p: Problem, M: int, device, dtype=torch.bfloat16):
     g = torch.Generator(device=device).manual_seed(1000 + M)
-    x = torch.randn(M, p.H, device=device, dtype=torch.bfloat16, generator=g)
+    x = torch.randn(M, p.H, device=device, dtype=dtype, generator=g)
     logits = torch.randn(M, p.E, device=device, generator=g)
     tw, ids = torch.topk(torch.softmax(logits, -1), p.top_k, -1)
     return x, tw.float(), ids.to(torch.int32), logits
@@ -161,53 +163,79 @@ def _candidates(p: Problem, M: int, num_sms: int) -> list[tuple[int, list[dict],
     return out
 
 
-def tune(p: Problem, device, ms: list[int], log=print) -> dict:
+class StepTimer:
+    """Times the steps of our layer one by one for one (shape, M): the align for a BLOCK_M, GEMM1 and
+    GEMM2 (with its reduction: the sum over top-k, or split-K's zeroing and cast) for a config, each
+    alone under a CUDA graph (``graph_us``)."""
+
+    def __init__(self, p: Problem, M: int, device, w13, w2, dtype=torch.bfloat16):
+        from moeconvert.kernels.moe_fast import ACTIVATIONS, FORMATS
+
+        self.p, self.M, self.device, self.w13, self.w2 = p, M, device, w13, w2
+        self.fmt, self.group = _fmt(p)
+        self.f, self.act = FORMATS[self.fmt], ACTIVATIONS[p.activation]
+        self.x, tw, self.ids, _ = routing_inputs(p, M, device, dtype)
+        self.P = M * p.top_k
+        self.a = torch.randn(self.P, p.I, device=device, dtype=dtype) * 0.1  # GEMM2's input
+        self.h = torch.empty(self.P, p.I, device=device, dtype=dtype)  # GEMM1's output
+        self.weights = tw.reshape(-1).contiguous()
+
+    def align(self, bm: int):
+        from moeconvert.kernels.moe_fast import align
+
+        aligned = align(self.ids, bm, self.p.E)
+        return aligned, graph_us(lambda: align(self.ids, bm, self.p.E), rep_ms=20)
+
+    def _launch(self, a, w, out, aligned, weights, cfg, gated, atomic_row_div):
+        from moeconvert.kernels.moe_fast import launch_gemm
+
+        launch_gemm(a, w, out, aligned, weights, fmt=self.f, group=self.group, gated=gated, act=self.act,
+                    alpha=1.702, limit=7.0, a_row_div=self.p.top_k if gated else 1, atomic_row_div=atomic_row_div,
+                    num_pairs=self.P, cfg=cfg)
+
+    def gemm1(self, cfg: dict, aligned) -> float:
+        return graph_us(lambda: self._launch(self.x, self.w13, self.h, aligned, None, cfg, True, 0), rep_ms=20)
+
+    def gemm2(self, cfg: dict, aligned) -> float:
+        M, H, k, dt = self.M, self.p.H, self.p.top_k, self.x.dtype
+        if cfg.get("SPLIT_K", 1) > 1:
+            def fn():
+                out = torch.zeros(M, H, device=self.device, dtype=torch.float32)
+                self._launch(self.a, self.w2, out, aligned, self.weights, cfg, False, k)
+                return out.to(dt)
+        else:
+            def fn():
+                y = torch.empty(self.P, H, device=self.device, dtype=dt)
+                self._launch(self.a, self.w2, y, aligned, self.weights, cfg, False, 0)
+                return y.view(M, k, H).sum(1)
+        return graph_us(fn, rep_ms=20)
+
+
+def _num_sms(device) -> int:
+    device = torch.device(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def tune(p: Problem, device, ms: list[int], log=print, dtype=torch.bfloat16) -> dict:
     """{str(M): [GEMM1 config, GEMM2 config]} of the fastest tiles found for ``p``, with their times."""
-    from moeconvert.kernels.moe_fast import ACTIVATIONS, FORMATS, align, check_config, launch_gemm
+    from moeconvert.kernels.moe_fast import check_config
 
     _, _, (w13, w2) = ours(p, device)
-    fmt, group = _fmt(p)
-    f, act = FORMATS[fmt], ACTIVATIONS[p.activation]
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    fmt, _ = _fmt(p)
+    sms = _num_sms(device)
     entry, report = {}, {}
     for M in ms:
-        x, tw, ids, _ = routing_inputs(p, M, device)
-        P = M * p.top_k
-        a = torch.randn(P, p.I, device=device, dtype=torch.bfloat16) * 0.1
-        weights = tw.reshape(-1).contiguous()
+        timer = StepTimer(p, M, device, w13, w2, dtype)
         best = None
         for bm, g1s, g2s in _candidates(p, M, sms):
-            aligned = align(ids, bm, p.E)
-            t_align = graph_us(lambda: align(ids, bm, p.E), rep_ms=20)
-            h = torch.empty(P, p.I, device=device, dtype=torch.bfloat16)
-
-            def time_g1(c):
-                return graph_us(lambda: launch_gemm(x, w13, h, aligned, None, fmt=f, group=group, gated=True, act=act,
-                                                    alpha=1.702, limit=7.0, a_row_div=p.top_k, atomic_row_div=0,
-                                                    num_pairs=P, cfg=c), rep_ms=20)
-
-            def time_g2(c):
-                if c["SPLIT_K"] > 1:
-                    def fn():
-                        out = torch.zeros(M, p.H, device=device, dtype=torch.float32)
-                        launch_gemm(a, w2, out, aligned, weights, fmt=f, group=group, gated=False, act=act,
-                                    alpha=1.702, limit=7.0, a_row_div=1, atomic_row_div=p.top_k, num_pairs=P, cfg=c)
-                        return out.to(torch.bfloat16)
-                else:
-                    def fn():
-                        y = torch.empty(P, p.H, device=device, dtype=torch.bfloat16)
-                        launch_gemm(a, w2, y, aligned, weights, fmt=f, group=group, gated=False, act=act,
-                                    alpha=1.702, limit=7.0, a_row_div=1, atomic_row_div=0, num_pairs=P, cfg=c)
-                        return y.view(M, p.top_k, p.H).sum(1)
-                return graph_us(fn, rep_ms=20)
-
+            aligned, t_align = timer.align(bm)
             picked = []
-            for which, cands, timer in (("GEMM1", g1s, time_g1), ("GEMM2", g2s, time_g2)):
+            for which, cands, time_it in (("GEMM1", g1s, timer.gemm1), ("GEMM2", g2s, timer.gemm2)):
                 times = []
                 for c in cands:
                     check_config(c, fmt)
                     try:
-                        times.append((timer(c), c))
+                        times.append((time_it(c, aligned), c))
                     except Exception as e:  # a tile the GPU cannot hold (shared memory, registers)
                         log(f"  skip {which} {c}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
                 if not times:
@@ -225,6 +253,21 @@ def tune(p: Problem, device, ms: list[int], log=print) -> dict:
                               gemm2_us=round(best[5], 1))
         log(f"  {p.name} M={M}: {report[str(M)]} GEMM1 {best[1]} GEMM2 {best[2]}")
     return {"entry": entry, "report": report}
+
+
+def _steps(p: Problem, M: int, device, weights, hit: int, bw: float) -> dict:
+    """Our layer's steps with the configs it runs (table or heuristic), each timed alone, and each GEMM's
+    memory floor (its weight + scale bytes of the experts touched over the copy bandwidth)."""
+    from moeconvert.kernels.configs import get_configs
+
+    fmt, group = _fmt(p)
+    c1, c2 = get_configs(fmt, p.E, p.top_k, H=p.H, I=p.I, M=M, group=group, device=device)
+    timer = StepTimer(p, M, device, *weights)
+    aligned, t_align = timer.align(c1["BLOCK_M"])
+    w13_bytes = hit * 2 * p.H * p.I * p.bytes_per_weight
+    return {"align_us": round(t_align, 2), "gemm1_us": round(timer.gemm1(c1, aligned), 2),
+            "gemm2_us": round(timer.gemm2(c2, aligned), 2), "gemm1_floor_us": round(w13_bytes / bw * 1e6, 2),
+            "gemm2_floor_us": round(w13_bytes / 2 / bw * 1e6, 2), "configs": [c1, c2]}
 
 
 def write_table(path, device_name: str, entries: dict) -> None:
@@ -251,7 +294,7 @@ def write_table(path, device_name: str, entries: dict) -> None:
 
 
 def bench_kernel(shapes: list[str], ms: list[int], contenders: list[str], *, device="cuda", fmt: str | None = None,
-                 do_tune: bool = False, table: str | None = None, log=print) -> dict:
+                 do_tune: bool = False, table: str | None = None, breakdown: bool = False, log=print) -> dict:
     from moeconvert.kernels import configs
     from moeconvert.runtime import contenders as C
 
@@ -288,9 +331,9 @@ def bench_kernel(shapes: list[str], ms: list[int], contenders: list[str], *, dev
     result["copy_TBps"], result["bf16_TFLOPs"] = round(bw / 1e12, 3), round(rate / 1e12, 1)
     log(f"{name}: copy {bw / 1e12:.2f} TB/s, bf16 mm {rate / 1e12:.0f} TFLOP/s")
     for p in probs:
-        runners = {}
+        runners, ours_weights = {}, None
         try:
-            run, nbytes, _ = ours(p, device)
+            run, nbytes, ours_weights = ours(p, device)
             runners["ours"] = run
         except Exception as e:
             result["contender_notes"][f"ours/{p.name}"] = f"{type(e).__name__}: {e}"
@@ -317,6 +360,8 @@ def bench_kernel(shapes: list[str], ms: list[int], contenders: list[str], *, dev
                     row["us"][who] = round(graph_us(lambda: run(x, tw, ids, logits)), 2)
                 except Exception as e:
                     row["errors"][who] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            if breakdown and ours_weights is not None:
+                row["ours_steps"] = _steps(p, M, device, ours_weights, hit, bw)
             others = [v for k, v in row["us"].items() if k != "ours"]
             if "ours" in row["us"]:
                 t = row["us"]["ours"]

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,3 +124,68 @@ def test_shipped_h200_table_covers_the_bench_shapes_with_valid_configs():
             check_config(c1, fmt)
             check_config(c2, fmt)
             assert c1["BLOCK_M"] == c2["BLOCK_M"] and c1["SPLIT_K"] == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# --tune's selection and --breakdown's steps, on CPU: the real kernel launches under the interpreter,
+# with a stand-in for the CUDA-graph timer whose times fall with every call (so the last candidate of
+# every sweep is the fastest, and the last BLOCK_M the best)
+
+
+def _tune_child(out: Path) -> None:
+    import moeconvert.runtime.bench_kernel as bk
+
+    calls = []
+
+    def falling_time(fn, rep_ms=100):
+        fn()
+        calls.append(1)
+        return 1000.0 - len(calls)
+
+    bk.graph_us = falling_time
+    p = Problem("tiny", 4, 2, 256, 128, "int4-g128")
+    r = bk.tune(p, "cpu", [1, 40], log=lambda *a: None, dtype=torch.float32)
+    n_tune = len(calls)
+    _, _, weights = bk.ours(p, "cpu")
+    steps = bk._steps(p, 1, "cpu", weights, 2, 4e12)
+    out.write_text(json.dumps({"tune": r, "calls": n_tune, "steps": steps}))
+
+
+@pytest.fixture(scope="module")
+def tuned_on_cpu(tmp_path_factory):
+    pytest.importorskip("triton")
+    out = tmp_path_factory.mktemp("tune") / "r.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, "tune-child", str(out)], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    if proc.returncode != 0:
+        pytest.fail(f"interpreter child failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def test_tune_keeps_the_fastest_config_of_each_gemm_and_the_best_block_m(tuned_on_cpu):
+    p = Problem("tiny", 4, 2, 256, 128, "int4-g128")
+    r = tuned_on_cpu["tune"]
+    groups = {M: _candidates(p, M, 132) for M in (1, 40)}
+    # every candidate ran once, and each BLOCK_M's align once
+    assert tuned_on_cpu["calls"] == sum(1 + len(g1) + len(g2) for M in groups for _, g1, g2 in groups[M])
+    for M, g in groups.items():
+        bm, g1, g2 = g[-1]
+        assert r["entry"][str(M)] == [g1[-1], g2[-1]]
+        rep = r["report"][str(M)]
+        assert rep["total_us"] == pytest.approx(rep["align_us"] + rep["gemm1_us"] + rep["gemm2_us"], abs=0.2)
+    assert [c["BLOCK_M"] for c in r["entry"]["40"]] == [32, 32]
+
+
+def test_breakdown_times_each_step_with_the_configs_the_layer_runs(tuned_on_cpu):
+    st = tuned_on_cpu["steps"]
+    p = Problem("tiny", 4, 2, 256, 128, "int4-g128")
+    assert st["configs"] == [dict(c) for c in configs.heuristic_configs("int4", 4, 2, 256, 128, 1)]
+    assert st["align_us"] > st["gemm1_us"] > st["gemm2_us"] > 0  # the falling stand-in: timed in that order
+    # 2 experts touched: w13 = 2 x 2 x 256 x 128 weights at 0.515625 B over 4 TB/s
+    assert st["gemm1_floor_us"] == round(2 * 2 * 256 * 128 * p.bytes_per_weight / 4e12 * 1e6, 2)
+    assert st["gemm2_floor_us"] == round(2 * 256 * 128 * p.bytes_per_weight / 4e12 * 1e6, 2)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["tune-child"]:
+    _tune_child(Path(sys.argv[2]))
