@@ -392,8 +392,8 @@ GPU_CASES = [("int4-sym-g128", 128, 8, 2048, 768), ("int4-asym-g32", 128, 8, 204
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("quant,E_,k,H,I", GPU_CASES, ids=[f"{c[0]}-I{c[4]}" for c in GPU_CASES])
-@pytest.mark.parametrize("M", [1, 64, 1024])
-@pytest.mark.parametrize("swap", [0, 1], ids=["w-second", "w-first"])
+@pytest.mark.parametrize("M,swap", [(1, 0), (64, 0), (1024, 0), (64, 1)],
+                         ids=["M1", "M64", "M1024", "M64-weights-first"])
 def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, swap):
     from moeconvert.kernels.moe_fast import fused_moe_fast, weights_from_tensors
     from moeconvert.runtime.reference import activation_fn, reference_moe
