@@ -64,7 +64,17 @@ def _tables(device_name: str) -> list[Path]:
 
 
 def lookup(key: str, M: int, device_name: str) -> tuple[dict, dict] | None:
-    """The tuned (GEMM1, GEMM2) configs for ``key`` nearest to ``M``, or None."""
+    """The tuned (GEMM1, GEMM2) configs for ``key`` nearest to ``M``, or None.
+
+    Answers are kept per (``$MOECONVERT_KERNEL_CONFIGS``, key, M, device) for the process: finding the
+    tables costs file-system calls, tens of µs, as much as a decode layer's kernels. ``clear_cache()``
+    (``bench kernel --tune`` calls it after writing) makes the next call read the tables again."""
+    hit = _lookup(os.environ.get(ENV_TABLE), key, M, device_name)
+    return None if hit is None else (dict(hit[0]), dict(hit[1]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup(env: str | None, key: str, M: int, device_name: str) -> tuple[dict, dict] | None:
     for path in _tables(device_name):
         entry = _load(str(path), path.stat().st_mtime).get(key)
         if entry:
@@ -72,6 +82,10 @@ def lookup(key: str, M: int, device_name: str) -> tuple[dict, dict] | None:
             c1, c2 = entry[best]
             return dict(c1), dict(c2)
     return None
+
+
+def clear_cache() -> None:
+    _lookup.cache_clear()
 
 
 def heuristic_configs(fmt: str, E: int, top_k: int, H: int, I: int, M: int, num_sms: int = 132) -> tuple[dict, dict]:

@@ -287,6 +287,9 @@ def write_table(path, device_name: str, entries: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, path)
+    from moeconvert.kernels.configs import clear_cache
+
+    clear_cache()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -110,6 +110,12 @@ def test_write_table_merges_and_lookup_reads_it(tmp_path, monkeypatch):
     monkeypatch.setenv(configs.ENV_TABLE, str(path))
     assert configs.lookup("b", 100, "Test GPU")[0]["BLOCK_M"] == 32
     assert not list(tmp_path.glob("*.tmp"))
+    # lookups are kept for the process; writing the table again makes the next one read it
+    write_table(path, "Test GPU", {"b": {"64": [dict(c, BLOCK_M=64), dict(c, BLOCK_M=64)]}})
+    assert configs.lookup("b", 100, "Test GPU")[0]["BLOCK_M"] == 64
+    got = configs.lookup("b", 100, "Test GPU")
+    got[0]["BLOCK_M"] = 1  # callers get copies
+    assert configs.lookup("b", 100, "Test GPU")[0]["BLOCK_M"] == 64
 
 
 def test_shipped_h200_table_covers_the_bench_shapes_with_valid_configs():
