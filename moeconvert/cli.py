@@ -585,6 +585,10 @@ def bench_kernel_cmd(
     json_out: bool = JSON,
 ):
     """Whole-layer time of our Triton fused MoE vs the engines' kernels, with memory and compute floors."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        raise MoeConvertError("bench kernel needs Triton (pip install triton, on Linux with a CUDA GPU)")
     from moeconvert.runtime.bench_kernel import bench_kernel
 
     try:

@@ -36,7 +36,7 @@ from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError, MoeConvertError
 from moeconvert.layouts import register
 from moeconvert.layouts.base import Layout, TensorSpec
-from moeconvert.schemes import MXFP4Scheme, Scheme, WNA16Scheme
+from moeconvert.schemes import Scheme, WNA16Scheme
 
 NAME = "triton-fast"
 KERNEL = "moeconvert.kernels fused_moe_fast (kernels/moe_fast.py)"
