@@ -419,5 +419,29 @@ def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, swap):
     assert rel(y, want) < TOL["bfloat16"]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["repack-w4a16-g128-example", "quantize-mxfp4-gpt-oss"])
+def test_load_dispatches_triton_fast_folders_to_our_kernel_gpu(name, example_ckpt, tmp_path):
+    from moeconvert.cli import main
+    from moeconvert.runtime import load
+
+    spec = LOADS[name]
+    src = example_ckpt(spec["family"], num_layers=1, num_experts=4, **spec["args"])
+    out = tmp_path / name
+    with pytest.raises(SystemExit) as exc:
+        main([spec["cmd"], str(src), str(out), "--backend", "triton-fast", *spec["extra"]])
+    assert exc.value.code == 0
+    layer = next(iter(load(out, device="cuda")))  # no kernel= : the runtime picks ours for this layout
+    assert layer.kernel == "triton"
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(33, layer.hidden_size, generator=g).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, layer.entry.num_experts_global, (33, 2), generator=g, dtype=torch.int32).cuda()
+    w = torch.rand(33, 2, generator=g).cuda()
+    y, want = layer(x, w, ids), layer.reference(x, w, ids)
+    assert y.dtype == torch.bfloat16 and y.shape == want.shape
+    assert rel(y, want) < TOL["bfloat16"]
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
     _child(Path(sys.argv[2]))
