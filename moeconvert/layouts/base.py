@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import torch
 
+from moeconvert.errors import InternalError, MoeConvertError
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.schemes import Scheme
 
@@ -56,6 +57,19 @@ class Layout(ABC):
 
     @abstractmethod
     def _check(self, shape: LayerShape, scheme: Scheme) -> list[str]: ...
+
+    @staticmethod
+    def require_block_sizes(block: ExpertBlock, shape: LayerShape) -> None:
+        """The block is of this layer (H, I): a mismatch is a bug of the caller, not of the input."""
+        if (block.hidden_size, block.intermediate_size) != (shape.hidden_size, shape.intermediate_size):
+            raise InternalError(f"block is H={block.hidden_size} I={block.intermediate_size}, layer says "
+                                f"H={shape.hidden_size} I={shape.intermediate_size}")
+
+    def require(self, shape: LayerShape, scheme: Scheme) -> None:
+        """``check`` as an error: ``encode`` calls it before it lays out a byte."""
+        problems = self.check(shape, scheme)
+        if problems:
+            raise MoeConvertError(f"layout '{self.name}' cannot hold this layer: {'; '.join(problems)}")
 
     @abstractmethod
     def plan(self, shape: LayerShape, scheme: Scheme) -> list[TensorSpec]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
-from moeconvert.errors import MoeConvertError
 from moeconvert.layouts import register
 from moeconvert.layouts.base import TensorSpec
 from moeconvert.layouts.plain import PlainLayout, torch_dtype
@@ -111,9 +110,7 @@ class EmulationLayout(PlainLayout):
         return super().plan(shape, OUTPUT_SCHEME)
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
-        problems = self.check(shape, block.scheme)
-        if problems:
-            raise MoeConvertError(f"layout 'emulation' cannot hold this layer: {'; '.join(problems)}")
+        self.require(shape, block.scheme)
         return super().encode(dequantize(block, shape), shape)
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:

@@ -41,7 +41,7 @@ import functools
 import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
-from moeconvert.errors import InternalError, MoeConvertError
+from moeconvert.errors import InternalError
 from moeconvert.layouts import register
 from moeconvert.layouts.base import Layout, TensorSpec
 from moeconvert.layouts.flashinfer_trtllm import shuffle_rows, swizzle_128x4, unswizzle_128x4
@@ -268,9 +268,7 @@ class FlashInferCutlassMXFP4Layout(Layout):
         return specs
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
-        problems = self.check(shape, block.scheme)
-        if problems:
-            raise MoeConvertError(f"layout '{self.name}' cannot hold this layer: {'; '.join(problems)}")
+        self.require(shape, block.scheme)
         _check_block(block, shape)
         # swap_w13_to_w31 on weights and scales, then FlashInfer's two SM90 interleaves (spec §6.3)
         out = {
@@ -360,9 +358,7 @@ class FlashInferTrtllmMXFP4Layout(Layout):
         return specs
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
-        problems = self.check(shape, block.scheme)
-        if problems:
-            raise MoeConvertError(f"layout '{self.name}' cannot hold this layer: {'; '.join(problems)}")
+        self.require(shape, block.scheme)
         _check_block(block, shape)
         Hp, Ip = shape.hidden_size, shape.intermediate_size
         rows = _row_plan(Hp, Ip)

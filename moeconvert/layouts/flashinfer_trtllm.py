@@ -39,7 +39,6 @@ import functools
 import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
-from moeconvert.errors import InternalError, MoeConvertError
 from moeconvert.layouts import register
 from moeconvert.layouts.base import Layout, TensorSpec
 from moeconvert.schemes import Scheme, WNA16Scheme
@@ -215,12 +214,9 @@ class FlashInferTrtllmWNA16Layout(Layout):
         ]
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
-        problems = self.check(shape, block.scheme)
-        if problems:
-            raise MoeConvertError(f"layout 'flashinfer-trtllm' cannot hold this layer: {'; '.join(problems)}")
+        self.require(shape, block.scheme)
+        self.require_block_sizes(block, shape)
         H, I = shape.hidden_size, shape.intermediate_size
-        if (block.hidden_size, block.intermediate_size) != (H, I):
-            raise InternalError(f"block is H={block.hidden_size} I={block.intermediate_size}, layer says H={H} I={I}")
         rows = _row_plan(H, I)
         # The loader's copy_ casts the scales to params_dtype first; row gathers commute with it.
         return {

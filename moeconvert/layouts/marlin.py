@@ -35,7 +35,7 @@ import math
 import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
-from moeconvert.errors import InternalError, MoeConvertError
+from moeconvert.errors import InternalError
 from moeconvert.layouts import register
 from moeconvert.layouts.base import Layout, TensorSpec
 from moeconvert.packing import LITTLE_ENDIAN, pack_int32, pair_nibbles_at, split_nibbles_at, unpack_int32
@@ -322,9 +322,7 @@ class MarlinLayout(Layout):
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
         s = block.scheme
-        problems = self.check(shape, s)
-        if problems:
-            raise MoeConvertError(f"layout 'marlin' cannot hold this layer: {'; '.join(problems)}")
+        self.require(shape, s)
         H, I, Ip, g, _, G2p = self._sizes(shape, s)
         if (block.hidden_size, block.intermediate_size) != (H, I):
             raise InternalError(f"block is H={block.hidden_size} I={block.intermediate_size}, layer says H={H} I={I}")

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
-from moeconvert.errors import InternalError, MoeConvertError
+from moeconvert.errors import InternalError
 from moeconvert.layouts import register
 from moeconvert.layouts.base import Layout, TensorSpec
 from moeconvert.layouts.marlin import grouped_perm, repack_weights, single_perm, unrepack_weights
@@ -176,9 +176,7 @@ class MarlinMXFP4Layout(Layout):
         return specs
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
-        problems = self.check(shape, block.scheme)
-        if problems:
-            raise MoeConvertError(f"layout 'marlin' cannot hold this layer: {'; '.join(problems)}")
+        self.require(shape, block.scheme)
         _require_block_shapes(block, shape)
         rows = W13_ROWS[shape.activation]
         out = {

@@ -33,7 +33,7 @@ import dataclasses
 import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
-from moeconvert.errors import InternalError, MoeConvertError
+from moeconvert.errors import InternalError
 from moeconvert.layouts import register
 from moeconvert.layouts.base import Layout, TensorSpec
 from moeconvert.schemes import Scheme, WNA16Scheme
@@ -136,12 +136,8 @@ class TritonFastWNA16Layout(Layout):
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
         s = block.scheme
-        problems = self.check(shape, s)
-        if problems:
-            raise MoeConvertError(f"layout '{NAME}' cannot hold this layer: {'; '.join(problems)}")
-        if (block.hidden_size, block.intermediate_size) != (shape.hidden_size, shape.intermediate_size):
-            raise InternalError(f"block is H={block.hidden_size} I={block.intermediate_size}, layer says "
-                                f"H={shape.hidden_size} I={shape.intermediate_size}")
+        self.require(shape, s)
+        self.require_block_sizes(block, shape)
         dt = DTYPES[shape.dtype]
         weights = pack_half_split if s.bits == 4 else _k_major
         out = {
@@ -230,9 +226,7 @@ class TritonFastMXFP4Layout(Layout):
         return specs
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
-        problems = self.check(shape, block.scheme)
-        if problems:
-            raise MoeConvertError(f"layout '{NAME}' cannot hold this layer: {'; '.join(problems)}")
+        self.require(shape, block.scheme)
         E, H, I = block.num_experts, shape.hidden_size, shape.intermediate_size
         want = {"w13": (E, 2 * I, H // 2), "w2": (E, H, I // 2), "w13_scale": (E, 2 * I, H // 32),
                 "w2_scale": (E, H, I // 32)}

@@ -40,7 +40,7 @@ import functools
 import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
-from moeconvert.errors import InternalError, MoeConvertError
+from moeconvert.errors import InternalError
 from moeconvert.layouts import register
 from moeconvert.layouts.base import Layout, TensorSpec
 from moeconvert.schemes import Scheme
@@ -338,9 +338,7 @@ class TritonMXFP4Layout(Layout):
         return specs
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
-        problems = self.check(shape, block.scheme)
-        if problems:
-            raise MoeConvertError(f"layout 'triton' cannot hold this layer: {'; '.join(problems)}")
+        self.require(shape, block.scheme)
         H, I = shape.hidden_size, shape.intermediate_size
         if (block.hidden_size, block.intermediate_size) != (H, I) or block.w13_scale is None:
             raise InternalError(f"block is H={block.hidden_size} I={block.intermediate_size}, layer says H={H} I={I}")

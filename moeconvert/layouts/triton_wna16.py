@@ -31,7 +31,7 @@ import dataclasses
 import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
-from moeconvert.errors import InternalError, MoeConvertError
+from moeconvert.errors import InternalError
 from moeconvert.layouts import register
 from moeconvert.layouts.base import Layout, TensorSpec
 from moeconvert.schemes import Scheme, WNA16Scheme
@@ -155,12 +155,8 @@ class TritonWNA16Layout(Layout):
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
         s = block.scheme
-        problems = self.check(shape, s)
-        if problems:
-            raise MoeConvertError(f"layout 'triton' cannot hold this layer: {'; '.join(problems)}")
-        if (block.hidden_size, block.intermediate_size) != (shape.hidden_size, shape.intermediate_size):
-            raise InternalError(f"block is H={block.hidden_size} I={block.intermediate_size}, layer says "
-                                f"H={shape.hidden_size} I={shape.intermediate_size}")
+        self.require(shape, s)
+        self.require_block_sizes(block, shape)
         dt = PARAMS_DTYPES[shape.dtype]
         out = {
             "w13_weight": pack_bytes(block.w13, s.bits, dim=2),
