@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from moeconvert.kernels.align import max_padded_tokens
+from moeconvert.kernels.tiles import grouped_program_tile
 
 INT4, INT8, MXFP4 = 0, 1, 2
 FORMATS = {"int4": INT4, "int8": INT8, "mxfp4": MXFP4}
@@ -50,6 +51,32 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 @triton.jit
+def _local_ids(ids_ptr, offs, P, E, offset):
+    """(local expert ids, mask of the pairs whose expert is one of this rank's E) at pair indices offs."""
+    ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1) - offset
+    return ids, (offs < P) & (ids >= 0) & (ids < E)
+
+
+@triton.jit
+def _padded_runs(counts, BLOCK_M: tl.constexpr):
+    """(each expert's run padded to BLOCK_M, the end of each run in the sorted buffer)."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    return padded, tl.cumsum(padded, 0)
+
+
+@triton.jit
+def _store_block_experts(expert_ids_ptr, end, e_ok, E, max_padded, BLOCK_M: tl.constexpr, BCHUNK: tl.constexpr):
+    """The expert of every BLOCK_M block of the sorted buffer (-1 past the used blocks)."""
+    num_blocks = max_padded // BLOCK_M
+    for c in range(0, tl.cdiv(num_blocks, BCHUNK)):
+        b = c * BCHUNK + tl.arange(0, BCHUNK)
+        # searchsorted(end, b * BLOCK_M, right=True): experts whose padded run ends at or before the block
+        before = (end[None, :] <= (b * BLOCK_M)[:, None]) & e_ok[None, :]
+        e = tl.sum(before.to(tl.int32), 1)
+        tl.store(expert_ids_ptr + b, tl.where(e < E, e, -1), mask=b < num_blocks)
+
+
+@triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, cursor_ptr, P, E, offset, max_padded,
                   BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, BCHUNK: tl.constexpr):
     """``moe_align_block_size`` (align.py has the contract) in one program: count pairs per local expert
@@ -61,41 +88,29 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, cursor_ptr, P, 
     tl.store(cursor_ptr + e_offs, tl.zeros((E_P2,), tl.int32), mask=e_ok)
     tl.debug_barrier()
     for c in range(0, tl.cdiv(P, CHUNK)):
-        offs = c * CHUNK + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1) - offset
-        ok = (offs < P) & (ids >= 0) & (ids < E)
+        ids, ok = _local_ids(ids_ptr, c * CHUNK + tl.arange(0, CHUNK), P, E, offset)
         tl.atomic_add(cursor_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=ok)
     tl.debug_barrier()
     counts = tl.load(cursor_ptr + e_offs, mask=e_ok, other=0, cache_modifier=".cg")  # atomics live in L2
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    end = tl.cumsum(padded, 0)
+    padded, end = _padded_runs(counts, BLOCK_M)
     tl.store(ntpp_ptr, tl.sum(padded, 0))
     tl.debug_barrier()
     tl.store(cursor_ptr + e_offs, end - padded, mask=e_ok)
     for c in range(0, tl.cdiv(max_padded, CHUNK)):
         offs = c * CHUNK + tl.arange(0, CHUNK)
         tl.store(sorted_ptr + offs, tl.full((CHUNK,), 0, tl.int32) + P, mask=offs < max_padded)
-    num_blocks = max_padded // BLOCK_M
-    for c in range(0, tl.cdiv(num_blocks, BCHUNK)):
-        b = c * BCHUNK + tl.arange(0, BCHUNK)
-        # searchsorted(end, b * BLOCK_M, right=True): experts whose padded run ends at or before the block
-        before = (end[None, :] <= (b * BLOCK_M)[:, None]) & e_ok[None, :]
-        e = tl.sum(before.to(tl.int32), 1)
-        tl.store(expert_ids_ptr + b, tl.where(e < E, e, -1), mask=b < num_blocks)
+    _store_block_experts(expert_ids_ptr, end, e_ok, E, max_padded, BLOCK_M, BCHUNK)
     tl.debug_barrier()
     for c in range(0, tl.cdiv(P, CHUNK)):
         offs = c * CHUNK + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1) - offset
-        ok = (offs < P) & (ids >= 0) & (ids < E)
+        ids, ok = _local_ids(ids_ptr, offs, P, E, offset)
         slot = tl.atomic_add(cursor_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=ok)
         tl.store(sorted_ptr + slot, offs, mask=ok)
 
 
 @triton.jit
 def _align_count_kernel(ids_ptr, counts_ptr, P, E, offset, CHUNK: tl.constexpr):
-    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1) - offset
-    ok = (offs < P) & (ids >= 0) & (ids < E)
+    ids, ok = _local_ids(ids_ptr, tl.program_id(0) * CHUNK + tl.arange(0, CHUNK), P, E, offset)
     tl.atomic_add(counts_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=ok, sem="relaxed")
 
 
@@ -104,24 +119,16 @@ def _align_offsets_kernel(counts_ptr, cursor_ptr, expert_ids_ptr, ntpp_ptr, E, m
                           BLOCK_M: tl.constexpr, E_P2: tl.constexpr, BCHUNK: tl.constexpr):
     e_offs = tl.arange(0, E_P2)
     e_ok = e_offs < E
-    counts = tl.load(counts_ptr + e_offs, mask=e_ok, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    end = tl.cumsum(padded, 0)
+    padded, end = _padded_runs(tl.load(counts_ptr + e_offs, mask=e_ok, other=0), BLOCK_M)
     tl.store(ntpp_ptr, tl.sum(padded, 0))
     tl.store(cursor_ptr + e_offs, end - padded, mask=e_ok)
-    num_blocks = max_padded // BLOCK_M
-    for c in range(0, tl.cdiv(num_blocks, BCHUNK)):
-        b = c * BCHUNK + tl.arange(0, BCHUNK)
-        before = (end[None, :] <= (b * BLOCK_M)[:, None]) & e_ok[None, :]
-        e = tl.sum(before.to(tl.int32), 1)
-        tl.store(expert_ids_ptr + b, tl.where(e < E, e, -1), mask=b < num_blocks)
+    _store_block_experts(expert_ids_ptr, end, e_ok, E, max_padded, BLOCK_M, BCHUNK)
 
 
 @triton.jit
 def _align_scatter_kernel(ids_ptr, sorted_ptr, cursor_ptr, P, E, offset, CHUNK: tl.constexpr):
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1) - offset
-    ok = (offs < P) & (ids >= 0) & (ids < E)
+    ids, ok = _local_ids(ids_ptr, offs, P, E, offset)
     slot = tl.atomic_add(cursor_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=ok, sem="relaxed")
     tl.store(sorted_ptr + slot, offs, mask=ok)
 
@@ -377,15 +384,8 @@ def _moe_gemm(
     ``GATED``: GEMM1, columns n of the gate half and n + ``up_offset`` of the up half, the activation in
     the epilogue; ``N`` is then I. ``ATOMIC_ROW_DIV`` > 0: split-K GEMM2, fp32 atomic adds into row
     ``pair // ATOMIC_ROW_DIV`` (the token), which also sums over top-k."""
-    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_program_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(EM, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_id = pid // (GROUP_M * num_pid_n)
-    first_m = group_id * GROUP_M
-    group_rows = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % (GROUP_M * num_pid_n)) % group_rows)
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
     if pid_m * BLOCK_M >= tl.load(ntpp_ptr):
         return
 

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from moeconvert.kernels.align import moe_align_block_size
 from moeconvert.kernels.configs import get_config
+from moeconvert.kernels.tiles import grouped_program_tile
 
 
 @triton.jit
@@ -50,15 +51,7 @@ def _wna16_moe_gemm(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # grouped ordering of the programs: GROUP_M row blocks share their weight tiles in L2
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(EM, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_id = pid // (GROUP_M * num_pid_n)
-    first_m = group_id * GROUP_M
-    group_rows = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % (GROUP_M * num_pid_n)) % group_rows)
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+    pid_m, pid_n = grouped_program_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
         return
