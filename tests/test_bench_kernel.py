@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +20,8 @@ from moeconvert.layouts import get_layout
 from moeconvert.runtime.bench_kernel import SHAPES, _candidates, _fmt, problems, write_table
 from moeconvert.runtime.contenders import Problem, padded_shape, random_layout_tensors
 
-REPO = Path(__file__).resolve().parents[1]
+from interpreted import REPO, run_child
+
 
 
 def run_cli(argv, capsys):
@@ -161,11 +160,7 @@ def _tune_child(out: Path) -> None:
 def tuned_on_cpu(tmp_path_factory):
     pytest.importorskip("triton")
     out = tmp_path_factory.mktemp("tune") / "r.json"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__, "tune-child", str(out)], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=REPO)
-    if proc.returncode != 0:
-        pytest.fail(f"interpreter child failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    run_child(__file__, "tune-child", out, timeout=600)
     return json.loads(out.read_text())
 
 

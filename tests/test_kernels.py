@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import traceback
 import zlib
@@ -23,13 +22,9 @@ import torch
 from moeconvert.kernels import supports
 from moeconvert.kernels.align import max_padded_tokens, moe_align_block_size
 
-REPO = Path(__file__).resolve().parents[1]
-# rel = |y - ref| / |ref| (Frobenius); fp32 dots are exact-ish, fp16 rounds weights and GEMM1's output
-TOL = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 2e-2}
+from interpreted import TOL, rel, result, run_child
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -219,24 +214,13 @@ def interpreted(tmp_path_factory, example_ckpt):
         assert exc.value.code == 0
         loads[name] = str(out)
     (work / "spec.json").write_text(json.dumps({"loads": loads}))
-    env = dict(os.environ, TRITON_INTERPRET="1")  # only in the child
-    proc = subprocess.run([sys.executable, __file__, "child", str(work)], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
-    if proc.returncode != 0:
-        pytest.fail(f"interpreter child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    run_child(__file__, "child", work, timeout=300)
     return json.loads((work / "results.json").read_text())
-
-
-def _result(results: dict, key: str) -> dict:
-    r = results[key]
-    if "error" in r:
-        pytest.fail(f"{key} raised in the interpreter child:\n{r['error']}")
-    return r
 
 
 @pytest.mark.parametrize("case", DIRECT, ids=[c["id"] for c in DIRECT])
 def test_fused_moe_matches_the_reference_interpreted(interpreted, case):
-    r = _result(interpreted, case["id"])
+    r = result(interpreted, case["id"])
     assert r["dtype"] == "torch." + case["dtype"] and r["shape"] == [case["M"], H]
     assert r["finite"] and r["nonzero"]
     assert r["rel"] < TOL[case["dtype"]], r
@@ -244,7 +228,7 @@ def test_fused_moe_matches_the_reference_interpreted(interpreted, case):
 
 @pytest.mark.parametrize("name", list(LOADS))
 def test_runtime_dispatches_a_triton_folder_to_our_kernel_interpreted(interpreted, name):
-    r = _result(interpreted, "load-" + name)
+    r = result(interpreted, "load-" + name)
     assert r["kernel"] == "triton"
     assert r["dtype"] == "torch.float16" and r["shape"] == r["want_shape"] and r["nonzero"]
     assert r["rel"] < TOL["float16"], r

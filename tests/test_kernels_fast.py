@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import traceback
 import zlib
@@ -26,12 +25,9 @@ from moeconvert.layouts import get_layout
 from moeconvert.layouts.triton_fast import pack_half_split, unpack_half_split
 from moeconvert.schemes import MXFP4Scheme, WNA16Scheme
 
-REPO = Path(__file__).resolve().parents[1]
-TOL = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 2e-2}
+from interpreted import TOL, rel, result, run_child
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def random_block(quant: str, E: int, H: int, I: int, dtype: torch.dtype, bias: bool, g: torch.Generator,
@@ -343,38 +339,27 @@ def interpreted(tmp_path_factory, example_ckpt):
         assert exc.value.code == 0
         loads[name] = str(out)
     (work / "spec.json").write_text(json.dumps({"loads": loads}))
-    env = dict(os.environ, TRITON_INTERPRET="1")  # only in the child
-    proc = subprocess.run([sys.executable, __file__, "child", str(work)], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=REPO)
-    if proc.returncode != 0:
-        pytest.fail(f"interpreter child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    run_child(__file__, "child", work, timeout=900)
     return json.loads((work / "results.json").read_text())
-
-
-def _result(results: dict, key: str) -> dict:
-    r = results[key]
-    if "error" in r:
-        pytest.fail(f"{key} raised in the interpreter child:\n{r['error']}")
-    return r
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
 def test_fused_moe_fast_matches_the_reference_interpreted(interpreted, case):
-    r = _result(interpreted, case["id"])
+    r = result(interpreted, case["id"])
     assert r["dtype"] == "torch." + case["dtype"] and r["shape"] == [case["M"], case["H"]]
     assert r["finite"] and r["nonzero"]
     assert r["rel"] < TOL[case["dtype"]], r
 
 
 def test_align_kernel_matches_a_python_loop_interpreted(interpreted):
-    r = _result(interpreted, "align")
+    r = result(interpreted, "align")
     bad = {k: v for k, v in r.items() if not v["ok"]}
     assert len(r) == 7 and not bad, bad
 
 
 @pytest.mark.parametrize("name", list(LOADS))
 def test_runtime_runs_a_triton_fast_folder_with_our_kernel_interpreted(interpreted, name):
-    r = _result(interpreted, "load-" + name)
+    r = result(interpreted, "load-" + name)
     assert r["kernel"] == "triton"
     assert r["dtype"] == r["x_dtype"] and r["shape"] == r["want_shape"] and r["nonzero"]
     assert r["rel"] < TOL[r["x_dtype"].removeprefix("torch.")], r
