@@ -533,6 +533,17 @@ def bench_make_folder_cmd(
               f"I {r['intermediate_size']}), {_human(r['bytes'])} in {r['shards']} shard(s), {r['seconds']:.1f} s")
 
 
+def _token_counts(tokens: str) -> list[int]:
+    """``--tokens 1,16,128`` -> [1, 16, 128] (positive integers, else the one-line error)."""
+    try:
+        counts = [int(t) for t in tokens.split(",") if t.strip()]
+    except ValueError:
+        raise MoeConvertError("bad token counts", tensor="--tokens", expected="e.g. 1,16,128", found=tokens) from None
+    if not counts or min(counts) < 1:
+        raise MoeConvertError("bad token counts", tensor="--tokens", expected="positive integers", found=tokens)
+    return counts
+
+
 @bench_app.command("layer")
 def bench_layer_cmd(
     out_dir: Path = typer.Argument(..., help="A moeconvert output folder."),
@@ -546,12 +557,7 @@ def bench_layer_cmd(
     """Per-layer latency of the dispatched kernel vs the PyTorch reference."""
     from moeconvert.runtime.bench import bench_layer
 
-    try:
-        counts = [int(t) for t in tokens.split(",") if t.strip()]
-    except ValueError:
-        raise MoeConvertError("bad token counts", tensor="--tokens", expected="e.g. 1,16,128", found=tokens) from None
-    if not counts or min(counts) < 1:
-        raise MoeConvertError("bad token counts", tensor="--tokens", expected="positive integers", found=tokens)
+    counts = _token_counts(tokens)
     r = bench_layer(out_dir, _bench_device(device), counts, runs, layer, kernel)
     if json_out:
         print(json.dumps(r, indent=1))
@@ -591,12 +597,7 @@ def bench_kernel_cmd(
         raise MoeConvertError("bench kernel needs Triton (pip install triton, on Linux with a CUDA GPU)")
     from moeconvert.runtime.bench_kernel import bench_kernel
 
-    try:
-        counts = [int(t) for t in tokens.split(",") if t.strip()]
-    except ValueError:
-        raise MoeConvertError("bad token counts", tensor="--tokens", expected="e.g. 1,16,64", found=tokens) from None
-    if not counts or min(counts) < 1:
-        raise MoeConvertError("bad token counts", tensor="--tokens", expected="positive integers", found=tokens)
+    counts = _token_counts(tokens)
     log = (lambda *a: print(*a, file=sys.stderr)) if json_out else (lambda m: out.print(escape(str(m))))
     r = bench_kernel([s for s in shapes.split(",") if s], counts, [c for c in contenders.split(",") if c],
                      device=_bench_device(device), fmt=fmt, do_tune=tune, table=table, breakdown=breakdown, log=log)
