@@ -47,7 +47,7 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 # ---------------------------------------------------------------------------------------------------
-# alignment: one program, no host synchronisation
+# alignment: Triton, no host synchronisation (one program for small batches, three kernels above)
 
 
 @triton.jit

@@ -62,12 +62,8 @@ def unpack_half_split(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed & 0xF, packed >> 4], dim=1).transpose(1, 2).contiguous()
 
 
-def _k_major(t: torch.Tensor) -> torch.Tensor:
-    """``[E, N, X]`` -> ``[E, X, N]`` contiguous (weights of int8, scales, zero points)."""
-    return t.transpose(1, 2).contiguous()
-
-
-def _n_major(t: torch.Tensor) -> torch.Tensor:
+def _swap_kn(t: torch.Tensor) -> torch.Tensor:
+    """``[E, N, X]`` <-> ``[E, X, N]``, contiguous (its own inverse): int8 weights, scales, zero points."""
     return t.transpose(1, 2).contiguous()
 
 
@@ -139,16 +135,16 @@ class TritonFastWNA16Layout(Layout):
         self.require(shape, s)
         self.require_block_sizes(block, shape)
         dt = DTYPES[shape.dtype]
-        weights = pack_half_split if s.bits == 4 else _k_major
+        weights = pack_half_split if s.bits == 4 else _swap_kn
         out = {
             "w13_weight": weights(block.w13),
             "w2_weight": weights(block.w2),
-            "w13_weight_scale": _k_major(block.w13_scale.to(dt)),
-            "w2_weight_scale": _k_major(block.w2_scale.to(dt)),
+            "w13_weight_scale": _swap_kn(block.w13_scale.to(dt)),
+            "w2_weight_scale": _swap_kn(block.w2_scale.to(dt)),
         }
         if not s.symmetric:
-            out["w13_weight_zero_point"] = _k_major(block.w13_zero.to(torch.uint8))
-            out["w2_weight_zero_point"] = _k_major(block.w2_zero.to(torch.uint8))
+            out["w13_weight_zero_point"] = _swap_kn(block.w13_zero.to(torch.uint8))
+            out["w2_weight_zero_point"] = _swap_kn(block.w2_zero.to(torch.uint8))
         if block.w13_bias is not None:
             out["w13_bias"] = block.w13_bias.to(dt).contiguous()
             out["w2_bias"] = block.w2_bias.to(dt).contiguous()
@@ -157,16 +153,16 @@ class TritonFastWNA16Layout(Layout):
     def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:
         """Back to the canonical block; scales and biases stay in the file's (model) dtype."""
         assert isinstance(scheme, WNA16Scheme)
-        weights = unpack_half_split if scheme.bits == 4 else _n_major
+        weights = unpack_half_split if scheme.bits == 4 else _swap_kn
         kw = {
             "w13": weights(tensors["w13_weight"]),
             "w2": weights(tensors["w2_weight"]),
-            "w13_scale": _n_major(tensors["w13_weight_scale"]),
-            "w2_scale": _n_major(tensors["w2_weight_scale"]),
+            "w13_scale": _swap_kn(tensors["w13_weight_scale"]),
+            "w2_scale": _swap_kn(tensors["w2_weight_scale"]),
         }
         if not scheme.symmetric:
-            kw["w13_zero"] = _n_major(tensors["w13_weight_zero_point"])
-            kw["w2_zero"] = _n_major(tensors["w2_weight_zero_point"])
+            kw["w13_zero"] = _swap_kn(tensors["w13_weight_zero_point"])
+            kw["w2_zero"] = _swap_kn(tensors["w2_weight_zero_point"])
         if "w13_bias" in tensors:
             kw["w13_bias"], kw["w2_bias"] = tensors["w13_bias"], tensors["w2_bias"]
         return ExpertBlock(scheme=scheme, **kw)
@@ -239,8 +235,8 @@ class TritonFastMXFP4Layout(Layout):
         out = {
             "w13_weight": pack_half_split(_packed_mxfp4_to_codes(block.w13)),
             "w2_weight": pack_half_split(_packed_mxfp4_to_codes(block.w2)),
-            "w13_weight_scale": _k_major(as_bytes(block.w13_scale)),
-            "w2_weight_scale": _k_major(as_bytes(block.w2_scale)),
+            "w13_weight_scale": _swap_kn(as_bytes(block.w13_scale)),
+            "w2_weight_scale": _swap_kn(as_bytes(block.w2_scale)),
         }
         if block.w13_bias is not None:
             dt = DTYPES[shape.dtype]
@@ -252,8 +248,8 @@ class TritonFastMXFP4Layout(Layout):
         kw = {
             "w13": _codes_to_packed_mxfp4(unpack_half_split(tensors["w13_weight"])),
             "w2": _codes_to_packed_mxfp4(unpack_half_split(tensors["w2_weight"])),
-            "w13_scale": _n_major(tensors["w13_weight_scale"]),
-            "w2_scale": _n_major(tensors["w2_weight_scale"]),
+            "w13_scale": _swap_kn(tensors["w13_weight_scale"]),
+            "w2_scale": _swap_kn(tensors["w2_weight_scale"]),
         }
         if "w13_bias" in tensors:
             kw["w13_bias"], kw["w2_bias"] = tensors["w13_bias"], tensors["w2_bias"]
