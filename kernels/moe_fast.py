@@ -296,10 +296,11 @@ def _tile(a_rows, a_mask, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, k
           FMT: tl.constexpr, GROUP: tl.constexpr, BKR: tl.constexpr, HAS_ZP: tl.constexpr, FAST: tl.constexpr,
           SWAP: tl.constexpr, HALF_GROUPS: tl.constexpr, compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc += A[:, k] @ W[k, n] over one K step (``SWAP``: acc^T += W^T @ A^T, the weights the MMA's
-    first operand, straight from registers, and the tokens its second, as narrow as 8 / 16 rows): ``kr`` are the weight rows of this step (bytes of two
-    codes for 4-bit formats), ``k_shift`` the column of the high-nibble operand (K/2), ``g_row`` the
-    first scale group of the step and ``g_shift`` the group of the high half (K/2 / GROUP) when
-    ``HALF_GROUPS`` (K/2 is whole groups; else the high half's steps may straddle groups)."""
+    first operand, straight from registers, and the tokens its second, as narrow as 16 rows).
+    ``kr`` are the weight rows of this step (bytes of two codes for 4-bit formats), ``k_shift`` the
+    column of the high-nibble operand (K/2), ``g_row`` the first scale group of the step and
+    ``g_shift`` the group of the high half (K/2 / GROUP) when ``HALF_GROUPS`` (K/2 is whole groups;
+    else the high half's steps may straddle groups)."""
     bmask = kr_mask[:, None] & n_mask[None, :]
     raw = tl.load(b_base + kr[:, None] * stride_bk + offs_n[None, :] * stride_bn, mask=bmask, other=0)
     if GROUP % BKR == 0 and (HALF_GROUPS or FMT == 1):  # the step lies in one group: one [1, BLOCK_N] row
@@ -555,8 +556,9 @@ def fused_moe_fast(x: torch.Tensor, w13: FastWeights, w2: FastWeights, topk_weig
     """``sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(x)`` for ``x [M, K]``, K = w13's (padded) K.
 
     ``all_ids_local``: every id is one of these E experts (no EP cut); False zero-fills the per-pair
-    outputs first, so that pairs of other ranks' experts add nothing. ``group_size`` <= 0: channelwise scales (one group over K). ``configs``: (GEMM1, GEMM2) tile configs
-    (same BLOCK_M), else the table / defaults of configs.py. Returns ``[M, w2's N]`` in ``x.dtype``.
+    outputs first, so that pairs of other ranks' experts add nothing. ``group_size`` <= 0: channelwise
+    scales (one group over K). ``configs``: (GEMM1, GEMM2) tile configs (same BLOCK_M), else the
+    table / defaults of configs.py. Returns ``[M, w2's N]`` in ``x.dtype``.
     """
     from moeconvert.kernels.configs import get_configs
 
@@ -570,8 +572,7 @@ def fused_moe_fast(x: torch.Tensor, w13: FastWeights, w2: FastWeights, topk_weig
         raise ValueError(f"x has {x.shape[1]} columns and w2 K = {w2.k(fmt)}; w13 needs K = {K1}, w2 K = I = {I}")
     g13 = K1 if group_size <= 0 else group_size
     g2 = I if group_size <= 0 else group_size
-    c1, c2 = configs or get_configs(fmt, E, top_k, H=K1, I=I, M=M, group=group_size,
-                                           device=x.device)
+    c1, c2 = configs or get_configs(fmt, E, top_k, H=K1, I=I, M=M, group=group_size, device=x.device)
     if c1["BLOCK_M"] != c2["BLOCK_M"]:
         raise ValueError(f"the two GEMMs share one alignment: BLOCK_M {c1['BLOCK_M']} != {c2['BLOCK_M']}")
     act, P = ACTIVATIONS[activation], M * top_k
@@ -580,17 +581,17 @@ def fused_moe_fast(x: torch.Tensor, w13: FastWeights, w2: FastWeights, topk_weig
     # GEMM2 reads only the rows of aligned pairs, so a's other rows may stay unwritten
     a = torch.empty(P, I, dtype=x.dtype, device=x.device)
     launch_gemm(x, w13, a, aligned, None, fmt=f, group=g13, gated=True, act=act, alpha=alpha, limit=limit,
-            a_row_div=top_k, atomic_row_div=0, num_pairs=P, cfg=c1)
+                a_row_div=top_k, atomic_row_div=0, num_pairs=P, cfg=c1)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     if c2.get("SPLIT_K", 1) > 1:
         out = torch.zeros(M, H, dtype=torch.float32, device=x.device)
-        launch_gemm(a, w2, out, aligned, weights, fmt=f, group=g2, gated=False, act=act, alpha=alpha, limit=limit,
-                a_row_div=1, atomic_row_div=top_k, num_pairs=P, cfg=c2)
+        launch_gemm(a, w2, out, aligned, weights, fmt=f, group=g2, gated=False, act=act, alpha=alpha,
+                    limit=limit, a_row_div=1, atomic_row_div=top_k, num_pairs=P, cfg=c2)
         return out.to(x.dtype)
     # pairs of other EP ranks' experts are in no block: their rows must be zeros for the sum
     y = (torch.empty if all_ids_local else torch.zeros)(P, H, dtype=x.dtype, device=x.device)
     launch_gemm(a, w2, y, aligned, weights, fmt=f, group=g2, gated=False, act=act, alpha=alpha, limit=limit,
-            a_row_div=1, atomic_row_div=0, num_pairs=P, cfg=c2)
+                a_row_div=1, atomic_row_div=0, num_pairs=P, cfg=c2)
     return y.view(M, top_k, H).sum(dim=1)
 
 

@@ -18,8 +18,9 @@ The 4-bit byte pairs input ``k`` with input ``k + K/2`` (a "half split", not nei
 nibbles of a ``[BLOCK_K/2, BLOCK_N]`` byte tile are then two ready MMA operands, multiplied with the
 contiguous activation columns ``k..`` and ``K/2 + k..``. When K/2 is whole scale groups (WNA16: K a
 multiple of 2g; MXFP4: H and I multiples of 64, padded so by ``quantize``) a K step reads one row of
-scales for each half; otherwise (e.g. I = 384 at g = 128) the kernel reads a scale per element. w13 keeps [gate; up] rows for every activation (gpt-oss' swiglu included): the kernel
-reads gate column n and up column n + I in one program and applies the activation there.
+scales for each half; otherwise (e.g. I = 384 at g = 128) the kernel reads a scale per element.
+w13 keeps [gate; up] rows for every activation (gpt-oss' swiglu included): the kernel reads gate
+column n and up column n + I in one program and applies the activation there.
 
 WNA16 codes stay unsigned (``u = q + 2^(b-1)``); symmetric layers have no zero-point tensor (the
 kernel subtracts 8 / 128). Scales and biases are cast to the model dtype (round to nearest even);
