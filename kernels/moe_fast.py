@@ -171,200 +171,174 @@ def align(topk_ids: torch.Tensor, block_m: int, num_experts: int, expert_offset:
 
 
 @triton.jit
-def _dequant(code, scale, zp, FMT: tl.constexpr, HAS_ZP: tl.constexpr, compute_type: tl.constexpr):
-    """int32 codes [R, N] and fp32 scales (broadcastable) -> weights in the activation dtype.
-
-    int4 / int8: ``(code - zp) * s`` (zp = 8 / 128 without zero points). MXFP4: the e2m1 code's sign and
-    3 value bits become the fp16 ``s 000 0ee m 000000000`` = e2m1 * 2^-14 (normal and subnormal alike),
-    times 2^14 and the e8m0 scale (exact in fp32)."""
-    if FMT == 2:
-        h = (((code & 8) << 12) | ((code & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
-        w = h.to(tl.float32) * 16384.0 * scale
-    elif HAS_ZP:
-        w = (code - zp).to(tl.float32) * scale
-    elif FMT == 1:
-        w = (code - 128).to(tl.float32) * scale
-    else:
-        w = (code - 8).to(tl.float32) * scale
-    return w.to(compute_type)
-
-
-# Register-level dequantization for the GPU (FAST): four codes a 32-bit word, no int->float conversion
-# (those run at a quarter of the ALU rate and would cap the GEMM well below the memory bandwidth).
-# int4: the nibble is OR-ed into the mantissa of 128.0 (bf16 0x4300) / 1024.0 (fp16 0x6400), giving
-# magic + u exactly; one FMA subtracts magic + zero point (exact), one multiplies the scale (the one
-# rounding). MXFP4: the e2m1 sign / exponent / mantissa bits go to the bf16 bit positions
-# (value * 2^-126, exact, subnormals included), times 2^126 (exact), times the e8m0 scale (rounded).
-_INT4_ASM = """{
-.reg .b32 t0, t1, one, nz;
-mov.b32 one, ONE;
-mov.b32 nz, 0x80008000;
-SHIFT
-prmt.b32 t1, t0, 0, 0x4342;
-prmt.b32 t0, t0, 0, 0x4140;
-lop3.b32 t0, t0, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 t1, t1, 0x000F000F, MAGIC, 0xEA;
-fma.rn.T t0, t0, one, $4;
-fma.rn.T t1, t1, one, $5;
-fma.rn.T $0, t0, $2, nz;
-fma.rn.T $1, t1, $3, nz;
-}"""
-_MXFP4_ASM = """{
-.reg .b32 t0, t1, x0, x1, y0, y1, c, nz;
-mov.b32 c, 0x7E807E80;
-mov.b32 nz, 0x80008000;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-shl.b32 x0, t0, SA;
-shl.b32 x1, t1, SA;
-and.b32 x0, x0, 0x01C001C0;
-and.b32 x1, x1, 0x01C001C0;
-shl.b32 y0, t0, SB;
-shl.b32 y1, t1, SB;
-lop3.b32 x0, y0, 0x80008000, x0, 0xEA;
-lop3.b32 x1, y1, 0x80008000, x1, 0xEA;
-fma.rn.bf16x2 x0, x0, c, nz;
-fma.rn.bf16x2 x1, x1, c, nz;
-fma.rn.bf16x2 $0, x0, $2, nz;
-fma.rn.bf16x2 $1, x1, $3, nz;
-}"""
-
-
-def _int4_asm(high: bool, half: bool) -> str:
-    # operands: $0 $1 out (4 x 16 bit), $2 $3 scale, $4 $5 -(magic + zero point), $6 the 4 code bytes
-    asm = _INT4_ASM.replace("SHIFT", "shr.b32 t0, $6, 4;" if high else "mov.b32 t0, $6;")
-    if half:
-        return asm.replace("ONE", "0x3C003C00").replace("MAGIC", "0x64006400").replace(".T", ".f16x2")
-    return asm.replace("ONE", "0x3F803F80").replace("MAGIC", "0x43004300").replace(".T", ".bf16x2")
-
-
-_ASM_I4_BF16_LO = tl.constexpr(_int4_asm(False, False))
-_ASM_I4_BF16_HI = tl.constexpr(_int4_asm(True, False))
-_ASM_I4_F16_LO = tl.constexpr(_int4_asm(False, True))
-_ASM_I4_F16_HI = tl.constexpr(_int4_asm(True, True))
-# operands: $0 $1 out (4 x bf16), $2 $3 scale, $4 the 4 code bytes
-_ASM_MX_LO = tl.constexpr(_MXFP4_ASM.replace("SA", "6").replace("SB", "12"))
-_ASM_MX_HI = tl.constexpr(_MXFP4_ASM.replace("SA", "2").replace("SB", "8"))
-_C_INT4: tl.constexpr = tl.constexpr("=r,=r,r,r,r,r,r")
-_C_MX: tl.constexpr = tl.constexpr("=r,=r,r,r,r")
-
-
-@triton.jit
-def _fast_int4(raw, scale, nbias, HIGH: tl.constexpr, compute_type: tl.constexpr):
-    """uint8 code bytes [R, N] -> (nibble - zp) * scale in compute_type (bf16 / fp16); ``scale`` and
-    ``nbias`` = -(magic + zero point) in compute_type, broadcastable."""
-    if compute_type == tl.float16:
-        if HIGH:
-            w = tl.inline_asm_elementwise(_ASM_I4_F16_HI, _C_INT4, [scale, nbias, raw], dtype=tl.float16,
-                                          is_pure=True, pack=4)
-        else:
-            w = tl.inline_asm_elementwise(_ASM_I4_F16_LO, _C_INT4, [scale, nbias, raw], dtype=tl.float16,
-                                          is_pure=True, pack=4)
-    else:
-        if HIGH:
-            w = tl.inline_asm_elementwise(_ASM_I4_BF16_HI, _C_INT4, [scale, nbias, raw], dtype=tl.bfloat16,
-                                          is_pure=True, pack=4)
-        else:
-            w = tl.inline_asm_elementwise(_ASM_I4_BF16_LO, _C_INT4, [scale, nbias, raw], dtype=tl.bfloat16,
-                                          is_pure=True, pack=4)
-    return w
-
-
-@triton.jit
-def _fast_mxfp4(raw, scale, HIGH: tl.constexpr):
-    """uint8 e2m1 byte pairs [R, N] -> value * scale in bf16; ``scale`` bf16, broadcastable."""
-    if HIGH:
-        w = tl.inline_asm_elementwise(_ASM_MX_HI, _C_MX, [scale, raw], dtype=tl.bfloat16, is_pure=True, pack=4)
-    else:
-        w = tl.inline_asm_elementwise(_ASM_MX_LO, _C_MX, [scale, raw], dtype=tl.bfloat16, is_pure=True, pack=4)
-    return w
-
-
-@triton.jit
-def _scale(ptrs, mask, FMT: tl.constexpr):
-    """fp32 scales: MXFP4's e8m0 byte S is 2^(S - 127) (S = 0: 2^-127, a subnormal)."""
-    if FMT == 2:
-        S = tl.load(ptrs, mask=mask, other=127).to(tl.int32)
-        return tl.where(S == 0, 0x400000, S << 23).to(tl.float32, bitcast=True)
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _tile(a_rows, a_mask, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, k_shift, g_row, g_shift,
-          stride_bk, stride_bn, stride_sg, stride_zg, acc,
-          FMT: tl.constexpr, GROUP: tl.constexpr, BKR: tl.constexpr, HAS_ZP: tl.constexpr, FAST: tl.constexpr,
-          SWAP: tl.constexpr, HALF_GROUPS: tl.constexpr, compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc += A[:, k] @ W[k, n] over one K step (``SWAP``: acc^T += W^T @ A^T, the weights the MMA's
-    first operand, straight from registers, and the tokens its second, as narrow as 16 rows).
-    ``kr`` are the weight rows of this step (bytes of two codes for 4-bit formats), ``k_shift`` the
-    column of the high-nibble operand (K/2), ``g_row`` the first scale group of the step and
-    ``g_shift`` the group of the high half (K/2 / GROUP) when ``HALF_GROUPS`` (K/2 is whole groups;
-    else the high half's steps may straddle groups)."""
+def _int8_tile(a_rows, a_mask, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, g_row, stride_bk, stride_bn,
+               stride_sg, stride_zg, acc, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZP: tl.constexpr,
+               SWAP: tl.constexpr, compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """int8 (``[E, K, N]`` bytes): acc += A[:, k] @ W[k, n] over one K step (``SWAP``: acc^T += W^T @ A^T,
+    the weights the MMA's first operand and the tokens its second). ``kr`` are the step's K rows,
+    ``g_row`` its first scale group."""
     bmask = kr_mask[:, None] & n_mask[None, :]
     raw = tl.load(b_base + kr[:, None] * stride_bk + offs_n[None, :] * stride_bn, mask=bmask, other=0)
-    if GROUP % BKR == 0 and (HALF_GROUPS or FMT == 1):  # the step lies in one group: one [1, BLOCK_N] row
-        s_lo = _scale(s_base + g_row * stride_sg + offs_n[None, :], n_mask[None, :], FMT)
+    if GROUP % BLOCK_K == 0:  # the step lies in one group: one [1, BLOCK_N] row
+        s = tl.load(s_base + g_row * stride_sg + offs_n[None, :], mask=n_mask[None, :], other=0.0)
         if HAS_ZP:
-            z_lo = tl.load(z_base + g_row * stride_zg + offs_n[None, :], mask=n_mask[None, :], other=0).to(tl.int32)
-        if FMT != 1:
-            s_hi = _scale(s_base + (g_row + g_shift) * stride_sg + offs_n[None, :], n_mask[None, :], FMT)
-            if HAS_ZP:
-                z_hi = tl.load(z_base + (g_row + g_shift) * stride_zg + offs_n[None, :], mask=n_mask[None, :],
-                               other=0).to(tl.int32)
+            z = tl.load(z_base + g_row * stride_zg + offs_n[None, :], mask=n_mask[None, :], other=0)
     else:  # several groups in the step: a scale per element (repeats come from L1)
         g = (kr // GROUP)[:, None]
-        s_lo = _scale(s_base + g * stride_sg + offs_n[None, :], bmask, FMT)
+        s = tl.load(s_base + g * stride_sg + offs_n[None, :], mask=bmask, other=0.0)
         if HAS_ZP:
-            z_lo = tl.load(z_base + g * stride_zg + offs_n[None, :], mask=bmask, other=0).to(tl.int32)
-        if FMT != 1:
-            gh = ((kr + k_shift) // GROUP)[:, None]
-            s_hi = _scale(s_base + gh * stride_sg + offs_n[None, :], bmask, FMT)
-            if HAS_ZP:
-                z_hi = tl.load(z_base + gh * stride_zg + offs_n[None, :], mask=bmask, other=0).to(tl.int32)
-    if not HAS_ZP:
-        z_lo = 0
-        z_hi = 0
-    if SWAP:  # a_rows is [1, BLOCK_M]: the activations' tile read transposed, [BKR, BLOCK_M]
-        a_lo = tl.load(a_rows + kr[:, None], mask=kr_mask[:, None] & a_mask[None, :], other=0.0)
+            z = tl.load(z_base + g * stride_zg + offs_n[None, :], mask=bmask, other=0)
+    if HAS_ZP:
+        q = raw.to(tl.int32) - z.to(tl.int32)
     else:
-        a_lo = tl.load(a_rows + kr[None, :], mask=a_mask[:, None] & kr_mask[None, :], other=0.0)
-    if FMT == 1:
-        w = _dequant(raw.to(tl.int32), s_lo, z_lo, FMT, HAS_ZP, compute_type)
-        if SWAP:
-            acc = tl.dot(tl.trans(w), a_lo, acc=acc, input_precision=DOT_PRECISION)
-        else:
-            acc = tl.dot(a_lo, w, acc=acc, input_precision=DOT_PRECISION)
+        q = raw.to(tl.int32) - 128
+    w = (q.to(tl.float32) * s.to(tl.float32)).to(compute_type)
+    if SWAP:  # a_rows is [1, BLOCK_M]: the activations' tile read transposed, [BLOCK_K, BLOCK_M]
+        a = tl.load(a_rows + kr[:, None], mask=kr_mask[:, None] & a_mask[None, :], other=0.0)
+        acc = tl.dot(tl.trans(w), a, acc=acc, input_precision=DOT_PRECISION)
     else:
-        if FAST:
-            if FMT == 2:
-                w_lo = _fast_mxfp4(raw, s_lo.to(tl.bfloat16), False)
-                w_hi = _fast_mxfp4(raw, s_hi.to(tl.bfloat16), True)
-            else:
-                if compute_type == tl.float16:
-                    magic = 1024.0
-                else:
-                    magic = 128.0
-                if HAS_ZP:
-                    nb_lo = (-(z_lo.to(tl.float32) + magic)).to(compute_type)
-                    nb_hi = (-(z_hi.to(tl.float32) + magic)).to(compute_type)
-                else:
-                    nb_lo = (tl.zeros_like(s_lo) - (magic + 8.0)).to(compute_type)
-                    nb_hi = (tl.zeros_like(s_hi) - (magic + 8.0)).to(compute_type)
-                w_lo = _fast_int4(raw, s_lo.to(compute_type), nb_lo, False, compute_type)
-                w_hi = _fast_int4(raw, s_hi.to(compute_type), nb_hi, True, compute_type)
+        a = tl.load(a_rows + kr[None, :], mask=a_mask[:, None] & kr_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc=acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+# 4-bit formats: fragment-ordered weights (docs/layouts/triton-fast.md). A K step loads, per weight
+# tile [BLOCK_N, BLOCK_K], BLOCK_K/64 x BLOCK_N/16 atoms of 32 lanes x 16 bytes as rows of a
+# [R, 16] byte tensor: each thread's 16 contiguous bytes are the 32 codes its MMA fragment of one
+# atom needs (rows n, n + 8 of its lane group, inputs 2t, 2t+1, 2t+8, 2t+9 of four 16-input steps),
+# so the unpacked [R, 16, 2] values become the [BLOCK_N, BLOCK_K] first operand of the swapped MMA
+# (acc^T = W @ A^T) by a reshape and a permute that the compiler resolves to a renaming of registers.
+#
+# GPU dequantization (FAST): one 32-bit word = 8 codes = 4 ready bf16x2 / f16x2 operand registers;
+# register c holds nibbles c (low half) and c + 4 (high half). int4: nibble OR-ed into the mantissa of
+# 128.0 (bf16 0x4300) / 1024.0 (fp16 0x6400), one FMA subtracts magic + 8 (exact): q - 8. MXFP4: sign
+# and e1 e0 m bits placed at the bf16 positions (value * 2^-126, exact, subnormals included), one FMA
+# times 2^126 (exact). Fused in fp32 after the MMA (symmetric int4, one scale group a K step) or in the
+# operand before it: the scales and zero points.
+_I4_ASM = """{
+.reg .b32 t, one, nb;
+mov.b32 one, ONE;
+mov.b32 nb, NEGBIAS;
+lop3.b32 $0, $4, 0x000F000F, MAGIC, 0xEA;
+shr.b32 t, $4, 4;
+lop3.b32 $1, t, 0x000F000F, MAGIC, 0xEA;
+shr.b32 t, $4, 8;
+lop3.b32 $2, t, 0x000F000F, MAGIC, 0xEA;
+shr.b32 t, $4, 12;
+lop3.b32 $3, t, 0x000F000F, MAGIC, 0xEA;
+fma.rn.T $0, $0, one, nb;
+fma.rn.T $1, $1, one, nb;
+fma.rn.T $2, $2, one, nb;
+fma.rn.T $3, $3, one, nb;
+}"""
+_MX_ASM = """{
+.reg .b32 m, s, c, nz;
+mov.b32 c, 0x7E807E80;
+mov.b32 nz, 0x80008000;
+shl.b32 m, $4, 6;
+and.b32 m, m, 0x01C001C0;
+shl.b32 s, $4, 12;
+lop3.b32 $0, s, 0x80008000, m, 0xEA;
+shl.b32 m, $4, 2;
+and.b32 m, m, 0x01C001C0;
+shl.b32 s, $4, 8;
+lop3.b32 $1, s, 0x80008000, m, 0xEA;
+shr.b32 m, $4, 2;
+and.b32 m, m, 0x01C001C0;
+shl.b32 s, $4, 4;
+lop3.b32 $2, s, 0x80008000, m, 0xEA;
+shr.b32 m, $4, 6;
+and.b32 m, m, 0x01C001C0;
+lop3.b32 $3, $4, 0x80008000, m, 0xEA;
+fma.rn.bf16x2 $0, $0, c, nz;
+fma.rn.bf16x2 $1, $1, c, nz;
+fma.rn.bf16x2 $2, $2, c, nz;
+fma.rn.bf16x2 $3, $3, c, nz;
+}"""
+# operands: $0..$3 out (the two results' 4 x 16 bits each), $4 the 4 code bytes
+_ASM_I4_BF16 = tl.constexpr(_I4_ASM.replace("ONE", "0x3F803F80").replace("NEGBIAS", "0xC308C308")
+                            .replace("MAGIC", "0x43004300").replace(".T", ".bf16x2"))
+_ASM_I4_F16 = tl.constexpr(_I4_ASM.replace("ONE", "0x3C003C00").replace("NEGBIAS", "0xE408E408")
+                           .replace("MAGIC", "0x64006400").replace(".T", ".f16x2"))
+_ASM_MX = tl.constexpr(_MX_ASM)
+_C_ASM: tl.constexpr = tl.constexpr("=r,=r,=r,=r,r")
+
+
+@triton.jit
+def _unpack_fragments(raw, FMT: tl.constexpr, FAST: tl.constexpr, compute_type: tl.constexpr):
+    """Fragment bytes [R, 16] -> values [R, 16, 2] in compute_type: element (r, kt * 4 + h * 2 + e, kh)
+    is nibble 2 kh + h + 4 e of the row's 32-bit word kt (int4: q - 8; MXFP4: the e2m1 value)."""
+    if FAST:
+        if FMT == 2:
+            lo, hi = tl.inline_asm_elementwise(_ASM_MX, _C_ASM, [raw], dtype=(tl.bfloat16, tl.bfloat16),
+                                               is_pure=True, pack=4)
+        elif compute_type == tl.float16:
+            lo, hi = tl.inline_asm_elementwise(_ASM_I4_F16, _C_ASM, [raw], dtype=(tl.float16, tl.float16),
+                                               is_pure=True, pack=4)
         else:
-            codes = raw.to(tl.int32)
-            w_lo = _dequant(codes & 15, s_lo, z_lo, FMT, HAS_ZP, compute_type)
-            w_hi = _dequant(codes >> 4, s_hi, z_hi, FMT, HAS_ZP, compute_type)
-        if SWAP:
-            acc = tl.dot(tl.trans(w_lo), a_lo, acc=acc, input_precision=DOT_PRECISION)
-            a_hi = tl.load(a_rows + (kr + k_shift)[:, None], mask=kr_mask[:, None] & a_mask[None, :], other=0.0)
-            acc = tl.dot(tl.trans(w_hi), a_hi, acc=acc, input_precision=DOT_PRECISION)
+            lo, hi = tl.inline_asm_elementwise(_ASM_I4_BF16, _C_ASM, [raw], dtype=(tl.bfloat16, tl.bfloat16),
+                                               is_pure=True, pack=4)
+        v = tl.join(lo, hi)
+    else:
+        R: tl.constexpr = raw.shape[0]
+        b = raw.to(tl.int32).reshape(R, 4, 2, 2)  # word kt, byte 2 e + kh
+        c = tl.join(b & 15, b >> 4)  # [R, kt, e, kh, h]
+        if FMT == 2:  # e2m1 -> fp16 bits s 000 0ee m 000000000 = value * 2^-14, exact
+            h16 = (((c & 8) << 12) | ((c & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+            val = h16.to(tl.float32) * 16384.0
         else:
-            acc = tl.dot(a_lo, w_lo, acc=acc, input_precision=DOT_PRECISION)
-            a_hi = tl.load(a_rows + (kr + k_shift)[None, :], mask=a_mask[:, None] & kr_mask[None, :], other=0.0)
-            acc = tl.dot(a_hi, w_hi, acc=acc, input_precision=DOT_PRECISION)
+            val = (c - 8).to(tl.float32)
+        v = tl.permute(val, (0, 1, 4, 2, 3)).reshape(R, 16, 2).to(compute_type)
+    return v
+
+
+@triton.jit
+def _fragment_operand(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[R, 16, 2] values of the rows (k atom, n atom, lane g * 4 + t) -> the [BLOCK_N, BLOCK_K] tile:
+    n = n_atom * 16 + h * 8 + g, k = k_atom * 64 + kt * 16 + kh * 8 + t * 2 + e."""
+    v = v.reshape(BLOCK_K // 64, BLOCK_N // 16, 8, 4, 4, 2, 2, 2)  # ka, na, g, t, kt, h, e, kh
+    v = tl.permute(v, (1, 5, 2, 0, 4, 7, 3, 6))  # na, h, g, ka, kt, kh, t, e
+    return v.reshape(BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _group_rows(ptrs, g_first, n_groups, offs_n, n_mask, stride_g, other, SG: tl.constexpr):
+    """[BLOCK_N, SG] scale / zero-point rows g_first.. of a K step (rows past the last are ``other``)."""
+    g = g_first + tl.arange(0, SG)
+    return tl.load(ptrs + g[None, :] * stride_g + offs_n[:, None], mask=n_mask[:, None] & (g < n_groups)[None, :],
+                   other=other)
+
+
+@triton.jit
+def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_base, z_base, step, K, offs_n, n_mask, stride_sg,
+               stride_zg, acc, FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, FAST: tl.constexpr,
+               compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """int4 / MXFP4: acc^T [BLOCK_N, BLOCK_M] += W[n, k] @ A^T[k, m] over K step ``step``."""
+    KA: tl.constexpr = BLOCK_K // 64
+    ok = na_ok & (step * KA + ka_rows < K // 64)
+    raw = tl.load(w_ptrs + step * (KA * 512), mask=ok[:, None], other=0)
+    w = _fragment_operand(_unpack_fragments(raw, FMT, FAST, compute_type), BLOCK_N, BLOCK_K)
+    k = step * BLOCK_K + tl.arange(0, BLOCK_K)
+    a = tl.load(a_rows + k[:, None], mask=(k < K)[:, None] & a_mask[None, :], other=0.0)
+    n_groups = K // GROUP
+    if FMT == 0 and not HAS_ZP and GROUP % BLOCK_K == 0:  # one group a step: scale the fp32 product
+        s = tl.load(s_base + ((step * BLOCK_K) // GROUP) * stride_sg + offs_n, mask=n_mask, other=0.0)
+        acc += tl.dot(w, a, input_precision=DOT_PRECISION) * s.to(tl.float32)[:, None]
+    else:
+        SG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1
+        g_first = (step * BLOCK_K) // GROUP
+        if FMT == 2:  # e8m0 S -> 2^(S - 127) (S = 0: 2^-127, a subnormal; exact in bf16 and fp32)
+            S = _group_rows(s_base, g_first, n_groups, offs_n, n_mask, stride_sg, 127, SG).to(tl.int32)
+            s = tl.where(S == 0, 0x400000, S << 23).to(tl.float32, bitcast=True).to(compute_type)
+        else:
+            s = _group_rows(s_base, g_first, n_groups, offs_n, n_mask, stride_sg, 0.0, SG).to(compute_type)
+        s = tl.broadcast_to(s[:, :, None], (BLOCK_N, SG, BLOCK_K // SG)).reshape(BLOCK_N, BLOCK_K)
+        if HAS_ZP:  # (q - 8) - (z - 8), exact in 16 bits
+            z = _group_rows(z_base, g_first, n_groups, offs_n, n_mask, stride_zg, 8, SG).to(tl.float32) - 8.0
+            z = tl.broadcast_to(z.to(compute_type)[:, :, None], (BLOCK_N, SG, BLOCK_K // SG)).reshape(BLOCK_N, BLOCK_K)
+            w = w - z
+        acc = tl.dot(w * s, a, acc=acc, input_precision=DOT_PRECISION)
     return acc
 
 
@@ -377,14 +351,16 @@ def _moe_gemm(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, A_ROW_DIV: tl.constexpr,
     ATOMIC_ROW_DIV: tl.constexpr, SPLIT_K: tl.constexpr, FAST: tl.constexpr, SWAP: tl.constexpr,
-    HALF_GROUPS: tl.constexpr, compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One program: BLOCK_M sorted pairs of one expert x BLOCK_N output columns x one K split.
 
     ``GATED``: GEMM1, columns n of the gate half and n + ``up_offset`` of the up half, the activation in
     the epilogue; ``N`` is then I. ``ATOMIC_ROW_DIV`` > 0: split-K GEMM2, fp32 atomic adds into row
-    ``pair // ATOMIC_ROW_DIV`` (the token), which also sums over top-k."""
+    ``pair // ATOMIC_ROW_DIV`` (the token), which also sums over top-k. 4-bit weights are fragment
+    ordered (``stride_bk``: bytes per 16-row atom row, K * 8) and always multiply swapped; int8 weights
+    are ``[K, N]`` rows read through (``stride_bk``, ``stride_bn``), swapped if ``SWAP``."""
     pid_m, pid_n = grouped_program_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(ntpp_ptr):
@@ -395,44 +371,57 @@ def _moe_gemm(
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    SWAPPED: tl.constexpr = SWAP or FMT != 1
 
-    if SWAP:
+    if SWAPPED:
         a_rows = a_ptr + (offs_pair // A_ROW_DIV)[None, :] * stride_am
-    else:
-        a_rows = a_ptr + (offs_pair // A_ROW_DIV)[:, None] * stride_am
-    b_base = b_ptr + expert * stride_be
-    s_base = s_ptr + expert * stride_se
-    z_base = z_ptr + expert * stride_ze
-    # weight rows: 4-bit formats hold K/2 rows (two codes a byte), int8 K rows
-    BKR: tl.constexpr = BLOCK_K if FMT == 1 else BLOCK_K // 2
-    KR = K if FMT == 1 else K // 2
-    k_shift = K // 2
-    g_shift = (K // 2) // GROUP
-    steps = tl.cdiv(KR, BKR)
-    per_split = tl.cdiv(steps, SPLIT_K)
-    first = pid_k * per_split
-    last = min(first + per_split, steps)
-    offs_r = tl.arange(0, BKR)
-
-    if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
+        a_rows = a_ptr + (offs_pair // A_ROW_DIV)[:, None] * stride_am
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if GATED:
         acc_up = tl.zeros_like(acc)
-    for step in range(first, last):
-        kr = step * BKR + offs_r
-        kr_mask = kr < KR
-        g_row = (step * BKR) // GROUP
-        acc = _tile(a_rows, pair_ok, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, k_shift, g_row,
-                    g_shift, stride_bk, stride_bn, stride_sg, stride_zg, acc,
-                    FMT, GROUP, BKR, HAS_ZP, FAST, SWAP, HALF_GROUPS, compute_type, DOT_PRECISION)
-        if GATED:
-            acc_up = _tile(a_rows, pair_ok, b_base + up_offset * stride_bn, s_base + up_offset, z_base + up_offset,
-                           kr, kr_mask, offs_n, n_mask, k_shift, g_row, g_shift, stride_bk, stride_bn, stride_sg,
-                           stride_zg,
-                           acc_up, FMT, GROUP, BKR, HAS_ZP, FAST, SWAP, HALF_GROUPS, compute_type, DOT_PRECISION)
-    if SWAP:  # back to [BLOCK_M, BLOCK_N] for the epilogue (one layout change a program)
+    b_base = b_ptr + expert * stride_be
+    s_base = s_ptr + expert * stride_se
+    z_base = z_ptr + expert * stride_ze
+    steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(steps, SPLIT_K)
+    first = pid_k * per_split
+    last = min(first + per_split, steps)
+
+    if FMT == 1:
+        offs_k = tl.arange(0, BLOCK_K)
+        for step in range(first, last):
+            kr = step * BLOCK_K + offs_k
+            kr_mask = kr < K
+            g_row = (step * BLOCK_K) // GROUP
+            acc = _int8_tile(a_rows, pair_ok, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, g_row,
+                             stride_bk, stride_bn, stride_sg, stride_zg, acc, GROUP, BLOCK_K, HAS_ZP, SWAP,
+                             compute_type, DOT_PRECISION)
+            if GATED:
+                acc_up = _int8_tile(a_rows, pair_ok, b_base + up_offset * stride_bn, s_base + up_offset,
+                                    z_base + up_offset, kr, kr_mask, offs_n, n_mask, g_row, stride_bk, stride_bn,
+                                    stride_sg, stride_zg, acc_up, GROUP, BLOCK_K, HAS_ZP, SWAP, compute_type,
+                                    DOT_PRECISION)
+    else:
+        # fragment rows of a step: (k atom, n atom, lane), 16 bytes each
+        NA: tl.constexpr = BLOCK_N // 16
+        rows = tl.arange(0, (BLOCK_K // 64) * NA * 32)
+        ka_rows = rows // (NA * 32)
+        na = pid_n * NA + (rows // 32) % NA
+        na_ok = na < N // 16
+        w_rows = b_base + na.to(tl.int64) * stride_bk + ka_rows * 512 + (rows % 32) * 16
+        w_ptrs = w_rows[:, None] + tl.arange(0, 16)[None, :]
+        up_ptrs = w_ptrs + (up_offset // 16) * stride_bk
+        for step in range(first, last):
+            acc = _frag_tile(a_rows, pair_ok, w_ptrs, ka_rows, na_ok, s_base, z_base, step, K, offs_n, n_mask,
+                             stride_sg, stride_zg, acc, FMT, GROUP, HAS_ZP, FAST, compute_type, DOT_PRECISION,
+                             BLOCK_N, BLOCK_K)
+            if GATED:
+                acc_up = _frag_tile(a_rows, pair_ok, up_ptrs, ka_rows, na_ok, s_base + up_offset,
+                                    z_base + up_offset, step, K, offs_n, n_mask, stride_sg, stride_zg, acc_up, FMT,
+                                    GROUP, HAS_ZP, FAST, compute_type, DOT_PRECISION, BLOCK_N, BLOCK_K)
+    if SWAPPED:  # back to [BLOCK_M, BLOCK_N] for the epilogue (one layout change a program)
         acc = tl.trans(acc)
         if GATED:
             acc_up = tl.trans(acc_up)
@@ -467,10 +456,10 @@ def _moe_gemm(
 
 @dataclass(frozen=True)
 class FastWeights:
-    """One projection in the ``triton-fast`` layout: ``weight [E, K/2, N]`` (int4, MXFP4) or ``[E, K, N]``
-    (int8) uint8, N contiguous (the layout) or K contiguous (a transposed view, read through strides);
+    """One projection in the ``triton-fast`` layout: ``weight`` uint8, ``[E, N/16, 8K]`` fragment-ordered
+    (int4, MXFP4) or ``[E, K, N]`` (int8; N contiguous, or K contiguous as a transposed view);
     ``scale [E, K/g, N]`` (model dtype; uint8 e8m0 for MXFP4); ``zero_point [E, K/g, N]`` uint8 or None;
-    ``bias [E, N]`` or None. For w13, N = 2I: the gate columns, then the up columns."""
+    ``bias [E, N]`` or None. For w13, N = 2I: the gate rows, then the up rows."""
 
     weight: torch.Tensor
     scale: torch.Tensor
@@ -478,11 +467,10 @@ class FastWeights:
     bias: torch.Tensor | None = None
 
     def k(self, fmt: str) -> int:
-        return self.weight.shape[1] * (1 if fmt == "int8" else 2)
+        return self.weight.shape[1] if fmt == "int8" else self.weight.shape[2] // 8
 
-    @property
-    def n(self) -> int:
-        return self.weight.shape[2]
+    def n(self, fmt: str) -> int:
+        return self.weight.shape[2] if fmt == "int8" else self.weight.shape[1] * 16
 
     @property
     def nbytes(self) -> int:
@@ -506,10 +494,17 @@ def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, grou
     for t in (w.scale, w.zero_point, w.bias, a, out):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"the kernel needs the last dimension contiguous, found strides {t.stride()}")
-    if 1 not in w.weight.stride()[1:]:
-        raise ValueError(f"the weight bytes need N or K contiguous, found strides {w.weight.stride()}")
-    E, KR, Nw = w.weight.shape
-    K = KR * (1 if fmt == INT8 else 2)
+    name = next(k for k, v in FORMATS.items() if v == fmt)
+    if fmt == INT8:
+        if 1 not in w.weight.stride()[1:]:
+            raise ValueError(f"the int8 weight bytes need N or K contiguous, found strides {w.weight.stride()}")
+        stride_bk, stride_bn = w.weight.stride(1), w.weight.stride(2)
+    else:
+        if w.weight.stride(2) != 1 or w.weight.shape[2] % 512:
+            raise ValueError(f"fragment-ordered weights need [E, N/16, 8K] rows of whole 512-byte atoms, found shape "
+                             f"{tuple(w.weight.shape)} strides {w.weight.stride()}")
+        stride_bk, stride_bn = w.weight.stride(1), 0
+    K, Nw = w.k(name), w.n(name)
     N = Nw // 2 if gated else Nw
     z = w.zero_point if w.zero_point is not None else w.weight
     bias = w.bias if w.bias is not None else w.scale
@@ -520,14 +515,13 @@ def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, grou
         a, w.weight, w.scale, z, bias, out, topk_weights if topk_weights is not None else w.scale,
         sorted_ids, expert_ids, ntpp,
         N, K, EM, num_pairs, Nw // 2, alpha, limit,
-        a.stride(0), w.weight.stride(0), w.weight.stride(1), w.weight.stride(2), w.scale.stride(0), w.scale.stride(1),
+        a.stride(0), w.weight.stride(0), stride_bk, stride_bn, w.scale.stride(0), w.scale.stride(1),
         z.stride(0) if w.zero_point is not None else 0, z.stride(1) if w.zero_point is not None else 0,
         bias.stride(0) if w.bias is not None else 0, out.stride(0),
         FMT=fmt, GROUP=group, HAS_ZP=w.zero_point is not None, HAS_BIAS=w.bias is not None,
         GATED=gated, ACT=act, MUL_ROUTED_WEIGHT=topk_weights is not None, A_ROW_DIV=a_row_div,
         ATOMIC_ROW_DIV=atomic_row_div, SPLIT_K=split, FAST=_fast(fmt, a), SWAP=bool(cfg.get("SWAP_AB", 0)),
-        HALF_GROUPS=(K // 2) % group == 0, compute_type=_TL_DTYPES[a.dtype],
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        compute_type=_TL_DTYPES[a.dtype], DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 1),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
@@ -535,14 +529,12 @@ def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, grou
 
 def check_config(cfg: dict, fmt: str) -> None:
     """The tile constraints the kernel relies on (a config from a table or a user is checked once)."""
-    bk = cfg["BLOCK_K"]
-    rows = bk if fmt == "int8" else bk // 2
     for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
         v = cfg[key]
         if v < 16 or v & (v - 1):
             raise ValueError(f"{key} = {v} must be a power of two >= 16")
-    if rows < 16:
-        raise ValueError(f"BLOCK_K = {bk} gives {rows} weight rows a step; the dot needs at least 16")
+    if fmt != "int8" and cfg["BLOCK_K"] < 64:
+        raise ValueError(f"BLOCK_K = {cfg['BLOCK_K']}: 4-bit weights are read in 64-input fragment atoms; use >= 64")
     if cfg.get("SWAP_AB", 0) not in (0, 1):
         raise ValueError(f"SWAP_AB = {cfg['SWAP_AB']} must be 0 or 1")
     if cfg.get("SPLIT_K", 1) < 1:
@@ -567,7 +559,7 @@ def fused_moe_fast(x: torch.Tensor, w13: FastWeights, w2: FastWeights, topk_weig
     f = FORMATS[fmt]
     M, top_k = topk_ids.shape
     E = w13.weight.shape[0]
-    K1, I, H = w13.k(fmt), w13.n // 2, w2.n
+    K1, I, H = w13.k(fmt), w13.n(fmt) // 2, w2.n(fmt)
     if x.shape[1] != K1 or w2.k(fmt) != I:
         raise ValueError(f"x has {x.shape[1]} columns and w2 K = {w2.k(fmt)}; w13 needs K = {K1}, w2 K = I = {I}")
     g13 = K1 if group_size <= 0 else group_size

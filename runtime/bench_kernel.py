@@ -131,33 +131,34 @@ def ours(p: Problem, device):
 
 
 def _candidates(p: Problem, M: int, num_sms: int) -> list[tuple[int, list[dict], list[dict]]]:
-    """(BLOCK_M, GEMM1 configs, GEMM2 configs) to try for one (shape, M): both operand orders
-    (``SWAP_AB``), the tile widths and depths that matter at this M, split-K for GEMM2 when its
-    programs would not fill the GPU."""
+    """(BLOCK_M, GEMM1 configs, GEMM2 configs) to try for one (shape, M): the tile widths and depths
+    that matter at this M, split-K for GEMM2 when its programs would not fill the GPU, and for int8
+    both operand orders (``SWAP_AB``; 4-bit weights always multiply as the first operand)."""
     ppe = M * p.top_k / p.E
     bms = [16] if ppe <= 8 else [16, 32] if ppe <= 32 else [32, 64] if ppe <= 96 else [64, 128]
+    swaps = (0, 1) if p.fmt == "int8" else (0,)
     out = []
     for bm in bms:
         if bm <= 32:
-            if p.fmt == "mxfp4":  # BLOCK_K 64: a step's 32 byte rows are one scale group
-                tiles = [(64, 64), (128, 64), (64, 128)] + ([(32, 64)] if ppe <= 1 else [])
+            if p.fmt == "mxfp4":
+                tiles = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 64, 8)]
             else:
-                tiles = [(64, 128), (128, 128), (64, 256)] + ([(32, 128)] if ppe <= 1 else [])
-            g1 = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4, SWAP_AB=sw) for bn, bk in tiles
-                  for sw in (0, 1)]
-            g1 += [dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, SWAP_AB=sw) for sw in (0, 1)]
+                tiles = [(64, 128, 4), (128, 128, 4), (64, 256, 4), (64, 64, 4), (128, 128, 8)]
+            g1 = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=4, SWAP_AB=sw) for bn, bk, w in tiles
+                  for sw in swaps]
             blocks = min(p.E, M * p.top_k)
             g2 = []
-            for bn, bk in tiles:
-                splits = (1, 2) if blocks * math.ceil(p.H / bn) < 4 * num_sms else (1,)
-                g2 += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4, SPLIT_K=sk, SWAP_AB=sw)
-                       for sk in splits if p.I // bk >= sk for sw in (0, 1)]
+            for bn, bk, w in tiles:
+                splits = (1, 2, 4) if blocks * math.ceil(p.H / bn) < 2 * num_sms else \
+                    (1, 2) if blocks * math.ceil(p.H / bn) < 4 * num_sms else (1,)
+                g2 += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=4, SPLIT_K=sk, SWAP_AB=sw)
+                       for sk in splits if p.I // bk >= sk for sw in swaps]
             g1 = [dict(c, GROUP_M=1, SPLIT_K=1) for c in g1]
             g2 = [dict(c, GROUP_M=1) for c in g2]
         else:
             tiles = [(64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8)]
             base = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, GROUP_M=8, SPLIT_K=1, SWAP_AB=sw)
-                    for bn, bk, w in tiles for sw in (0, 1)]
+                    for bn, bk, w in tiles for sw in swaps]
             g1, g2 = base, [dict(c) for c in base]
         out.append((bm, [dict(c, BLOCK_M=bm) for c in g1], [dict(c, BLOCK_M=bm) for c in g2]))
     return out

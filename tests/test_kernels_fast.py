@@ -22,7 +22,7 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import MoeConvertError
 from moeconvert.layouts import get_layout
-from moeconvert.layouts.triton_fast import pack_half_split, unpack_half_split
+from moeconvert.layouts.triton_fast import pack_fragments, unpack_fragments
 from moeconvert.schemes import MXFP4Scheme, WNA16Scheme
 
 from interpreted import TOL, rel, result, run_child
@@ -75,13 +75,30 @@ def encoded(quant, E, H, I, dtype, bias, g, act="silu", device="cpu"):
 # 1. the layout: bytes by hand, round trip, refusals
 
 
-def test_half_split_byte_holds_k_and_k_plus_half():
-    codes = torch.randint(0, 16, (2, 3, 8), dtype=torch.uint8)
-    packed = pack_half_split(codes)
-    assert packed.shape == (2, 4, 3) and packed.dtype == torch.uint8
-    for e, r, n in [(0, 0, 0), (1, 3, 2), (0, 2, 1)]:
-        assert int(packed[e, r, n]) == int(codes[e, n, r]) | (int(codes[e, n, r + 4]) << 4)
-    assert torch.equal(unpack_half_split(packed), codes)
+def _fragment_position(n: int, k: int) -> tuple[int, int, int]:
+    """(atom row, byte within the row, nibble shift) of code (n, k), from the MMA fragment of
+    mma.m16n8k16's first operand: lane 4g + t holds rows g, g + 8 and inputs 2t, 2t+1, 2t+8, 2t+9 of
+    each 16-input step; a lane's 16 bytes are one word per step, register c = nibbles c and c + 4."""
+    row_in_atom, k_in_atom = n % 16, k % 64
+    g, h = row_in_atom % 8, row_in_atom // 8
+    kt, rest = k_in_atom // 16, k_in_atom % 16
+    kh, t, e = rest // 8, (rest % 8) // 2, rest % 2
+    nibble = (2 * kh + h) + 4 * e  # register 2kh + h, its low (e = 0) or high half
+    byte = (k // 64) * 512 + (4 * g + t) * 16 + 4 * kt + nibble // 2
+    return n // 16, byte, 4 * (nibble % 2)
+
+
+def test_fragment_bytes_hold_each_lanes_mma_operand():
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (2, 32, 128), dtype=torch.uint8, generator=g)
+    packed = pack_fragments(codes)
+    assert packed.shape == (2, 2, 1024) and packed.dtype == torch.uint8
+    for e in range(2):
+        for n in range(32):
+            for k in range(128):
+                row, byte, shift = _fragment_position(n, k)
+                assert (int(packed[e, row, byte]) >> shift) & 15 == int(codes[e, n, k]), (e, n, k)
+    assert torch.equal(unpack_fragments(packed), codes)
 
 
 @pytest.mark.parametrize("quant,bias", [("int4-sym-g32", False), ("int4-asym-g64", True), ("int8-asym-g32", False),
@@ -100,13 +117,15 @@ def test_encode_decode_round_trip_exact(quant, bias):
         assert tuple(t.shape) == tuple(plan[name].shape) and t.dtype == plan[name].dtype, name
         assert t.is_contiguous()
     assert layout.decode(tensors, shape, block.scheme).differences(layout.expected_block(block, shape)) == []
-    # positions by hand: w2 of expert 2, output channel 5, input k = 3 (and int8: the byte itself)
+    # positions by hand: w2 of expert 2, output channel 21, input k = 75 (and int8: the byte itself)
+    if quant == "mxfp4" or quant.startswith("int4"):
+        row, byte, shift = _fragment_position(21, 75)
+        nibble = (int(tensors["w2_weight"][2, row, byte]) >> shift) & 15
     if quant == "mxfp4":
-        code = lambda e, n, k: (int(block.w2[e, n, k // 2]) >> (4 * (k % 2))) & 15
-        assert int(tensors["w2_weight"][2, 3, 5]) == code(2, 5, 3) | code(2, 5, 3 + 64) << 4
+        assert nibble == (int(block.w2[2, 21, 75 // 2]) >> 4) & 15  # odd k: the high nibble of the pair
         assert int(tensors["w2_weight_scale"][2, 1, 5]) == int(block.w2_scale[2, 5, 1])
     elif quant.startswith("int4"):
-        assert int(tensors["w2_weight"][2, 3, 5]) == int(block.w2[2, 5, 3]) | int(block.w2[2, 5, 67]) << 4
+        assert nibble == int(block.w2[2, 21, 75])
     else:
         assert int(tensors["w2_weight"][2, 3, 5]) == int(block.w2[2, 5, 3])
     if "asym" in quant:
@@ -115,7 +134,7 @@ def test_encode_decode_round_trip_exact(quant, bias):
 
 @pytest.mark.parametrize("scheme,shape,needle", [
     (WNA16Scheme(4, 64, True, "bfloat16"), LayerShape(4, 256, 96), "divisible by group_size 64"),
-    (WNA16Scheme(4, -1, True, "bfloat16"), LayerShape(4, 256, 97), "must be even"),
+    (WNA16Scheme(4, -1, True, "bfloat16"), LayerShape(4, 256, 96), "multiple of 64 for int4"),
     (WNA16Scheme(4, 32, True, "bfloat16"), LayerShape(4, 256, 128, activation="gelu"), "activation = gelu"),
     (WNA16Scheme(2, 32, True, "bfloat16"), LayerShape(4, 256, 128), "bits = 2"),
     (WNA16Scheme(4, 32, True, "bfloat16"), LayerShape(2048, 256, 128), "at most 1024 experts"),
@@ -176,25 +195,29 @@ def _cases():
         configs=[CFG(BLOCK_K=128), CFG(BLOCK_K=128)])
     add("fp32-int8-sym-g32-bk64-M13", quant="int8-sym-g32", dtype="float32", M=13, configs=[CFG(), CFG()])
     add("fp32-int4-sym-g32-splitk-M13", quant="int4-sym-g32", dtype="float32", M=13,
-        configs=[CFG(GROUP_M=4, BLOCK_N=64), CFG(SPLIT_K=2, BLOCK_K=32)])
+        configs=[CFG(GROUP_M=4, BLOCK_N=64), CFG(SPLIT_K=2, BLOCK_K=64)])
     add("fp32-mxfp4-splitk-bias-M7", quant="mxfp4", dtype="float32", M=7, bias=True,
         configs=[CFG(BLOCK_M=32), CFG(BLOCK_M=32, SPLIT_K=3)])
-    # K/2 not whole groups (I = 128, H = 384 at g = 128): scales per element for the high half
+    # 4-bit scales: after the MMA (one group a step) and in the operand (two groups a step; K not
+    # whole steps: the last step's atoms and scale rows masked)
     add("fp32-int4-sym-g128-I128-M13", quant="int4-sym-g128", dtype="float32", M=13, I=128)
     add("fp16-int4-asym-g128-H384-M5", quant="int4-asym-g128", dtype="float16", M=5, H=384, I=128,
         configs=[CFG(BLOCK_K=256), CFG(BLOCK_K=128, SPLIT_K=1)])
-    # swapped operands (weights first): every format, split-K
+    add("fp16-int4-sym-g128-H384-bk256-M5", quant="int4-sym-g128", dtype="float16", M=5, H=384, I=128,
+        configs=[CFG(BLOCK_K=256), CFG(BLOCK_K=128)])
+    add("fp32-int4-sym-gch-H320-bk128-M7", quant="int4-sym-gch", dtype="float32", M=7, H=320, I=192,
+        configs=[CFG(BLOCK_K=128), CFG(BLOCK_K=128, SPLIT_K=2)])
+    add("fp32-mxfp4-H192-bk128-M7", quant="mxfp4", dtype="float32", M=7, H=192, I=320,
+        configs=[CFG(BLOCK_K=128, BLOCK_N=64), CFG(BLOCK_K=128, BLOCK_N=16)])
+    # int8 with swapped operands (weights first; 4-bit weights always multiply so), split-K
     S = lambda **kw: CFG(SWAP_AB=1, **kw)
-    add("fp32-int4-asym-g64-swap-M13", quant="int4-asym-g64", dtype="float32", M=13, configs=[S(), S()])
-    add("fp16-int4-sym-g32-swap-M13", quant="int4-sym-g32", dtype="float16", M=13, configs=[S(BLOCK_K=128), S()])
     add("fp32-int8-asym-g32-swap-M5", quant="int8-asym-g32", dtype="float32", M=5, configs=[S(), S(SPLIT_K=2)])
-    add("fp32-mxfp4-swigluoai-swap-M13", quant="mxfp4", dtype="float32", M=13, bias=True, act="swigluoai",
-        configs=[S(BLOCK_N=64), S(BLOCK_M=16, SPLIT_K=2)])
-    # the weight bytes K-contiguous (a transposed view): the kernel reads them through strides
-    add("fp32-int4-asym-g64-kmajor-M13", quant="int4-asym-g64", dtype="float32", M=13, kmajor=True)
+    add("fp16-int8-sym-g128-swap-M13", quant="int8-sym-g128", dtype="float16", M=13, I=256,
+        configs=[S(BLOCK_K=128), S()])
+    add("fp32-mxfp4-swigluoai-splitk-M13", quant="mxfp4", dtype="float32", M=13, bias=True, act="swigluoai",
+        configs=[CFG(BLOCK_N=64), CFG(BLOCK_M=16, SPLIT_K=2)])
+    # int8 bytes K-contiguous (a transposed view): the kernel reads them through strides
     add("fp16-int8-sym-g32-kmajor-M5", quant="int8-sym-g32", dtype="float16", M=5, kmajor=True)
-    add("fp32-mxfp4-swigluoai-kmajor-M7", quant="mxfp4", dtype="float32", M=7, bias=True, act="swigluoai",
-        kmajor=True, configs=[CFG(SWAP_AB=1), CFG(SPLIT_K=2)])
     # EP: rank 1 of 2 (experts 4..7 of 8), ids on both sides of the cut; with and without split-K
     add("fp32-int4-sym-g32-ep-M13", quant="int4-sym-g32", dtype="float32", M=13, offset=4, e_global=8)
     add("fp32-int4-sym-g32-ep-splitk-M13", quant="int4-sym-g32", dtype="float32", M=13, offset=4, e_global=8,
@@ -370,15 +393,19 @@ def test_runtime_runs_a_triton_fast_folder_with_our_kernel_interpreted(interpret
 
 GPU_CASES = [("int4-sym-g128", 128, 8, 2048, 768), ("int4-asym-g32", 128, 8, 2048, 768),
              ("int8-sym-g128", 128, 8, 2048, 768), ("int4-sym-gch", 128, 8, 2048, 768),
-             ("int4-sym-g128", 128, 8, 2048, 384),  # Qwen3-30B-A3B at TP 2: K/2 of w2 not whole groups
+             ("int4-sym-g128", 128, 8, 2048, 384),  # Qwen3-30B-A3B at TP 2
              ("mxfp4", 32, 4, 2880, 2880)]
+
+
+# M 1 / 64 / 1024 each; int8 also with swapped operands (4-bit weights always multiply as the first operand)
+GPU_RUNS = [(*c, M, 0) for c in GPU_CASES for M in (1, 64, 1024)] + [(*c, 64, 1) for c in GPU_CASES
+                                                                      if c[0].startswith("int8")]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("quant,E_,k,H,I", GPU_CASES, ids=[f"{c[0]}-I{c[4]}" for c in GPU_CASES])
-@pytest.mark.parametrize("M,swap", [(1, 0), (64, 0), (1024, 0), (64, 1)],
-                         ids=["M1", "M64", "M1024", "M64-weights-first"])
+@pytest.mark.parametrize("quant,E_,k,H,I,M,swap", GPU_RUNS,
+                         ids=[f"{r[0]}-I{r[4]}-M{r[5]}" + ("-weights-first" if r[6] else "") for r in GPU_RUNS])
 def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, swap):
     from moeconvert.kernels.moe_fast import fused_moe_fast, weights_from_tensors
     from moeconvert.runtime.reference import activation_fn, reference_moe

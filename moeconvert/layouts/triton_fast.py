@@ -1,30 +1,29 @@
 """``triton-fast``: moeconvert's own layout for its fused-MoE Triton kernel (kernels/moe_fast.py).
 
-Made for one wide, coalesced load per weight tile on Hopper and no register shuffle after unpacking.
-Every projection (w13: N = 2I rows [gate; up], K = H; w2: N = H, K = I) is stored K-major with the
-output channels contiguous:
+Made for Hopper's MMA with the weights as the first operand, straight from registers: every thread
+loads, with one 16-byte load, exactly the 32 codes of its MMA fragment, and the unpacked codes are
+the operand without a shuffle or a trip through shared memory. Every projection (w13: N = 2I rows
+[gate; up], K = H; w2: N = H, K = I):
 
 =========================  ===================  ==============================================
 tensor                     shape                dtype / contents
 =========================  ===================  ==============================================
-``*_weight`` int4, MXFP4   ``[E, K/2, N]``      uint8: byte (r, n) = code(n, r) | code(n, r + K/2) << 4
+``*_weight`` int4, MXFP4   ``[E, N/16, 8K]``    uint8: 16 x 64 fragment atoms (:func:`pack_fragments`)
 ``*_weight`` int8          ``[E, K, N]``        uint8: the unsigned code (q + 128)
 ``*_weight_scale``         ``[E, K/g, N]``      model dtype (WNA16), uint8 e8m0 (MXFP4, g = 32)
-``*_weight_zero_point``    ``[E, K/g, N]``      uint8, one unsigned zero point a byte (int4 asymmetric)
+``*_weight_zero_point``    ``[E, K/g, N]``      uint8, one unsigned zero point a byte (asymmetric)
 ``*_bias``                 ``[E, N]``           model dtype (layers with expert biases)
 =========================  ===================  ==============================================
 
-The 4-bit byte pairs input ``k`` with input ``k + K/2`` (a "half split", not neighbours): the two
-nibbles of a ``[BLOCK_K/2, BLOCK_N]`` byte tile are then two ready MMA operands, multiplied with the
-contiguous activation columns ``k..`` and ``K/2 + k..``. When K/2 is whole scale groups (WNA16: K a
-multiple of 2g; MXFP4: H and I multiples of 64, padded so by ``quantize``) a K step reads one row of
-scales for each half; otherwise (e.g. I = 384 at g = 128) the kernel reads a scale per element.
-w13 keeps [gate; up] rows for every activation (gpt-oss' swiglu included): the kernel reads gate
-column n and up column n + I in one program and applies the activation there.
+4-bit formats need H and I multiples of 64 (MXFP4: padded so by ``quantize``); scales stay one row
+of N per group, read as rows by the kernel. w13 keeps [gate; up] rows for every activation (gpt-oss'
+swiglu included): the kernel reads gate row n and up row n + I in one program and applies the
+activation there.
 
 WNA16 codes stay unsigned (``u = q + 2^(b-1)``); symmetric layers have no zero-point tensor (the
 kernel subtracts 8 / 128). Scales and biases are cast to the model dtype (round to nearest even);
-MXFP4 scales stay the e8m0 bytes. Version 1.
+MXFP4 scales stay the e8m0 bytes. Version 2 (version 1 stored 4-bit codes ``[E, K/2, N]``, input k
+and k + K/2 in one byte).
 """
 
 from __future__ import annotations
@@ -49,18 +48,32 @@ ACTIVATIONS = ("silu", "swigluoai")
 # bytes
 
 
-def pack_half_split(codes: torch.Tensor) -> torch.Tensor:
-    """Canonical unsigned 4-bit codes ``[E, N, K]`` -> ``[E, K/2, N]`` uint8, low nibble k, high k + K/2."""
-    K = codes.shape[-1]
-    if K % 2:
-        raise InternalError(f"half-split packing needs an even K, got {K}")
-    t = codes.to(torch.uint8).transpose(1, 2)
-    return (t[:, : K // 2] | (t[:, K // 2:] << 4)).contiguous()
+ATOM_N, ATOM_K = 16, 64  # one warp's MMA fragment rows x inputs: 32 lanes x 16 bytes
+ATOM_BYTES = ATOM_N * ATOM_K // 2
 
 
-def unpack_half_split(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_half_split`: ``[E, K/2, N]`` -> codes ``[E, N, K]`` uint8."""
-    return torch.cat([packed & 0xF, packed >> 4], dim=1).transpose(1, 2).contiguous()
+def pack_fragments(codes: torch.Tensor) -> torch.Tensor:
+    """Canonical unsigned 4-bit codes ``[E, N, K]`` -> fragment-ordered ``[E, N/16, 8K]`` uint8.
+
+    Row ``a`` holds output rows 16a..16a+15 as K/64 atoms of 512 bytes. In an atom, lane ``l = 4g + t``
+    owns bytes 16l..16l+15, four little-endian words: word ``kt``'s nibble ``i`` (bits 4i..4i+3) is the
+    code of row ``8h + g`` and input ``16kt + 8kh + 2t + e`` with ``i = 2kh + h + 4e``, i.e. the eight
+    codes of lane l's MMA fragment of one 16-input step (rows g, g + 8; inputs 2t, 2t+1, 2t+8, 2t+9)."""
+    E, N, K = codes.shape
+    if N % ATOM_N or K % ATOM_K:
+        raise InternalError(f"fragment packing needs N % {ATOM_N} == 0 and K % {ATOM_K} == 0, got N={N} K={K}")
+    c = codes.to(torch.uint8).reshape(E, N // 16, 2, 8, K // 64, 4, 2, 4, 2)  # a h g ka kt kh t e
+    c = c.permute(0, 1, 4, 3, 7, 5, 8, 6, 2)  # a ka g t kt e kh h: byte (4kt + 2e + kh), nibble h
+    return (c[..., 0] | (c[..., 1] << 4)).reshape(E, N // 16, K * 8).contiguous()
+
+
+def unpack_fragments(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_fragments`: ``[E, N/16, 8K]`` -> codes ``[E, N, K]`` uint8."""
+    E, A, B = packed.shape
+    K = B // 8
+    b = packed.reshape(E, A, K // 64, 8, 4, 4, 2, 2)  # a ka g t kt e kh
+    c = torch.stack([b & 0xF, b >> 4], dim=-1)  # ... h
+    return c.permute(0, 1, 8, 3, 2, 5, 7, 4, 6).reshape(E, A * 16, K).contiguous()
 
 
 def _swap_kn(t: torch.Tensor) -> torch.Tensor:
@@ -94,7 +107,7 @@ def _common_problems(shape: LayerShape) -> list[str]:
 @register
 class TritonFastWNA16Layout(Layout):
     name = NAME
-    version = 1
+    version = 2
     schemes = ("wna16",)
     kernel = KERNEL
 
@@ -109,18 +122,21 @@ class TritonFastWNA16Layout(Layout):
         for what, k in (("hidden_size H", H), ("intermediate_size I (per TP partition)", I)):
             if g > 0 and k % g:
                 problems.append(f"{what} = {k} must be divisible by group_size {g}")
-            elif b == 4 and k % 2:
-                problems.append(f"{what} = {k} must be even for int4: a byte pairs input k with k + K/2")
+            if b == 4 and k % ATOM_K:
+                problems.append(f"{what} = {k} must be a multiple of {ATOM_K} for int4: the weights are stored in "
+                                f"{ATOM_N} x {ATOM_K} MMA fragment atoms")
         return problems
 
     def plan(self, shape: LayerShape, scheme: Scheme) -> list[TensorSpec]:
         assert isinstance(scheme, WNA16Scheme)
         E, H, I, b = shape.num_experts, shape.hidden_size, shape.intermediate_size, scheme.bits
         dt = DTYPES[shape.dtype]
-        rows = (lambda k: k // 2) if b == 4 else (lambda k: k)
-        specs = [
-            TensorSpec("w13_weight", (E, rows(H), 2 * I), torch.uint8),
-            TensorSpec("w2_weight", (E, rows(I), H), torch.uint8),
+        if b == 4:
+            weights = [TensorSpec("w13_weight", (E, 2 * I // ATOM_N, 8 * H), torch.uint8),
+                       TensorSpec("w2_weight", (E, H // ATOM_N, 8 * I), torch.uint8)]
+        else:
+            weights = [TensorSpec("w13_weight", (E, H, 2 * I), torch.uint8), TensorSpec("w2_weight", (E, I, H), torch.uint8)]
+        specs = weights + [
             TensorSpec("w13_weight_scale", (E, scheme.groups(H), 2 * I), dt),
             TensorSpec("w2_weight_scale", (E, scheme.groups(I), H), dt),
         ]
@@ -136,7 +152,7 @@ class TritonFastWNA16Layout(Layout):
         self.require(shape, s)
         self.require_block_sizes(block, shape)
         dt = DTYPES[shape.dtype]
-        weights = pack_half_split if s.bits == 4 else _swap_kn
+        weights = pack_fragments if s.bits == 4 else _swap_kn
         out = {
             "w13_weight": weights(block.w13),
             "w2_weight": weights(block.w2),
@@ -154,7 +170,7 @@ class TritonFastWNA16Layout(Layout):
     def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:
         """Back to the canonical block; scales and biases stay in the file's (model) dtype."""
         assert isinstance(scheme, WNA16Scheme)
-        weights = unpack_half_split if scheme.bits == 4 else _swap_kn
+        weights = unpack_fragments if scheme.bits == 4 else _swap_kn
         kw = {
             "w13": weights(tensors["w13_weight"]),
             "w2": weights(tensors["w2_weight"]),
@@ -177,7 +193,7 @@ class TritonFastWNA16Layout(Layout):
 
     def layer_metadata(self, shape: LayerShape, scheme: Scheme) -> dict:
         return {"format": f"int{scheme.bits}", "w13_rows": "gate_up",
-                "packing": "half_split" if scheme.bits == 4 else "bytes"}
+                "packing": "fragments" if scheme.bits == 4 else "bytes"}
 
     def warnings(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         assert isinstance(scheme, WNA16Scheme)
@@ -190,10 +206,10 @@ class TritonFastWNA16Layout(Layout):
 @register
 class TritonFastMXFP4Layout(Layout):
     name = NAME
-    version = 1
+    version = 2
     schemes = ("mxfp4",)
     kernel = KERNEL
-    # K/2 whole 32-blocks for both GEMMs: H and I rounded up to 64 (zeros), as quantize pads
+    # whole fragment atoms for both GEMMs: H and I rounded up to 64 (zeros), as quantize pads
     pad_multiples = (64, 64)
 
     def _check(self, shape: LayerShape, scheme: Scheme) -> list[str]:
@@ -201,8 +217,8 @@ class TritonFastMXFP4Layout(Layout):
         problems = _common_problems(shape)
         for what, k in (("hidden_size H", H), ("intermediate_size I (per TP partition)", I)):
             if k % 64:
-                problems.append(f"{what} = {k} must be a multiple of 64 (padded so by quantize): a byte pairs input k "
-                                "with k + K/2, so K/2 must be whole 32-blocks")
+                problems.append(f"{what} = {k} must be a multiple of 64 (padded so by quantize): the weights are "
+                                f"stored in {ATOM_N} x {ATOM_K} MMA fragment atoms")
         if shape.dtype not in ("bfloat16", "float32"):
             problems.append(
                 f"model dtype = {shape.dtype}: MXFP4 weights are dequantized to the activation dtype, and float16 cannot "
@@ -212,8 +228,8 @@ class TritonFastMXFP4Layout(Layout):
     def plan(self, shape: LayerShape, scheme: Scheme) -> list[TensorSpec]:
         E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size
         specs = [
-            TensorSpec("w13_weight", (E, H // 2, 2 * I), torch.uint8),
-            TensorSpec("w2_weight", (E, I // 2, H), torch.uint8),
+            TensorSpec("w13_weight", (E, 2 * I // ATOM_N, 8 * H), torch.uint8),
+            TensorSpec("w2_weight", (E, H // ATOM_N, 8 * I), torch.uint8),
             TensorSpec("w13_weight_scale", (E, H // 32, 2 * I), torch.uint8),
             TensorSpec("w2_weight_scale", (E, I // 32, H), torch.uint8),
         ]
@@ -234,8 +250,8 @@ class TritonFastMXFP4Layout(Layout):
                                     f"H={H} I={I} needs {dims}")
         as_bytes = lambda t: t.view(torch.uint8) if t.dtype != torch.uint8 else t
         out = {
-            "w13_weight": pack_half_split(_packed_mxfp4_to_codes(block.w13)),
-            "w2_weight": pack_half_split(_packed_mxfp4_to_codes(block.w2)),
+            "w13_weight": pack_fragments(_packed_mxfp4_to_codes(block.w13)),
+            "w2_weight": pack_fragments(_packed_mxfp4_to_codes(block.w2)),
             "w13_weight_scale": _swap_kn(as_bytes(block.w13_scale)),
             "w2_weight_scale": _swap_kn(as_bytes(block.w2_scale)),
         }
@@ -247,8 +263,8 @@ class TritonFastMXFP4Layout(Layout):
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:
         kw = {
-            "w13": _codes_to_packed_mxfp4(unpack_half_split(tensors["w13_weight"])),
-            "w2": _codes_to_packed_mxfp4(unpack_half_split(tensors["w2_weight"])),
+            "w13": _codes_to_packed_mxfp4(unpack_fragments(tensors["w13_weight"])),
+            "w2": _codes_to_packed_mxfp4(unpack_fragments(tensors["w2_weight"])),
             "w13_scale": _swap_kn(tensors["w13_weight_scale"]),
             "w2_scale": _swap_kn(tensors["w2_weight_scale"]),
         }
@@ -263,4 +279,4 @@ class TritonFastMXFP4Layout(Layout):
         return dataclasses.replace(block, w13_bias=block.w13_bias.to(dt), w2_bias=block.w2_bias.to(dt))
 
     def layer_metadata(self, shape: LayerShape, scheme: Scheme) -> dict:
-        return {"format": "mxfp4", "w13_rows": "gate_up", "packing": "half_split"}
+        return {"format": "mxfp4", "w13_rows": "gate_up", "packing": "fragments"}
