@@ -23,10 +23,16 @@ if __name__ == "kernels":
     _path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
     _spec = importlib.machinery.PathFinder.find_spec("kernels", _path)
     if _spec is None:
-        raise ImportError("no package named 'kernels' outside the moeconvert checkout")
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules["kernels"] = _module
-    _spec.loader.exec_module(_module)
+        # none installed: leave what a namespace folder shadowing one looks like (no __file__, no
+        # version), which transformers' availability check reports as not installed
+        import types
+
+        sys.modules["kernels"] = types.ModuleType("kernels", "no package named 'kernels' is installed")
+        sys.modules["kernels"].__path__ = []
+    else:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _module
+        _spec.loader.exec_module(_module)
     # the import system returns sys.modules['kernels']: the rest of this file defines nothing it uses
 #: (layout name, scheme kind) pairs the fused MoE kernels read
 SUPPORTED = frozenset({("triton", "wna16"), ("triton-fast", "wna16"), ("triton-fast", "mxfp4")})

@@ -310,11 +310,20 @@ def _group_rows(ptrs, g_first, n_groups, offs_n, n_mask, stride_g, other, SG: tl
 
 
 @triton.jit
-def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_base, z_base, step, K, offs_n, n_mask, stride_sg,
+def _post_scale_row(s_base, step, last, offs_n, n_mask, stride_sg, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The scale row of K step ``step`` (zeros from ``last`` on), loaded a step ahead of its use: a row
+    of 2-byte scales per thread cannot go through the asynchronous copies that pipeline the tiles."""
+    row = (step * BLOCK_K) // GROUP
+    return tl.load(s_base + row * stride_sg + offs_n, mask=n_mask & (step < last), other=0.0)
+
+
+@triton.jit
+def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_base, z_base, s_post, step, K, offs_n, n_mask, stride_sg,
                stride_zg, acc, FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, FAST: tl.constexpr,
-               compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """int4 / MXFP4: acc^T [BLOCK_N, BLOCK_M] += W[n, k] @ A^T[k, m] over K step ``step``."""
+               POST: tl.constexpr, compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int4 / MXFP4: acc^T [BLOCK_N, BLOCK_M] += W[n, k] @ A^T[k, m] over K step ``step`` (``POST``: the
+    scales multiply the fp32 product, ``s_post`` the step's scale row; else the operand)."""
     KA: tl.constexpr = BLOCK_K // 64
     ok = na_ok & (step * KA + ka_rows < K // 64)
     raw = tl.load(w_ptrs + step * (KA * 512), mask=ok[:, None], other=0)
@@ -322,9 +331,8 @@ def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_base, z_base, step, K, 
     k = step * BLOCK_K + tl.arange(0, BLOCK_K)
     a = tl.load(a_rows + k[:, None], mask=(k < K)[:, None] & a_mask[None, :], other=0.0)
     n_groups = K // GROUP
-    if FMT == 0 and not HAS_ZP and GROUP % BLOCK_K == 0:  # one group a step: scale the fp32 product
-        s = tl.load(s_base + ((step * BLOCK_K) // GROUP) * stride_sg + offs_n, mask=n_mask, other=0.0)
-        acc += tl.dot(w, a, input_precision=DOT_PRECISION) * s.to(tl.float32)[:, None]
+    if POST:  # symmetric int4, one group a step: the scale multiplies the step's fp32 product
+        acc += tl.dot(w, a, input_precision=DOT_PRECISION) * s_post.to(tl.float32)[:, None]
     else:
         SG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1
         g_first = (step * BLOCK_K) // GROUP
@@ -413,14 +421,31 @@ def _moe_gemm(
         w_rows = b_base + na.to(tl.int64) * stride_bk + ka_rows * 512 + (rows % 32) * 16
         w_ptrs = w_rows[:, None] + tl.arange(0, 16)[None, :]
         up_ptrs = w_ptrs + (up_offset // 16) * stride_bk
+        # symmetric int4 with one scale group a step: the scale multiplies the step's fp32 product
+        POST: tl.constexpr = FMT == 0 and not HAS_ZP and GROUP % BLOCK_K == 0
+        s_next = tl.zeros((BLOCK_N,), s_ptr.dtype.element_ty)
+        s_next_up = s_next
+        if POST:
+            s_next = _post_scale_row(s_base, first, last, offs_n, n_mask, stride_sg, GROUP, BLOCK_K)
+            if GATED:
+                s_next_up = _post_scale_row(s_base + up_offset, first, last, offs_n, n_mask, stride_sg, GROUP,
+                                            BLOCK_K)
         for step in range(first, last):
-            acc = _frag_tile(a_rows, pair_ok, w_ptrs, ka_rows, na_ok, s_base, z_base, step, K, offs_n, n_mask,
-                             stride_sg, stride_zg, acc, FMT, GROUP, HAS_ZP, FAST, compute_type, DOT_PRECISION,
-                             BLOCK_N, BLOCK_K)
+            s_cur = s_next
+            s_cur_up = s_next_up
+            if POST:
+                s_next = _post_scale_row(s_base, step + 1, last, offs_n, n_mask, stride_sg, GROUP, BLOCK_K)
+                if GATED:
+                    s_next_up = _post_scale_row(s_base + up_offset, step + 1, last, offs_n, n_mask, stride_sg,
+                                                GROUP, BLOCK_K)
+            acc = _frag_tile(a_rows, pair_ok, w_ptrs, ka_rows, na_ok, s_base, z_base, s_cur, step, K, offs_n,
+                             n_mask, stride_sg, stride_zg, acc, FMT, GROUP, HAS_ZP, FAST, POST, compute_type,
+                             DOT_PRECISION, BLOCK_N, BLOCK_K)
             if GATED:
                 acc_up = _frag_tile(a_rows, pair_ok, up_ptrs, ka_rows, na_ok, s_base + up_offset,
-                                    z_base + up_offset, step, K, offs_n, n_mask, stride_sg, stride_zg, acc_up, FMT,
-                                    GROUP, HAS_ZP, FAST, compute_type, DOT_PRECISION, BLOCK_N, BLOCK_K)
+                                    z_base + up_offset, s_cur_up, step, K, offs_n, n_mask, stride_sg, stride_zg,
+                                    acc_up, FMT, GROUP, HAS_ZP, FAST, POST, compute_type, DOT_PRECISION, BLOCK_N,
+                                    BLOCK_K)
     if SWAPPED:  # back to [BLOCK_M, BLOCK_N] for the epilogue (one layout change a program)
         acc = tl.trans(acc)
         if GATED:

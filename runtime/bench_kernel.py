@@ -156,7 +156,7 @@ def _candidates(p: Problem, M: int, num_sms: int) -> list[tuple[int, list[dict],
             g1 = [dict(c, GROUP_M=1, SPLIT_K=1) for c in g1]
             g2 = [dict(c, GROUP_M=1) for c in g2]
         else:
-            tiles = [(64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8)]
+            tiles = [(64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (256, 64, 8)]
             base = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, GROUP_M=8, SPLIT_K=1, SWAP_AB=sw)
                     for bn, bk, w in tiles for sw in swaps]
             g1, g2 = base, [dict(c) for c in base]
