@@ -266,7 +266,7 @@ _C_ASM: tl.constexpr = tl.constexpr("=r,=r,=r,=r,r")
 
 @triton.jit
 def _unpack_fragments(raw, FMT: tl.constexpr, FAST: tl.constexpr, compute_type: tl.constexpr):
-    """Fragment bytes [R, 16] -> values [R, 16, 2] in compute_type: element (r, kt * 4 + h * 2 + e, kh)
+    """Fragment bytes [R, B] -> values [R, B, 2] in compute_type: element (r, kt * 4 + h * 2 + e, kh)
     is nibble 2 kh + h + 4 e of the row's 32-bit word kt (int4: q - 8; MXFP4: the e2m1 value)."""
     if FAST:
         if FMT == 2:
@@ -281,14 +281,15 @@ def _unpack_fragments(raw, FMT: tl.constexpr, FAST: tl.constexpr, compute_type: 
         v = tl.join(lo, hi)
     else:
         R: tl.constexpr = raw.shape[0]
-        b = raw.to(tl.int32).reshape(R, 4, 2, 2)  # word kt, byte 2 e + kh
+        B: tl.constexpr = raw.shape[1]
+        b = raw.to(tl.int32).reshape(R, B // 4, 2, 2)  # word kt, byte 2 e + kh
         c = tl.join(b & 15, b >> 4)  # [R, kt, e, kh, h]
         if FMT == 2:  # e2m1 -> fp16 bits s 000 0ee m 000000000 = value * 2^-14, exact
             h16 = (((c & 8) << 12) | ((c & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
             val = h16.to(tl.float32) * 16384.0
         else:
             val = (c - 8).to(tl.float32)
-        v = tl.permute(val, (0, 1, 4, 2, 3)).reshape(R, 16, 2).to(compute_type)
+        v = tl.permute(val, (0, 1, 4, 2, 3)).reshape(R, B, 2).to(compute_type)
     return v
 
 
@@ -299,6 +300,37 @@ def _fragment_operand(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     v = v.reshape(BLOCK_K // 64, BLOCK_N // 16, 8, 4, 4, 2, 2, 2)  # ka, na, g, t, kt, h, e, kh
     v = tl.permute(v, (1, 5, 2, 0, 4, 7, 3, 6))  # na, h, g, ka, kt, kh, t, e
     return v.reshape(BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _half_operand(v, BLOCK_N: tl.constexpr):
+    """[NA * 32, 8, 2] values of one 32-input half of an atom (its words kt = 2 half + j) -> the
+    [BLOCK_N, 32] tile: n = n_atom * 16 + h * 8 + g, k = j * 16 + kh * 8 + t * 2 + e."""
+    v = v.reshape(BLOCK_N // 16, 8, 4, 2, 2, 2, 2)  # na, g, t, j, h, e, kh
+    v = tl.permute(v, (0, 4, 1, 3, 6, 2, 5))  # na, h, g, j, kh, t, e
+    return v.reshape(BLOCK_N, 32)
+
+
+@triton.jit
+def _mx_group_dot(raw_half, a_rows, a_mask, k0, K, s, acc, FAST: tl.constexpr, compute_type: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """MXFP4, one 32-input scale group (half an atom, bytes [NA * 32, 8]): acc += (W_g @ A_g^T) * s,
+    ``s`` the rows' fp32 scales."""
+    w = _half_operand(_unpack_fragments(raw_half, 2, FAST, compute_type), BLOCK_N)
+    k = k0 + tl.arange(0, 32)
+    a = tl.load(a_rows + k[:, None], mask=(k < K)[:, None] & a_mask[None, :], other=0.0)
+    return acc + tl.dot(w, a, input_precision=DOT_PRECISION) * s[:, None]
+
+
+@triton.jit
+def _mx_atom(raw_atom, a_rows, a_mask, k0, K, s_pair, acc, FAST: tl.constexpr, compute_type: tl.constexpr,
+             DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """MXFP4, one 64-input atom column (bytes [NA * 32, 16], scales [BLOCK_N, 2]): one dot per group."""
+    R1: tl.constexpr = raw_atom.shape[0]
+    h0, h1 = tl.split(tl.permute(raw_atom.reshape(R1, 2, 8), (0, 2, 1)))  # words 0, 1 / 2, 3
+    s0, s1 = tl.split(s_pair)
+    acc = _mx_group_dot(h0, a_rows, a_mask, k0, K, s0, acc, FAST, compute_type, DOT_PRECISION, BLOCK_N)
+    return _mx_group_dot(h1, a_rows, a_mask, k0 + 32, K, s1, acc, FAST, compute_type, DOT_PRECISION, BLOCK_N)
 
 
 @triton.jit
@@ -320,13 +352,30 @@ def _post_scale_row(s_base, step, last, offs_n, n_mask, stride_sg, GROUP: tl.con
 @triton.jit
 def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_base, z_base, s_post, step, K, offs_n, n_mask, stride_sg,
                stride_zg, acc, FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, FAST: tl.constexpr,
-               POST: tl.constexpr, compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               POST: tl.constexpr, GROUP_DOTS: tl.constexpr, compute_type: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """int4 / MXFP4: acc^T [BLOCK_N, BLOCK_M] += W[n, k] @ A^T[k, m] over K step ``step`` (``POST``: the
-    scales multiply the fp32 product, ``s_post`` the step's scale row; else the operand)."""
+    scales multiply the fp32 product, ``s_post`` the step's scale row; MXFP4 with ``GROUP_DOTS``: one
+    dot per 32-input group, its scales on the fp32 product; else the scales multiply the operand)."""
     KA: tl.constexpr = BLOCK_K // 64
     ok = na_ok & (step * KA + ka_rows < K // 64)
     raw = tl.load(w_ptrs + step * (KA * 512), mask=ok[:, None], other=0)
+    if FMT == 2 and GROUP_DOTS:  # MXFP4: one dot per scale group, the scale on the fp32 product
+        tl.static_assert(BLOCK_K <= 128, "GROUP_DOTS reads one or two atom columns a step")
+        # the step's scale rows [BLOCK_N, 2 KA] (N contiguous: the pipelined async copies), 2^(S - 127)
+        S = _group_rows(s_base, (step * BLOCK_K) // 32, K // GROUP, offs_n, n_mask, stride_sg, 127, 2 * KA)
+        S = S.to(tl.int32)
+        s = tl.where(S == 0, 0x400000, S << 23).to(tl.float32, bitcast=True)
+        k0 = step * BLOCK_K
+        if KA == 1:
+            acc = _mx_atom(raw, a_rows, a_mask, k0, K, s, acc, FAST, compute_type, DOT_PRECISION, BLOCK_N)
+        else:  # rows (k atom, n atom, lane): the two atom columns, scales (k atom, group) likewise
+            R1: tl.constexpr = (BLOCK_N // 16) * 32
+            x0, x1 = tl.split(tl.permute(raw.reshape(2, R1, 16), (1, 2, 0)))
+            sa, sb = tl.split(tl.permute(s.reshape(BLOCK_N, 2, 2), (0, 2, 1)))
+            acc = _mx_atom(x0, a_rows, a_mask, k0, K, sa, acc, FAST, compute_type, DOT_PRECISION, BLOCK_N)
+            acc = _mx_atom(x1, a_rows, a_mask, k0 + 64, K, sb, acc, FAST, compute_type, DOT_PRECISION, BLOCK_N)
+        return acc
     w = _fragment_operand(_unpack_fragments(raw, FMT, FAST, compute_type), BLOCK_N, BLOCK_K)
     k = step * BLOCK_K + tl.arange(0, BLOCK_K)
     a = tl.load(a_rows + k[:, None], mask=(k < K)[:, None] & a_mask[None, :], other=0.0)
@@ -359,7 +408,7 @@ def _moe_gemm(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, A_ROW_DIV: tl.constexpr,
     ATOMIC_ROW_DIV: tl.constexpr, SPLIT_K: tl.constexpr, FAST: tl.constexpr, SWAP: tl.constexpr,
-    compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_DOTS: tl.constexpr, compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One program: BLOCK_M sorted pairs of one expert x BLOCK_N output columns x one K split.
@@ -439,13 +488,13 @@ def _moe_gemm(
                     s_next_up = _post_scale_row(s_base + up_offset, step + 1, last, offs_n, n_mask, stride_sg,
                                                 GROUP, BLOCK_K)
             acc = _frag_tile(a_rows, pair_ok, w_ptrs, ka_rows, na_ok, s_base, z_base, s_cur, step, K, offs_n,
-                             n_mask, stride_sg, stride_zg, acc, FMT, GROUP, HAS_ZP, FAST, POST, compute_type,
-                             DOT_PRECISION, BLOCK_N, BLOCK_K)
+                             n_mask, stride_sg, stride_zg, acc, FMT, GROUP, HAS_ZP, FAST, POST, GROUP_DOTS,
+                             compute_type, DOT_PRECISION, BLOCK_N, BLOCK_K)
             if GATED:
                 acc_up = _frag_tile(a_rows, pair_ok, up_ptrs, ka_rows, na_ok, s_base + up_offset,
                                     z_base + up_offset, s_cur_up, step, K, offs_n, n_mask, stride_sg, stride_zg,
-                                    acc_up, FMT, GROUP, HAS_ZP, FAST, POST, compute_type, DOT_PRECISION, BLOCK_N,
-                                    BLOCK_K)
+                                    acc_up, FMT, GROUP, HAS_ZP, FAST, POST, GROUP_DOTS, compute_type, DOT_PRECISION,
+                                    BLOCK_N, BLOCK_K)
     if SWAPPED:  # back to [BLOCK_M, BLOCK_N] for the epilogue (one layout change a program)
         acc = tl.trans(acc)
         if GATED:
@@ -546,10 +595,17 @@ def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, grou
         FMT=fmt, GROUP=group, HAS_ZP=w.zero_point is not None, HAS_BIAS=w.bias is not None,
         GATED=gated, ACT=act, MUL_ROUTED_WEIGHT=topk_weights is not None, A_ROW_DIV=a_row_div,
         ATOMIC_ROW_DIV=atomic_row_div, SPLIT_K=split, FAST=_fast(fmt, a), SWAP=bool(cfg.get("SWAP_AB", 0)),
+        GROUP_DOTS=fmt == MXFP4 and bool(cfg.get("GROUP_DOTS", group_dots_default(cfg))),
         compute_type=_TL_DTYPES[a.dtype], DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 1),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
+
+
+def group_dots_default(cfg: dict) -> int:
+    """MXFP4: one dot per scale group (its scales on the fp32 product) for narrow token blocks, where
+    the MMA waits dominate; wide blocks scale the operand (the fp32 products would cost more)."""
+    return int(cfg["BLOCK_M"] <= 32 and cfg["BLOCK_K"] <= 128)
 
 
 def check_config(cfg: dict, fmt: str) -> None:
@@ -562,6 +618,8 @@ def check_config(cfg: dict, fmt: str) -> None:
         raise ValueError(f"BLOCK_K = {cfg['BLOCK_K']}: 4-bit weights are read in 64-input fragment atoms; use >= 64")
     if cfg.get("SWAP_AB", 0) not in (0, 1):
         raise ValueError(f"SWAP_AB = {cfg['SWAP_AB']} must be 0 or 1")
+    if cfg.get("GROUP_DOTS", 0) not in (0, 1) or (cfg.get("GROUP_DOTS", 0) and cfg["BLOCK_K"] > 128):
+        raise ValueError(f"GROUP_DOTS = {cfg['GROUP_DOTS']} must be 0 or 1, and 1 needs BLOCK_K <= 128")
     if cfg.get("SPLIT_K", 1) < 1:
         raise ValueError(f"SPLIT_K = {cfg['SPLIT_K']} must be >= 1")
 

@@ -209,6 +209,9 @@ def _cases():
         configs=[CFG(BLOCK_K=128), CFG(BLOCK_K=128, SPLIT_K=2)])
     add("fp32-mxfp4-H192-bk128-M7", quant="mxfp4", dtype="float32", M=7, H=192, I=320,
         configs=[CFG(BLOCK_K=128, BLOCK_N=64), CFG(BLOCK_K=128, BLOCK_N=16)])
+    # MXFP4 scales in the operand (GROUP_DOTS = 0, the default from BLOCK_M 64 on) instead of one dot per group
+    add("fp32-mxfp4-operand-scales-M7", quant="mxfp4", dtype="float32", M=7, H=192, I=320, bias=True,
+        configs=[CFG(BLOCK_K=128, GROUP_DOTS=0), CFG(BLOCK_K=64, GROUP_DOTS=0, SPLIT_K=2)])
     # int8 with swapped operands (weights first; 4-bit weights always multiply so), split-K
     S = lambda **kw: CFG(SWAP_AB=1, **kw)
     add("fp32-int8-asym-g32-swap-M5", quant="int8-asym-g32", dtype="float32", M=5, configs=[S(), S(SPLIT_K=2)])
