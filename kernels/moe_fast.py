@@ -595,17 +595,11 @@ def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, grou
         FMT=fmt, GROUP=group, HAS_ZP=w.zero_point is not None, HAS_BIAS=w.bias is not None,
         GATED=gated, ACT=act, MUL_ROUTED_WEIGHT=topk_weights is not None, A_ROW_DIV=a_row_div,
         ATOMIC_ROW_DIV=atomic_row_div, SPLIT_K=split, FAST=_fast(fmt, a), SWAP=bool(cfg.get("SWAP_AB", 0)),
-        GROUP_DOTS=fmt == MXFP4 and bool(cfg.get("GROUP_DOTS", group_dots_default(cfg))),
+        GROUP_DOTS=fmt == MXFP4 and bool(cfg.get("GROUP_DOTS", 0)),
         compute_type=_TL_DTYPES[a.dtype], DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 1),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
-
-
-def group_dots_default(cfg: dict) -> int:
-    """MXFP4: one dot per scale group (its scales on the fp32 product) for narrow token blocks, where
-    the MMA waits dominate; wide blocks scale the operand (the fp32 products would cost more)."""
-    return int(cfg["BLOCK_M"] <= 32 and cfg["BLOCK_K"] <= 128)
 
 
 def check_config(cfg: dict, fmt: str) -> None:

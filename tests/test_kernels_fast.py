@@ -209,9 +209,11 @@ def _cases():
         configs=[CFG(BLOCK_K=128), CFG(BLOCK_K=128, SPLIT_K=2)])
     add("fp32-mxfp4-H192-bk128-M7", quant="mxfp4", dtype="float32", M=7, H=192, I=320,
         configs=[CFG(BLOCK_K=128, BLOCK_N=64), CFG(BLOCK_K=128, BLOCK_N=16)])
-    # MXFP4 scales in the operand (GROUP_DOTS = 0, the default from BLOCK_M 64 on) instead of one dot per group
-    add("fp32-mxfp4-operand-scales-M7", quant="mxfp4", dtype="float32", M=7, H=192, I=320, bias=True,
-        configs=[CFG(BLOCK_K=128, GROUP_DOTS=0), CFG(BLOCK_K=64, GROUP_DOTS=0, SPLIT_K=2)])
+    # MXFP4 with one dot per 32-input scale group (GROUP_DOTS = 1, opt-in) instead of scales in the operand
+    add("fp32-mxfp4-group-dots-M7", quant="mxfp4", dtype="float32", M=7, H=192, I=320, bias=True,
+        configs=[CFG(BLOCK_K=128, GROUP_DOTS=1), CFG(BLOCK_K=64, GROUP_DOTS=1, SPLIT_K=2)])
+    add("fp32-mxfp4-group-dots-bn64-M13", quant="mxfp4", dtype="float32", M=13, act="swigluoai",
+        configs=[CFG(BLOCK_N=64, GROUP_DOTS=1), CFG(BLOCK_N=64, BLOCK_K=128, GROUP_DOTS=1)])
     # int8 with swapped operands (weights first; 4-bit weights always multiply so), split-K
     S = lambda **kw: CFG(SWAP_AB=1, **kw)
     add("fp32-int8-asym-g32-swap-M5", quant="int8-asym-g32", dtype="float32", M=5, configs=[S(), S(SPLIT_K=2)])
@@ -400,16 +402,19 @@ GPU_CASES = [("int4-sym-g128", 128, 8, 2048, 768), ("int4-asym-g32", 128, 8, 204
              ("mxfp4", 32, 4, 2880, 2880)]
 
 
-# M 1 / 64 / 1024 each; int8 also with swapped operands (4-bit weights always multiply as the first operand)
-GPU_RUNS = [(*c, M, 0) for c in GPU_CASES for M in (1, 64, 1024)] + [(*c, 64, 1) for c in GPU_CASES
-                                                                      if c[0].startswith("int8")]
+# M 1 / 64 / 1024 each; variant 1: int8 with the weights first (4-bit weights always multiply so),
+# MXFP4 with one dot per scale group (GROUP_DOTS)
+GPU_RUNS = [(*c, M, 0) for c in GPU_CASES for M in (1, 64, 1024)]
+GPU_RUNS += [(*c, 64, 1) for c in GPU_CASES if c[0].startswith("int8")]
+GPU_RUNS += [(*c, M, 1) for c in GPU_CASES if c[0] == "mxfp4" for M in (1, 64)]
+VARIANT = {"int8-sym-g128": "-weights-first", "mxfp4": "-group-dots"}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("quant,E_,k,H,I,M,swap", GPU_RUNS,
-                         ids=[f"{r[0]}-I{r[4]}-M{r[5]}" + ("-weights-first" if r[6] else "") for r in GPU_RUNS])
-def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, swap):
+@pytest.mark.parametrize("quant,E_,k,H,I,M,variant", GPU_RUNS,
+                         ids=[f"{r[0]}-I{r[4]}-M{r[5]}" + (VARIANT[r[0]] if r[6] else "") for r in GPU_RUNS])
+def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, variant):
     from moeconvert.kernels.moe_fast import fused_moe_fast, weights_from_tensors
     from moeconvert.runtime.reference import activation_fn, reference_moe
 
@@ -426,7 +431,8 @@ def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, swap):
     group = 32 if quant == "mxfp4" else (-1 if "gch" in quant else int(quant.rsplit("-g", 1)[1]))
     from moeconvert.kernels.configs import heuristic_configs
 
-    configs = tuple(dict(c, SWAP_AB=swap) for c in heuristic_configs(fmt, E_, k, Hp, Ip, M))
+    knob = {"int8": "SWAP_AB", "mxfp4": "GROUP_DOTS"}.get(fmt)
+    configs = tuple(dict(c, **{knob: variant}) if knob else c for c in heuristic_configs(fmt, E_, k, Hp, Ip, M))
     y = fused_moe_fast(x, weights_from_tensors(tensors, "w13"), weights_from_tensors(tensors, "w2"), tw,
                        ids.to(torch.int32), fmt=fmt, group_size=group, activation=act, configs=configs)
     want = reference_moe(x.float(), ref_w, tw, ids, activation_fn(act))
