@@ -11,19 +11,20 @@ One call is four launches::
                                                              atomically added in fp32 into out[M, H]
     sum     out = y.view(M, k, H).sum(1)                     torch (split-K: the fp32 out cast once)
 
-The layout stores every weight matrix K-major with N contiguous (``[E, K/2, N]`` bytes for 4-bit
-codes, ``[E, K, N]`` for int8), so a ``[BLOCK_K, BLOCK_N]`` tile is BLOCK_K rows of BLOCK_N contiguous
-bytes; scales ``[E, K/g, N]`` likewise. 4-bit bytes pair input ``k`` (low nibble) with input
-``k + K/2`` (high nibble): the two nibbles of a byte tile are two ready ``[BLOCK_K/2, BLOCK_N]``
-operands, each multiplied with a contiguous slice of the activations (columns ``k`` and
-``K/2 + k``), so no shuffle of the unpacked codes is needed.
+4-bit weights (int4, MXFP4) are stored in MMA fragment order (``[E, N/16, 8K]``, see
+moeconvert/layouts/triton_fast.py): each thread loads, with one 16-byte load per 16 x 64 atom, the 32
+codes of its share of the MMA's first operand, and the GEMM runs swapped (``acc^T = W @ A^T``: the
+weights are the MMA's M side, straight from registers, the tokens its N side, as narrow as 16), so
+unpacking is a few ALU instructions per 32-bit word and no shuffle or shared-memory round trip.
+int8 weights stay ``[E, K, N]`` rows, dequantized in fp32 (both operand orders).
 
-Rounding: the dequantized weight is exact in fp32 and rounded once to the activation dtype before
-the dot; dots accumulate in fp32 (IEEE for fp32 activations); GEMM1's bias and activation run in
-fp32 on the fp32 accumulators, and the activation is stored in the activation dtype (as vLLM stores
-its GEMM1 output); GEMM2's bias and top-k weight are applied in fp32, each pair's output rounded to
-the activation dtype before the sum over top-k (vLLM's ``moe_sum`` path too), or kept in fp32 with
-split-K.
+Rounding: symmetric int4 with one scale group per K step and MXFP4 with GROUP_DOTS multiply the
+exact codes (q - 8, the e2m1 value) and apply the scale to the fp32 product; otherwise the weight
+(q - z) * s is rounded once to the activation dtype before the dot. Dots accumulate in fp32 (IEEE
+for fp32 activations); GEMM1's bias and activation run in fp32 on the fp32 accumulators, and the
+activation is stored in the activation dtype (as vLLM stores its GEMM1 output); GEMM2's bias and
+top-k weight are applied in fp32, each pair's output rounded to the activation dtype before the sum
+over top-k (vLLM's ``moe_sum`` path too), or kept in fp32 with split-K.
 """
 
 from __future__ import annotations
