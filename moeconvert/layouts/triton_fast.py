@@ -135,7 +135,8 @@ class TritonFastWNA16Layout(Layout):
             weights = [TensorSpec("w13_weight", (E, 2 * I // ATOM_N, 8 * H), torch.uint8),
                        TensorSpec("w2_weight", (E, H // ATOM_N, 8 * I), torch.uint8)]
         else:
-            weights = [TensorSpec("w13_weight", (E, H, 2 * I), torch.uint8), TensorSpec("w2_weight", (E, I, H), torch.uint8)]
+            weights = [TensorSpec("w13_weight", (E, H, 2 * I), torch.uint8),
+                       TensorSpec("w2_weight", (E, I, H), torch.uint8)]
         specs = weights + [
             TensorSpec("w13_weight_scale", (E, scheme.groups(H), 2 * I), dt),
             TensorSpec("w2_weight_scale", (E, scheme.groups(I), H), dt),
