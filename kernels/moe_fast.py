@@ -216,46 +216,35 @@ def _int8_tile(a_rows, a_mask, b_base, s_base, z_base, kr, kr_mask, offs_n, n_ma
 # and e1 e0 m bits placed at the bf16 positions (value * 2^-126, exact, subnormals included), one FMA
 # times 2^126 (exact). Fused in fp32 after the MMA (symmetric int4, one scale group a K step) or in the
 # operand before it: the scales and zero points.
-_I4_ASM = """{
-.reg .b32 t, one, nb;
-mov.b32 one, ONE;
-mov.b32 nb, NEGBIAS;
-lop3.b32 $0, $4, 0x000F000F, MAGIC, 0xEA;
-shr.b32 t, $4, 4;
-lop3.b32 $1, t, 0x000F000F, MAGIC, 0xEA;
-shr.b32 t, $4, 8;
-lop3.b32 $2, t, 0x000F000F, MAGIC, 0xEA;
-shr.b32 t, $4, 12;
-lop3.b32 $3, t, 0x000F000F, MAGIC, 0xEA;
-fma.rn.T $0, $0, one, nb;
-fma.rn.T $1, $1, one, nb;
-fma.rn.T $2, $2, one, nb;
-fma.rn.T $3, $3, one, nb;
-}"""
-_MX_ASM = """{
-.reg .b32 m, s, c, nz;
-mov.b32 c, 0x7E807E80;
-mov.b32 nz, 0x80008000;
-shl.b32 m, $4, 6;
-and.b32 m, m, 0x01C001C0;
-shl.b32 s, $4, 12;
-lop3.b32 $0, s, 0x80008000, m, 0xEA;
-shl.b32 m, $4, 2;
-and.b32 m, m, 0x01C001C0;
-shl.b32 s, $4, 8;
-lop3.b32 $1, s, 0x80008000, m, 0xEA;
-shr.b32 m, $4, 2;
-and.b32 m, m, 0x01C001C0;
-shl.b32 s, $4, 4;
-lop3.b32 $2, s, 0x80008000, m, 0xEA;
-shr.b32 m, $4, 6;
-and.b32 m, m, 0x01C001C0;
-lop3.b32 $3, $4, 0x80008000, m, 0xEA;
-fma.rn.bf16x2 $0, $0, c, nz;
-fma.rn.bf16x2 $1, $1, c, nz;
-fma.rn.bf16x2 $2, $2, c, nz;
-fma.rn.bf16x2 $3, $3, c, nz;
-}"""
+
+
+def _shifted(dst: str, src: str, by: int) -> tuple[list[str], str]:
+    """PTX lines putting src shifted left by ``by`` (right if negative) in dst, and the register that
+    holds it (src itself, no line, when ``by`` is 0)."""
+    if by == 0:
+        return [], src
+    return [f"shl.b32 {dst}, {src}, {by};" if by > 0 else f"shr.b32 {dst}, {src}, {-by};"], dst
+
+
+def _i4_register(c: int) -> list[str]:
+    lines, t = _shifted("t", "$4", -4 * c)
+    return lines + [f"lop3.b32 ${c}, {t}, 0x000F000F, MAGIC, 0xEA;"]
+
+
+def _mx_register(c: int) -> list[str]:
+    """e2m1 bits s e1 e0 m at 4c+3, 4c+2..4c -> bf16 bits 15, 8..6 (and 31, 24..22 for the high half)."""
+    mag, m = _shifted("m", "$4", 6 - 4 * c)
+    sign, sg = _shifted("s", "$4", 12 - 4 * c)
+    return mag + [f"and.b32 m, {m}, 0x01C001C0;"] + sign + [f"lop3.b32 ${c}, {sg}, 0x80008000, m, 0xEA;"]
+
+
+# register c of a word holds nibbles c (bits 4c..) and c + 4 (bits 16 + 4c..), one per 16-bit half
+_I4_ASM = "\n".join(["{", ".reg .b32 t, one, nb;", "mov.b32 one, ONE;", "mov.b32 nb, NEGBIAS;"]
+                     + [x for c in range(4) for x in _i4_register(c)]
+                     + [f"fma.rn.T ${c}, ${c}, one, nb;" for c in range(4)] + ["}"])
+_MX_ASM = "\n".join(["{", ".reg .b32 m, s, c, nz;", "mov.b32 c, 0x7E807E80;", "mov.b32 nz, 0x80008000;"]
+                     + [x for c in range(4) for x in _mx_register(c)]
+                     + [f"fma.rn.bf16x2 ${c}, ${c}, c, nz;" for c in range(4)] + ["}"])
 # operands: $0..$3 out (the two results' 4 x 16 bits each), $4 the 4 code bytes
 _ASM_I4_BF16 = tl.constexpr(_I4_ASM.replace("ONE", "0x3F803F80").replace("NEGBIAS", "0xC308C308")
                             .replace("MAGIC", "0x43004300").replace(".T", ".bf16x2"))

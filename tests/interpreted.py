@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,14 @@ def run_child(module_file: str, mode: str, path: Path, timeout: int) -> None:
                           timeout=timeout, cwd=REPO)
     if proc.returncode != 0:
         pytest.fail(f"interpreter child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def record(results: dict, key: str, fn, *args) -> None:
+    """In the child: ``results[key] = fn(*args)``, or its traceback (read back by :func:`result`)."""
+    try:
+        results[key] = fn(*args)
+    except Exception:
+        results[key] = {"error": traceback.format_exc()}
 
 
 def result(results: dict, key: str) -> dict:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 import zlib
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 from moeconvert.kernels import supports
 from moeconvert.kernels.align import max_padded_tokens, moe_align_block_size
 
-from interpreted import TOL, rel, result, run_child
+from interpreted import TOL, rel, record, result, run_child
 
 
 
@@ -187,15 +186,9 @@ def _child(work: Path) -> None:
     spec = json.loads((work / "spec.json").read_text())
     results = {}
     for case in DIRECT:
-        try:
-            results[case["id"]] = _run_direct(case)
-        except Exception:
-            results[case["id"]] = {"error": traceback.format_exc()}
+        record(results, case["id"], _run_direct, case)
     for name, folder in spec["loads"].items():
-        try:
-            results["load-" + name] = _run_load(folder, LOADS[name]["load"])
-        except Exception:
-            results["load-" + name] = {"error": traceback.format_exc()}
+        record(results, "load-" + name, _run_load, folder, LOADS[name]["load"])
     (work / "results.json").write_text(json.dumps(results))
 
 

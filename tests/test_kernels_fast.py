@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 import zlib
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from moeconvert.layouts import get_layout
 from moeconvert.layouts.triton_fast import pack_fragments, unpack_fragments
 from moeconvert.schemes import MXFP4Scheme, WNA16Scheme
 
-from interpreted import TOL, rel, result, run_child
+from interpreted import TOL, rel, record, result, run_child
 
 
 
@@ -336,19 +335,10 @@ def _child(work: Path) -> None:
     for case in CASES:
         if only and case["id"] not in only:
             continue
-        try:
-            results[case["id"]] = _run_case(case)
-        except Exception:
-            results[case["id"]] = {"error": traceback.format_exc()}
-    try:
-        results["align"] = _run_align()
-    except Exception:
-        results["align"] = {"error": traceback.format_exc()}
+        record(results, case["id"], _run_case, case)
+    record(results, "align", _run_align)
     for name, folder in spec["loads"].items():
-        try:
-            results["load-" + name] = _run_load(folder, LOADS[name]["load"])
-        except Exception:
-            results["load-" + name] = {"error": traceback.format_exc()}
+        record(results, "load-" + name, _run_load, folder, LOADS[name]["load"])
     (work / "results.json").write_text(json.dumps(results))
 
 
