@@ -41,6 +41,7 @@ from moeconvert.kernels.tiles import grouped_program_tile
 
 INT4, INT8, MXFP4 = 0, 1, 2
 FORMATS = {"int4": INT4, "int8": INT8, "mxfp4": MXFP4}
+_FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
 SILU, SWIGLUOAI = 0, 1
 ACTIVATIONS = {"silu": SILU, "swigluoai": SWIGLUOAI}
 ENV_PORTABLE = "MOECONVERT_PORTABLE_DEQUANT"  # set: the portable dequantization on GPUs too (to compare)
@@ -558,7 +559,7 @@ def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, grou
     for t in (w.scale, w.zero_point, w.bias, a, out):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"the kernel needs the last dimension contiguous, found strides {t.stride()}")
-    name = next(k for k, v in FORMATS.items() if v == fmt)
+    name = _FORMAT_NAMES[fmt]
     if fmt == INT8:
         if 1 not in w.weight.stride()[1:]:
             raise ValueError(f"the int8 weight bytes need N or K contiguous, found strides {w.weight.stride()}")
