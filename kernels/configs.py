@@ -2,7 +2,7 @@
 
 ``triton-fast`` (moe_fast.py): :func:`get_configs` gives the (GEMM1, GEMM2) configs of one layer call,
 keys ``BLOCK_M BLOCK_N BLOCK_K GROUP_M SPLIT_K num_warps num_stages`` (both GEMMs share BLOCK_M: they
-share one alignment; GEMM1's SPLIT_K is always 1, its epilogue needs the whole sum).
+share one alignment; a split-K GEMM1's last split of a tile sums the partials and runs the epilogue).
 
 Tables are JSON files written by ``moeconvert bench kernel --tune`` (runtime/bench_kernel.py)::
 
@@ -102,12 +102,13 @@ def heuristic_configs(fmt: str, E: int, top_k: int, H: int, I: int, M: int, num_
         c1 = dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64 if fmt == "mxfp4" else 128, GROUP_M=8, SPLIT_K=1,
                   num_warps=8 if bm >= 128 else 4, num_stages=3)
         c2 = dict(c1, BLOCK_N=64, BLOCK_K=64, num_warps=4)
-    # GEMM2 (N = H, K = I): split K when the blocks x column tiles would leave SMs idle
+    # split K when the blocks x column tiles would leave SMs idle (GEMM1: N = I, K = H; GEMM2: N = H, K = I)
     blocks = min(E, M * top_k)
-    programs = blocks * math.ceil(H / c2["BLOCK_N"])
-    if small and programs < 2 * num_sms:
-        steps = max(1, I // c2["BLOCK_K"])  # K steps of GEMM2
-        c2["SPLIT_K"] = max(1, min(8, (2 * num_sms) // max(programs, 1), steps))
+    for c, n, k, most in ((c1, I, H, 4), (c2, H, I, 8)):
+        programs = blocks * math.ceil(n / c["BLOCK_N"])
+        if small and programs < 2 * num_sms:
+            steps = max(1, k // c["BLOCK_K"])
+            c["SPLIT_K"] = max(1, min(most, (2 * num_sms) // max(programs, 1), steps))
     return c1, c2
 
 

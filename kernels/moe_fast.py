@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -91,7 +92,7 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, cursor_ptr, P, 
     tl.debug_barrier()
     for c in range(0, tl.cdiv(P, CHUNK)):
         ids, ok = _local_ids(ids_ptr, c * CHUNK + tl.arange(0, CHUNK), P, E, offset)
-        tl.atomic_add(cursor_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=ok)
+        tl.atomic_add(cursor_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=ok, sem="relaxed")
     tl.debug_barrier()
     counts = tl.load(cursor_ptr + e_offs, mask=e_ok, other=0, cache_modifier=".cg")  # atomics live in L2
     padded, end = _padded_runs(counts, BLOCK_M)
@@ -106,7 +107,7 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, cursor_ptr, P, 
     for c in range(0, tl.cdiv(P, CHUNK)):
         offs = c * CHUNK + tl.arange(0, CHUNK)
         ids, ok = _local_ids(ids_ptr, offs, P, E, offset)
-        slot = tl.atomic_add(cursor_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=ok)
+        slot = tl.atomic_add(cursor_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=ok, sem="relaxed")
         tl.store(sorted_ptr + slot, offs, mask=ok)
 
 
@@ -243,24 +244,32 @@ def _mx_register(c: int) -> list[str]:
 _I4_ASM = "\n".join(["{", ".reg .b32 t, one, nb;", "mov.b32 one, ONE;", "mov.b32 nb, NEGBIAS;"]
                      + [x for c in range(4) for x in _i4_register(c)]
                      + [f"fma.rn.T ${c}, ${c}, one, nb;" for c in range(4)] + ["}"])
-_MX_ASM = "\n".join(["{", ".reg .b32 m, s, c, nz;", "mov.b32 c, 0x7E807E80;", "mov.b32 nz, 0x80008000;"]
-                     + [x for c in range(4) for x in _mx_register(c)]
+_MX_BITS = [x for c in range(4) for x in _mx_register(c)]
+_MX_ASM = "\n".join(["{", ".reg .b32 m, s, c, nz;", "mov.b32 c, 0x7E807E80;", "mov.b32 nz, 0x80008000;"] + _MX_BITS
                      + [f"fma.rn.bf16x2 ${c}, ${c}, c, nz;" for c in range(4)] + ["}"])
+# the bits alone: value * 2^-126 (MX_FOLD: the 2^126 is folded into the scale)
+_MX_RAW_ASM = "\n".join(["{", ".reg .b32 m, s;"] + _MX_BITS + ["}"])
 # operands: $0..$3 out (the two results' 4 x 16 bits each), $4 the 4 code bytes
 _ASM_I4_BF16 = tl.constexpr(_I4_ASM.replace("ONE", "0x3F803F80").replace("NEGBIAS", "0xC308C308")
                             .replace("MAGIC", "0x43004300").replace(".T", ".bf16x2"))
 _ASM_I4_F16 = tl.constexpr(_I4_ASM.replace("ONE", "0x3C003C00").replace("NEGBIAS", "0xE408E408")
                            .replace("MAGIC", "0x64006400").replace(".T", ".f16x2"))
 _ASM_MX = tl.constexpr(_MX_ASM)
+_ASM_MX_RAW = tl.constexpr(_MX_RAW_ASM)
 _C_ASM: tl.constexpr = tl.constexpr("=r,=r,=r,=r,r")
 
 
 @triton.jit
-def _unpack_fragments(raw, FMT: tl.constexpr, FAST: tl.constexpr, compute_type: tl.constexpr):
+def _unpack_fragments(raw, FMT: tl.constexpr, FAST: tl.constexpr, compute_type: tl.constexpr,
+                      MX_RAW: tl.constexpr = False):
     """Fragment bytes [R, B] -> values [R, B, 2] in compute_type: element (r, kt * 4 + h * 2 + e, kh)
-    is nibble 2 kh + h + 4 e of the row's 32-bit word kt (int4: q - 8; MXFP4: the e2m1 value)."""
+    is nibble 2 kh + h + 4 e of the row's 32-bit word kt (int4: q - 8; MXFP4: the e2m1 value, or with
+    ``MX_RAW`` on the GPU path the value * 2^-126)."""
     if FAST:
-        if FMT == 2:
+        if FMT == 2 and MX_RAW:
+            lo, hi = tl.inline_asm_elementwise(_ASM_MX_RAW, _C_ASM, [raw], dtype=(tl.bfloat16, tl.bfloat16),
+                                               is_pure=True, pack=4)
+        elif FMT == 2:
             lo, hi = tl.inline_asm_elementwise(_ASM_MX, _C_ASM, [raw], dtype=(tl.bfloat16, tl.bfloat16),
                                                is_pure=True, pack=4)
         elif compute_type == tl.float16:
@@ -325,37 +334,34 @@ def _mx_atom(raw_atom, a_rows, a_mask, k0, K, s_pair, acc, FAST: tl.constexpr, c
 
 
 @triton.jit
-def _group_rows(ptrs, g_first, n_groups, offs_n, n_mask, stride_g, other, SG: tl.constexpr):
-    """[BLOCK_N, SG] scale / zero-point rows g_first.. of a K step (rows past the last are ``other``)."""
-    g = g_first + tl.arange(0, SG)
-    return tl.load(ptrs + g[None, :] * stride_g + offs_n[:, None], mask=n_mask[:, None] & (g < n_groups)[None, :],
-                   other=other)
+def _step_rows(base, step, last, K, offs_n, n_mask, stride_g, other, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+               SG: tl.constexpr):
+    """The [BLOCK_N, SG] scale / zero-point rows of K step ``step`` (``other`` past the last group and
+    from step ``last`` on). The K loop loads them two steps ahead of their use: a thread's share of
+    them is 1 or 2 bytes, too small for the asynchronous copies that pipeline the weight tiles, so a
+    plain load issued in the same step would stall the step for a whole memory latency."""
+    g = (step * BLOCK_K) // GROUP + tl.arange(0, SG)
+    ok = n_mask[:, None] & (g < K // GROUP)[None, :] & (step < last)
+    return tl.load(base + g[None, :] * stride_g + offs_n[:, None], mask=ok, other=other)
 
 
 @triton.jit
-def _post_scale_row(s_base, step, last, offs_n, n_mask, stride_sg, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The scale row of K step ``step`` (zeros from ``last`` on), loaded a step ahead of its use: a row
-    of 2-byte scales per thread cannot go through the asynchronous copies that pipeline the tiles."""
-    row = (step * BLOCK_K) // GROUP
-    return tl.load(s_base + row * stride_sg + offs_n, mask=n_mask & (step < last), other=0.0)
-
-
-@triton.jit
-def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_base, z_base, s_post, step, K, offs_n, n_mask, stride_sg,
-               stride_zg, acc, FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, FAST: tl.constexpr,
-               POST: tl.constexpr, GROUP_DOTS: tl.constexpr, compute_type: tl.constexpr,
+def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_tile, z_tile, step, K, acc, FMT: tl.constexpr,
+               GROUP: tl.constexpr, HAS_ZP: tl.constexpr, FAST: tl.constexpr, POST: tl.constexpr,
+               GROUP_DOTS: tl.constexpr, MX_FOLD: tl.constexpr, compute_type: tl.constexpr,
                DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """int4 / MXFP4: acc^T [BLOCK_N, BLOCK_M] += W[n, k] @ A^T[k, m] over K step ``step`` (``POST``: the
-    scales multiply the fp32 product, ``s_post`` the step's scale row; MXFP4 with ``GROUP_DOTS``: one
-    dot per 32-input group, its scales on the fp32 product; else the scales multiply the operand)."""
+    """int4 / MXFP4: acc^T [BLOCK_N, BLOCK_M] += W[n, k] @ A^T[k, m] over K step ``step``; ``s_tile`` /
+    ``z_tile`` are the step's raw scale / zero-point rows [BLOCK_N, SG] (``_step_rows``). ``POST``: the
+    scale (SG = 1) multiplies the fp32 product; MXFP4 with ``GROUP_DOTS``: one dot per 32-input group,
+    its scale on the fp32 product; else the scales multiply the operand, and MXFP4 with ``MX_FOLD``
+    (every e8m0 exponent <= 128) multiplies value * 2^-126 by 2^(S - 1)."""
     KA: tl.constexpr = BLOCK_K // 64
+    SG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1
     ok = na_ok & (step * KA + ka_rows < K // 64)
     raw = tl.load(w_ptrs + step * (KA * 512), mask=ok[:, None], other=0)
     if FMT == 2 and GROUP_DOTS:  # MXFP4: one dot per scale group, the scale on the fp32 product
         tl.static_assert(BLOCK_K <= 128, "GROUP_DOTS reads one or two atom columns a step")
-        # the step's scale rows [BLOCK_N, 2 KA] (N contiguous: the pipelined async copies), 2^(S - 127)
-        S = _group_rows(s_base, (step * BLOCK_K) // 32, K // GROUP, offs_n, n_mask, stride_sg, 127, 2 * KA)
-        S = S.to(tl.int32)
+        S = s_tile.to(tl.int32)  # [BLOCK_N, 2 KA] -> 2^(S - 127)
         s = tl.where(S == 0, 0x400000, S << 23).to(tl.float32, bitcast=True)
         k0 = step * BLOCK_K
         if KA == 1:
@@ -367,23 +373,24 @@ def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_base, z_base, s_post, s
             acc = _mx_atom(x0, a_rows, a_mask, k0, K, sa, acc, FAST, compute_type, DOT_PRECISION, BLOCK_N)
             acc = _mx_atom(x1, a_rows, a_mask, k0 + 64, K, sb, acc, FAST, compute_type, DOT_PRECISION, BLOCK_N)
         return acc
-    w = _fragment_operand(_unpack_fragments(raw, FMT, FAST, compute_type), BLOCK_N, BLOCK_K)
+    FOLD: tl.constexpr = FMT == 2 and MX_FOLD and FAST
+    w = _fragment_operand(_unpack_fragments(raw, FMT, FAST, compute_type, FOLD), BLOCK_N, BLOCK_K)
     k = step * BLOCK_K + tl.arange(0, BLOCK_K)
     a = tl.load(a_rows + k[:, None], mask=(k < K)[:, None] & a_mask[None, :], other=0.0)
-    n_groups = K // GROUP
     if POST:  # symmetric int4, one group a step: the scale multiplies the step's fp32 product
-        acc += tl.dot(w, a, input_precision=DOT_PRECISION) * s_post.to(tl.float32)[:, None]
+        s = tl.reshape(s_tile, (BLOCK_N,)).to(tl.float32)
+        acc += tl.dot(w, a, input_precision=DOT_PRECISION) * s[:, None]
     else:
-        SG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1
-        g_first = (step * BLOCK_K) // GROUP
-        if FMT == 2:  # e8m0 S -> 2^(S - 127) (S = 0: 2^-127, a subnormal; exact in bf16 and fp32)
-            S = _group_rows(s_base, g_first, n_groups, offs_n, n_mask, stride_sg, 127, SG).to(tl.int32)
+        if FOLD:  # e8m0 S -> 2^(S - 1) (bf16 bits; a normal number for S <= 128), times value * 2^-126
+            s = ((s_tile.to(tl.int16) + 126) << 7).to(tl.bfloat16, bitcast=True)
+        elif FMT == 2:  # e8m0 S -> 2^(S - 127) (S = 0: 2^-127, a subnormal; exact in bf16 and fp32)
+            S = s_tile.to(tl.int32)
             s = tl.where(S == 0, 0x400000, S << 23).to(tl.float32, bitcast=True).to(compute_type)
         else:
-            s = _group_rows(s_base, g_first, n_groups, offs_n, n_mask, stride_sg, 0.0, SG).to(compute_type)
+            s = s_tile.to(compute_type)
         s = tl.broadcast_to(s[:, :, None], (BLOCK_N, SG, BLOCK_K // SG)).reshape(BLOCK_N, BLOCK_K)
         if HAS_ZP:  # (q - 8) - (z - 8), exact in 16 bits
-            z = _group_rows(z_base, g_first, n_groups, offs_n, n_mask, stride_zg, 8, SG).to(tl.float32) - 8.0
+            z = z_tile.to(tl.float32) - 8.0
             z = tl.broadcast_to(z.to(compute_type)[:, :, None], (BLOCK_N, SG, BLOCK_K // SG)).reshape(BLOCK_N, BLOCK_K)
             w = w - z
         acc = tl.dot(w * s, a, acc=acc, input_precision=DOT_PRECISION)
@@ -393,30 +400,41 @@ def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_base, z_base, s_post, s
 @triton.jit
 def _moe_gemm(
     a_ptr, b_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, topk_weights_ptr,
-    sorted_ids_ptr, expert_ids_ptr, ntpp_ptr,
-    N, K, EM, num_pairs, up_offset, alpha, limit,
+    sorted_ids_ptr, expert_ids_ptr, ntpp_ptr, ws_ptr, tile_count_ptr,
+    N, K, EM, num_pairs, up_offset, alpha, limit, expert_offset, num_experts,
     stride_am, stride_be, stride_bk, stride_bn, stride_se, stride_sg, stride_ze, stride_zg, stride_biase, stride_cm,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, A_ROW_DIV: tl.constexpr,
     ATOMIC_ROW_DIV: tl.constexpr, SPLIT_K: tl.constexpr, FAST: tl.constexpr, SWAP: tl.constexpr,
-    GROUP_DOTS: tl.constexpr, compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_DOTS: tl.constexpr, MX_FOLD: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+    compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One program: BLOCK_M sorted pairs of one expert x BLOCK_N output columns x one K split.
 
     ``GATED``: GEMM1, columns n of the gate half and n + ``up_offset`` of the up half, the activation in
-    the epilogue; ``N`` is then I. ``ATOMIC_ROW_DIV`` > 0: split-K GEMM2, fp32 atomic adds into row
-    ``pair // ATOMIC_ROW_DIV`` (the token), which also sums over top-k. 4-bit weights are fragment
-    ordered (``stride_bk``: bytes per 16-row atom row, K * 8) and always multiply swapped; int8 weights
-    are ``[K, N]`` rows read through (``stride_bk``, ``stride_bn``), swapped if ``SWAP``."""
+    the epilogue; ``N`` is then I; with ``SPLIT_K`` > 1 each split stores its fp32 partial sums in
+    ``ws [SPLIT_K, num_pairs, 2N]`` and counts itself in ``tile_count`` (zeros), and the split that
+    counts last adds them up (in split order) and runs the epilogue. ``ATOMIC_ROW_DIV`` > 0: split-K
+    GEMM2, fp32 atomic adds into row ``pair // ATOMIC_ROW_DIV`` (the token), which also sums over
+    top-k. ``PAIR_BLOCKS``: no alignment, block ``b`` is pair ``b`` alone (``sorted_ids`` are then the
+    global top-k ids, ``EM`` = pairs x BLOCK_M; one token's pairs go to distinct experts). 4-bit weights
+    are fragment ordered (``stride_bk``: bytes per 16-row atom row, K * 8) and always multiply swapped;
+    int8 weights are ``[K, N]`` rows read through (``stride_bk``, ``stride_bn``), swapped if ``SWAP``."""
     pid_m, pid_n = grouped_program_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(ntpp_ptr):
-        return
-
-    offs_pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    if PAIR_BLOCKS:
+        expert = tl.load(sorted_ids_ptr + pid_m) - expert_offset
+        if (expert < 0) | (expert >= num_experts):  # another EP rank's expert: its row stays as it is
+            return
+        expert = expert.to(tl.int64)
+        offs_pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs).to(tl.int64)
+    else:
+        if pid_m * BLOCK_M >= tl.load(ntpp_ptr):
+            return
+        offs_pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     pair_ok = offs_pair < num_pairs
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     SWAPPED: tl.constexpr = SWAP or FMT != 1
@@ -463,37 +481,60 @@ def _moe_gemm(
         up_ptrs = w_ptrs + (up_offset // 16) * stride_bk
         # symmetric int4 with one scale group a step: the scale multiplies the step's fp32 product
         POST: tl.constexpr = FMT == 0 and not HAS_ZP and GROUP % BLOCK_K == 0
-        s_next = tl.zeros((BLOCK_N,), s_ptr.dtype.element_ty)
-        s_next_up = s_next
-        if POST:
-            s_next = _post_scale_row(s_base, first, last, offs_n, n_mask, stride_sg, GROUP, BLOCK_K)
+        SG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1
+        S_OTHER: tl.constexpr = 127 if FMT == 2 else 0  # e8m0 127 = 1.0 past the last group
+        s_up_base = s_base + up_offset
+        z_up_base = z_base + up_offset
+        # the scale (and zero-point) rows of the next step, gate and up
+        s1 = _step_rows(s_base, first, last, K, offs_n, n_mask, stride_sg, S_OTHER, GROUP, BLOCK_K, SG)
+        su1, z1, zu1 = s1, s1, s1  # placeholders where unused
+        if GATED:
+            su1 = _step_rows(s_up_base, first, last, K, offs_n, n_mask, stride_sg, S_OTHER, GROUP, BLOCK_K, SG)
+        if HAS_ZP:
+            z1 = _step_rows(z_base, first, last, K, offs_n, n_mask, stride_zg, 8, GROUP, BLOCK_K, SG)
             if GATED:
-                s_next_up = _post_scale_row(s_base + up_offset, first, last, offs_n, n_mask, stride_sg, GROUP,
-                                            BLOCK_K)
+                zu1 = _step_rows(z_up_base, first, last, K, offs_n, n_mask, stride_zg, 8, GROUP, BLOCK_K, SG)
         for step in range(first, last):
-            s_cur = s_next
-            s_cur_up = s_next_up
-            if POST:
-                s_next = _post_scale_row(s_base, step + 1, last, offs_n, n_mask, stride_sg, GROUP, BLOCK_K)
-                if GATED:
-                    s_next_up = _post_scale_row(s_base + up_offset, step + 1, last, offs_n, n_mask, stride_sg,
-                                                GROUP, BLOCK_K)
-            acc = _frag_tile(a_rows, pair_ok, w_ptrs, ka_rows, na_ok, s_base, z_base, s_cur, step, K, offs_n,
-                             n_mask, stride_sg, stride_zg, acc, FMT, GROUP, HAS_ZP, FAST, POST, GROUP_DOTS,
-                             compute_type, DOT_PRECISION, BLOCK_N, BLOCK_K)
+            s_cur = s1
+            s1 = _step_rows(s_base, step + 1, last, K, offs_n, n_mask, stride_sg, S_OTHER, GROUP, BLOCK_K, SG)
+            z_cur = z1
+            if HAS_ZP:
+                z1 = _step_rows(z_base, step + 1, last, K, offs_n, n_mask, stride_zg, 8, GROUP, BLOCK_K, SG)
+            acc = _frag_tile(a_rows, pair_ok, w_ptrs, ka_rows, na_ok, s_cur, z_cur, step, K, acc, FMT, GROUP,
+                             HAS_ZP, FAST, POST, GROUP_DOTS, MX_FOLD, compute_type, DOT_PRECISION, BLOCK_N, BLOCK_K)
             if GATED:
-                acc_up = _frag_tile(a_rows, pair_ok, up_ptrs, ka_rows, na_ok, s_base + up_offset,
-                                    z_base + up_offset, s_cur_up, step, K, offs_n, n_mask, stride_sg, stride_zg,
-                                    acc_up, FMT, GROUP, HAS_ZP, FAST, POST, GROUP_DOTS, compute_type, DOT_PRECISION,
+                su_cur = su1
+                su1 = _step_rows(s_up_base, step + 1, last, K, offs_n, n_mask, stride_sg, S_OTHER, GROUP, BLOCK_K,
+                                 SG)
+                zu_cur = zu1
+                if HAS_ZP:
+                    zu1 = _step_rows(z_up_base, step + 1, last, K, offs_n, n_mask, stride_zg, 8, GROUP, BLOCK_K, SG)
+                acc_up = _frag_tile(a_rows, pair_ok, up_ptrs, ka_rows, na_ok, su_cur, zu_cur, step, K, acc_up, FMT,
+                                    GROUP, HAS_ZP, FAST, POST, GROUP_DOTS, MX_FOLD, compute_type, DOT_PRECISION,
                                     BLOCK_N, BLOCK_K)
     if SWAPPED:  # back to [BLOCK_M, BLOCK_N] for the epilogue (one layout change a program)
         acc = tl.trans(acc)
         if GATED:
             acc_up = tl.trans(acc_up)
 
+    if GATED and SPLIT_K > 1:  # GEMM1 split over K: the last split to finish sums the partials
+        ws_rows = ws_ptr + (pid_k * num_pairs + offs_pair)[:, None] * (2 * N) + offs_n[None, :]
+        part_mask = pair_ok[:, None] & n_mask[None, :]
+        tl.store(ws_rows, acc, mask=part_mask)
+        tl.store(ws_rows + N, acc_up, mask=part_mask)
+        tl.debug_barrier()  # every thread's partials before the count (which releases them)
+        if tl.atomic_add(tile_count_ptr + tl.program_id(0), 1, sem="acq_rel") != SPLIT_K - 1:
+            return
+        acc = tl.zeros_like(acc)
+        acc_up = tl.zeros_like(acc_up)
+        for split in tl.static_range(SPLIT_K):  # in split order, whichever finished last: deterministic
+            rows = ws_ptr + (split * num_pairs + offs_pair)[:, None] * (2 * N) + offs_n[None, :]
+            acc += tl.load(rows, mask=part_mask, other=0.0, cache_modifier=".cg")
+            acc_up += tl.load(rows + N, mask=part_mask, other=0.0, cache_modifier=".cg")
+
     if HAS_BIAS:
         bias_base = bias_ptr + expert * stride_biase
-        add_bias = pid_k == 0
+        add_bias = (pid_k == 0) | GATED  # GEMM1 reaches here once a tile, GEMM2's splits each add theirs
         acc += tl.load(bias_base + offs_n, mask=n_mask & add_bias, other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc_up += tl.load(bias_base + up_offset + offs_n, mask=n_mask & add_bias, other=0.0).to(tl.float32)[None, :]
@@ -551,11 +592,51 @@ def _fast(fmt: int, a: torch.Tensor) -> bool:
     return (fmt == INT4 and a.dtype in (torch.float16, torch.bfloat16)) or (fmt == MXFP4 and a.dtype == torch.bfloat16)
 
 
+class PairBlocks(NamedTuple):
+    """The alignment of one token (``use_pair_blocks``): no launch, block b is pair b, its expert read
+    from the ids by the GEMM itself."""
+
+    ids: torch.Tensor  # [P] int32, the global top-k ids
+    num_experts: int
+    expert_offset: int
+
+
+def use_pair_blocks(M: int) -> bool:
+    """One token: its top-k pairs go to distinct experts, so one block a pair reads each expert once
+    and the align launch is saved (repeated ids would be read again, still correct)."""
+    return M == 1
+
+
+def gemm1_workspace(cfg: dict, aligned, I: int, num_pairs: int, device) -> tuple | None:
+    """(fp32 partials [SPLIT_K, P, 2I], int32 tile counters, zeroed) for a split-K GEMM1, else None."""
+    split = cfg.get("SPLIT_K", 1)
+    if split == 1:
+        return None
+    rows = aligned.ids.numel() * cfg["BLOCK_M"] if isinstance(aligned, PairBlocks) else aligned[0].numel()
+    tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(I, cfg["BLOCK_N"])
+    return (torch.empty(split * num_pairs * 2 * I, dtype=torch.float32, device=device),
+            torch.zeros(tiles, dtype=torch.int32, device=device))
+
+
 def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, group: int, gated: bool, act: int,
-                alpha: float, limit: float, a_row_div: int, atomic_row_div: int, num_pairs: int, cfg: dict):
+                alpha: float, limit: float, a_row_div: int, atomic_row_div: int, num_pairs: int, cfg: dict,
+                workspace: tuple | None = None, mx_fold: bool = False):
     """One GEMM launch over the aligned pairs (``fused_moe_fast`` makes two; ``bench kernel --tune`` times
-    them one by one). ``a_row_div``: row of ``a`` = pair // a_row_div (GEMM1 reads token rows)."""
-    sorted_ids, expert_ids, ntpp = aligned
+    them one by one). ``aligned``: align's triple or ``PairBlocks``. ``a_row_div``: row of ``a`` = pair //
+    a_row_div (GEMM1 reads token rows). ``workspace``: ``gemm1_workspace``'s, for a split-K GEMM1.
+    ``mx_fold``: every MXFP4 scale exponent is <= 128 (``mx_small_scales``)."""
+    pair_blocks = isinstance(aligned, PairBlocks)
+    if pair_blocks:
+        sorted_ids = expert_ids = ntpp = aligned.ids
+        offset, E = aligned.expert_offset, aligned.num_experts
+        EM = aligned.ids.numel() * cfg["BLOCK_M"]
+    else:
+        sorted_ids, expert_ids, ntpp = aligned
+        offset, E, EM = 0, 0, sorted_ids.numel()
+    split = cfg.get("SPLIT_K", 1)
+    if gated and split > 1 and workspace is None:
+        raise ValueError("a split-K GEMM1 needs its workspace (gemm1_workspace)")
+    ws, counts = workspace if gated and split > 1 else (w.scale, w.scale)
     for t in (w.scale, w.zero_point, w.bias, a, out):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"the kernel needs the last dimension contiguous, found strides {t.stride()}")
@@ -573,20 +654,20 @@ def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, grou
     N = Nw // 2 if gated else Nw
     z = w.zero_point if w.zero_point is not None else w.weight
     bias = w.bias if w.bias is not None else w.scale
-    EM = sorted_ids.numel()
-    bm, bn, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg.get("SPLIT_K", 1)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (triton.cdiv(EM, bm) * triton.cdiv(N, bn), split)
     _moe_gemm[grid](
         a, w.weight, w.scale, z, bias, out, topk_weights if topk_weights is not None else w.scale,
-        sorted_ids, expert_ids, ntpp,
-        N, K, EM, num_pairs, Nw // 2, alpha, limit,
+        sorted_ids, expert_ids, ntpp, ws, counts,
+        N, K, EM, num_pairs, Nw // 2, alpha, limit, offset, E,
         a.stride(0), w.weight.stride(0), stride_bk, stride_bn, w.scale.stride(0), w.scale.stride(1),
         z.stride(0) if w.zero_point is not None else 0, z.stride(1) if w.zero_point is not None else 0,
         bias.stride(0) if w.bias is not None else 0, out.stride(0),
         FMT=fmt, GROUP=group, HAS_ZP=w.zero_point is not None, HAS_BIAS=w.bias is not None,
         GATED=gated, ACT=act, MUL_ROUTED_WEIGHT=topk_weights is not None, A_ROW_DIV=a_row_div,
         ATOMIC_ROW_DIV=atomic_row_div, SPLIT_K=split, FAST=_fast(fmt, a), SWAP=bool(cfg.get("SWAP_AB", 0)),
-        GROUP_DOTS=fmt == MXFP4 and bool(cfg.get("GROUP_DOTS", 0)),
+        GROUP_DOTS=fmt == MXFP4 and bool(cfg.get("GROUP_DOTS", 0)), MX_FOLD=fmt == MXFP4 and mx_fold,
+        PAIR_BLOCKS=pair_blocks,
         compute_type=_TL_DTYPES[a.dtype], DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 1),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
@@ -612,13 +693,16 @@ def check_config(cfg: dict, fmt: str) -> None:
 def fused_moe_fast(x: torch.Tensor, w13: FastWeights, w2: FastWeights, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, *, fmt: str, group_size: int, activation: str = "silu",
                    alpha: float = 1.702, limit: float = 7.0, expert_offset: int = 0,
-                   all_ids_local: bool = True, configs: tuple[dict, dict] | None = None) -> torch.Tensor:
+                   all_ids_local: bool = True, configs: tuple[dict, dict] | None = None,
+                   mx_small_scales: bool = False) -> torch.Tensor:
     """``sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(x)`` for ``x [M, K]``, K = w13's (padded) K.
 
     ``all_ids_local``: every id is one of these E experts (no EP cut); False zero-fills the per-pair
     outputs first, so that pairs of other ranks' experts add nothing. ``group_size`` <= 0: channelwise
     scales (one group over K). ``configs``: (GEMM1, GEMM2) tile configs (same BLOCK_M), else the
-    table / defaults of configs.py. Returns ``[M, w2's N]`` in ``x.dtype``.
+    table / defaults of configs.py. ``mx_small_scales``: MXFP4 whose scales are all at most 2
+    (:func:`mx_small_scales` says; the same values, one multiply a weight less). Returns
+    ``[M, w2's N]`` in ``x.dtype``.
     """
     from moeconvert.kernels.configs import get_configs
 
@@ -637,22 +721,33 @@ def fused_moe_fast(x: torch.Tensor, w13: FastWeights, w2: FastWeights, topk_weig
         raise ValueError(f"the two GEMMs share one alignment: BLOCK_M {c1['BLOCK_M']} != {c2['BLOCK_M']}")
     act, P = ACTIVATIONS[activation], M * top_k
     x = x.contiguous()
-    aligned = align(topk_ids, c1["BLOCK_M"], E, expert_offset)
+    if use_pair_blocks(M):
+        aligned = PairBlocks(topk_ids.reshape(-1).to(torch.int32).contiguous(), E, expert_offset)
+    else:
+        aligned = align(topk_ids, c1["BLOCK_M"], E, expert_offset)
     # GEMM2 reads only the rows of aligned pairs, so a's other rows may stay unwritten
     a = torch.empty(P, I, dtype=x.dtype, device=x.device)
     launch_gemm(x, w13, a, aligned, None, fmt=f, group=g13, gated=True, act=act, alpha=alpha, limit=limit,
-                a_row_div=top_k, atomic_row_div=0, num_pairs=P, cfg=c1)
+                a_row_div=top_k, atomic_row_div=0, num_pairs=P, cfg=c1,
+                workspace=gemm1_workspace(c1, aligned, I, P, x.device), mx_fold=mx_small_scales)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     if c2.get("SPLIT_K", 1) > 1:
         out = torch.zeros(M, H, dtype=torch.float32, device=x.device)
         launch_gemm(a, w2, out, aligned, weights, fmt=f, group=g2, gated=False, act=act, alpha=alpha,
-                    limit=limit, a_row_div=1, atomic_row_div=top_k, num_pairs=P, cfg=c2)
+                    limit=limit, a_row_div=1, atomic_row_div=top_k, num_pairs=P, cfg=c2, mx_fold=mx_small_scales)
         return out.to(x.dtype)
     # pairs of other EP ranks' experts are in no block: their rows must be zeros for the sum
     y = (torch.empty if all_ids_local else torch.zeros)(P, H, dtype=x.dtype, device=x.device)
     launch_gemm(a, w2, y, aligned, weights, fmt=f, group=g2, gated=False, act=act, alpha=alpha, limit=limit,
-                a_row_div=1, atomic_row_div=0, num_pairs=P, cfg=c2)
+                a_row_div=1, atomic_row_div=0, num_pairs=P, cfg=c2, mx_fold=mx_small_scales)
     return y.view(M, top_k, H).sum(dim=1)
+
+
+def mx_small_scales(*weights: FastWeights) -> bool:
+    """Every e8m0 scale of these MXFP4 weights is at most 2 (exponent <= 128): ``fused_moe_fast`` may then
+    fold the unpacking's 2^126 into the scale (2^(S - 1) is a normal bf16 number). Reads the scales
+    back to the host: call it once per layer, outside CUDA graph capture."""
+    return all(int(w.scale.max()) <= 128 for w in weights if w.scale.numel())
 
 
 def weights_from_tensors(tensors: dict[str, torch.Tensor], which: str) -> FastWeights:
@@ -675,6 +770,14 @@ def layer_forward(x: torch.Tensor, tensors: dict[str, torch.Tensor], layer, topk
     xin = x if K == H else torch.nn.functional.pad(x, (0, K - H))
     params = e.activation_params
     kw = {k: float(params[k]) for k in ("alpha", "limit") if k in params}
+    small = False
+    if fmt == "mxfp4":  # read once per layer (a host read), never while a CUDA graph is being captured
+        state = layer.kernel_state
+        small = state.get("mx_small_scales")
+        if small is None:
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+            small = False if capturing else state.setdefault("mx_small_scales", mx_small_scales(w13, w2))
     y = fused_moe_fast(xin, w13, w2, topk_weights, topk_ids, fmt=fmt, group_size=group, activation=e.activation,
-                       expert_offset=e.expert_offset, all_ids_local=e.num_experts == e.num_experts_global, **kw)
+                       expert_offset=e.expert_offset, all_ids_local=e.num_experts == e.num_experts_global,
+                       mx_small_scales=small, **kw)
     return y[:, :H]

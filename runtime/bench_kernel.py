@@ -113,15 +113,16 @@ def _fmt(p: Problem) -> tuple[str, int]:
 
 
 def ours(p: Problem, device):
-    from moeconvert.kernels.moe_fast import fused_moe_fast, weights_from_tensors
+    from moeconvert.kernels.moe_fast import fused_moe_fast, mx_small_scales, weights_from_tensors
 
     t = random_layout_tensors("triton-fast", p, device)
     w13, w2 = weights_from_tensors(t, "w13"), weights_from_tensors(t, "w2")
     fmt, group = _fmt(p)
+    small = fmt == "mxfp4" and mx_small_scales(w13, w2)  # as the runtime's layer reads it once
 
     def run(x, tw, ids, logits, configs=None):
         return fused_moe_fast(x, w13, w2, tw, ids, fmt=fmt, group_size=group, activation=p.activation,
-                              configs=configs)
+                              configs=configs, mx_small_scales=small)
 
     return run, sum(v.numel() * v.element_size() for v in t.values()), (w13, w2)
 
@@ -132,7 +133,7 @@ def ours(p: Problem, device):
 
 def _candidates(p: Problem, M: int, num_sms: int) -> list[tuple[int, list[dict], list[dict]]]:
     """(BLOCK_M, GEMM1 configs, GEMM2 configs) to try for one (shape, M): the tile widths and depths
-    that matter at this M, split-K for GEMM2 when its programs would not fill the GPU, and for int8
+    that matter at this M, split-K for a GEMM whose programs would not fill the GPU, and for int8
     both operand orders (``SWAP_AB``; 4-bit weights always multiply as the first operand)."""
     ppe = M * p.top_k / p.E
     bms = [16] if ppe <= 8 else [16, 32] if ppe <= 32 else [32, 64] if ppe <= 96 else [64, 128]
@@ -144,17 +145,14 @@ def _candidates(p: Problem, M: int, num_sms: int) -> list[tuple[int, list[dict],
                 tiles = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 64, 8)]
             else:
                 tiles = [(64, 128, 4), (128, 128, 4), (64, 256, 4), (64, 64, 4), (128, 128, 8)]
-            g1 = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=4, SWAP_AB=sw) for bn, bk, w in tiles
-                  for sw in swaps]
             blocks = min(p.E, M * p.top_k)
-            g2 = []
+            g1, g2 = [], []
             for bn, bk, w in tiles:
-                splits = (1, 2, 4) if blocks * math.ceil(p.H / bn) < 2 * num_sms else \
-                    (1, 2) if blocks * math.ceil(p.H / bn) < 4 * num_sms else (1,)
-                g2 += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=4, SPLIT_K=sk, SWAP_AB=sw)
-                       for sk in splits if p.I // bk >= sk for sw in swaps]
-            g1 = [dict(c, GROUP_M=1, SPLIT_K=1) for c in g1]
-            g2 = [dict(c, GROUP_M=1) for c in g2]
+                for g, n, k, out_list in ((1, p.I, p.H, g1), (2, p.H, p.I, g2)):
+                    programs = blocks * math.ceil(n / bn)
+                    splits = (1, 2, 4) if programs < 2 * num_sms else (1, 2) if programs < 4 * num_sms else (1,)
+                    out_list += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=4, SPLIT_K=sk, SWAP_AB=sw,
+                                      GROUP_M=1) for sk in splits if k // bk >= sk for sw in swaps]
         else:
             tiles = [(64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (256, 64, 8)]
             base = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, GROUP_M=8, SPLIT_K=1, SWAP_AB=sw)
@@ -170,7 +168,7 @@ class StepTimer:
     alone under a CUDA graph (``graph_us``)."""
 
     def __init__(self, p: Problem, M: int, device, w13, w2, dtype=torch.bfloat16):
-        from moeconvert.kernels.moe_fast import ACTIVATIONS, FORMATS
+        from moeconvert.kernels.moe_fast import ACTIVATIONS, FORMATS, mx_small_scales
 
         self.p, self.M, self.device, self.w13, self.w2 = p, M, device, w13, w2
         self.fmt, self.group = _fmt(p)
@@ -180,22 +178,33 @@ class StepTimer:
         self.a = torch.randn(self.P, p.I, device=device, dtype=dtype) * 0.1  # GEMM2's input
         self.h = torch.empty(self.P, p.I, device=device, dtype=dtype)  # GEMM1's output
         self.weights = tw.reshape(-1).contiguous()
+        self.mx_fold = self.fmt == "mxfp4" and mx_small_scales(w13, w2)
 
     def align(self, bm: int):
-        from moeconvert.kernels.moe_fast import align
+        """(the alignment, its µs): one token's pairs need none (moe_fast.use_pair_blocks), 0 µs."""
+        from moeconvert.kernels.moe_fast import PairBlocks, align, use_pair_blocks
 
+        if use_pair_blocks(self.M):
+            return PairBlocks(self.ids.reshape(-1).contiguous(), self.p.E, 0), 0.0
         aligned = align(self.ids, bm, self.p.E)
         return aligned, graph_us(lambda: align(self.ids, bm, self.p.E), rep_ms=20)
 
-    def _launch(self, a, w, out, aligned, weights, cfg, gated, atomic_row_div):
+    def _launch(self, a, w, out, aligned, weights, cfg, gated, atomic_row_div, workspace=None):
         from moeconvert.kernels.moe_fast import launch_gemm
 
         launch_gemm(a, w, out, aligned, weights, fmt=self.f, group=self.group, gated=gated, act=self.act,
                     alpha=1.702, limit=7.0, a_row_div=self.p.top_k if gated else 1, atomic_row_div=atomic_row_div,
-                    num_pairs=self.P, cfg=cfg)
+                    num_pairs=self.P, cfg=cfg, workspace=workspace, mx_fold=self.mx_fold)
 
     def gemm1(self, cfg: dict, aligned) -> float:
-        return graph_us(lambda: self._launch(self.x, self.w13, self.h, aligned, None, cfg, True, 0), rep_ms=20)
+        """GEMM1 (split-K: with its workspace's zeroing)."""
+        from moeconvert.kernels.moe_fast import gemm1_workspace
+
+        def fn():
+            ws = gemm1_workspace(cfg, aligned, self.p.I, self.P, self.device)
+            self._launch(self.x, self.w13, self.h, aligned, None, cfg, True, 0, ws)
+
+        return graph_us(fn, rep_ms=20)
 
     def gemm2(self, cfg: dict, aligned) -> float:
         M, H, k, dt = self.M, self.p.H, self.p.top_k, self.x.dtype

@@ -37,6 +37,8 @@ class MoELayer:
         self.tp_size = tp_size
         self.act = activation_fn(entry.activation, entry.activation_params)
         self._dequantized: DequantizedExperts | None = None
+        #: what a kernel derives once from the layer's tensors and keeps with the layer (kernels/moe_fast.py)
+        self.kernel_state: dict = {}
         choice = dispatch.select(self, device, kernel)
         self.kernel, self.kernel_note = choice.kernel, choice.note
 

@@ -226,6 +226,18 @@ def _cases():
     add("fp32-int4-sym-g32-ep-M13", quant="int4-sym-g32", dtype="float32", M=13, offset=4, e_global=8)
     add("fp32-int4-sym-g32-ep-splitk-M13", quant="int4-sym-g32", dtype="float32", M=13, offset=4, e_global=8,
         configs=[CFG(), CFG(SPLIT_K=2)])
+    # GEMM1 split over K (the last split of a tile sums the partials, adds the bias once, activates)
+    add("fp32-int4-sym-g128-gemm1-splitk-bias-M13", quant="int4-sym-g128", dtype="float32", M=13, bias=True,
+        H=384, configs=[CFG(SPLIT_K=3, BLOCK_N=64, GROUP_M=4), CFG()])
+    add("fp16-int4-asym-g32-gemm1-splitk-M5", quant="int4-asym-g32", dtype="float16", M=5,
+        configs=[CFG(SPLIT_K=2, BLOCK_K=128), CFG(SPLIT_K=2)])
+    # one token: a block per pair, no align (with split-K GEMMs; EP; the same expert twice)
+    add("fp32-mxfp4-gemm1-splitk-bias-M1", quant="mxfp4", dtype="float32", M=1, bias=True, act="swigluoai",
+        configs=[CFG(SPLIT_K=4), CFG(SPLIT_K=2)])
+    add("fp32-int4-sym-g32-ep-M1", quant="int4-sym-g32", dtype="float32", M=1, offset=4, e_global=8)
+    add("fp32-int8-asym-g64-ep-splitk-M1", quant="int8-asym-g64", dtype="float32", M=1, offset=4, e_global=8,
+        configs=[CFG(SPLIT_K=2), CFG(SPLIT_K=2)])
+    add("fp16-int4-sym-g128-same-expert-twice-M1", quant="int4-sym-g128", dtype="float16", M=1, I=256, dup=True)
     return out
 
 
@@ -246,9 +258,13 @@ def _run_case(case: dict) -> dict:
             assert tensors[w].stride(1) == 1
     x = torch.randn(M, case["H"], generator=g).to(dtype)
     ids = torch.randint(0, case["e_global"], (M, TOP_K), generator=g, dtype=torch.int32)
-    if offset:  # both sides of the cut, and token 0 fully local
+    if offset and M == 1:  # one pair on each side of the cut
+        ids[0] = torch.tensor([offset + 3, 1], dtype=torch.int32)
+    elif offset:  # both sides of the cut, and token 0 fully local
         ids[0] = torch.tensor([offset, offset + 1], dtype=torch.int32)
         ids[1] = torch.tensor([0, offset + 3], dtype=torch.int32)
+    if case.get("dup"):
+        ids[0] = torch.tensor([2, 2], dtype=torch.int32)
     tw = torch.rand(M, TOP_K, generator=g)
     fmt = "mxfp4" if q == "mxfp4" else q[:4]
     group = 32 if q == "mxfp4" else WNA16Scheme(4, int(q.rsplit("-g", 1)[1]) if "gch" not in q else -1, True,
