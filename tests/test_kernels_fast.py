@@ -30,8 +30,9 @@ from interpreted import TOL, rel, record, result, run_child
 
 
 def random_block(quant: str, E: int, H: int, I: int, dtype: torch.dtype, bias: bool, g: torch.Generator,
-                 device="cpu") -> ExpertBlock:
-    """A canonical block: ``int4-sym-g32``, ``int8-asym-gch`` (channelwise), ``mxfp4``..."""
+                 device="cpu", mx_top: int = 130) -> ExpertBlock:
+    """A canonical block: ``int4-sym-g32``, ``int8-asym-g32``, ``int8-asym-gch`` (channelwise), ``mxfp4``
+    (``mx_top``: the e8m0 exponent of one large scale in each projection)..."""
     if quant == "mxfp4":
         s = MXFP4Scheme()
 
@@ -39,7 +40,7 @@ def random_block(quant: str, E: int, H: int, I: int, dtype: torch.dtype, bias: b
             codes = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
             # 2^(S-127) ~ 1/sqrt(K) keeps outputs O(1); S = 0 (2^-127) and large S occur too
             S = torch.randint(119, 125, (E, N, K // 32), generator=g).to(torch.uint8)
-            S[0, 0, 0], S[-1, -1, -1] = 0, 130
+            S[0, 0, 0], S[-1, -1, -1] = 0, mx_top
             return codes.to(device), S.to(device), None
     else:
         bits, sym, gs = int(quant[3]), "-sym-" in quant, quant.rsplit("-g", 1)[1]
@@ -60,11 +61,11 @@ def random_block(quant: str, E: int, H: int, I: int, dtype: torch.dtype, bias: b
     return ExpertBlock(s, w13, w2, s13, s2, z13, z2, b13, b2)
 
 
-def encoded(quant, E, H, I, dtype, bias, g, act="silu", device="cpu"):
+def encoded(quant, E, H, I, dtype, bias, g, act="silu", device="cpu", mx_top: int = 130):
     """(triton-fast tensors, the reference's DequantizedExperts) of one random block."""
     from moeconvert.runtime.reference import dequantize_block
 
-    block = random_block(quant, E, H, I, dtype, bias, g, device)
+    block = random_block(quant, E, H, I, dtype, bias, g, device, mx_top)
     shape = LayerShape(E, H, I, has_bias=bias, activation=act, dtype=str(dtype).removeprefix("torch."))
     tensors = get_layout("triton-fast", block.scheme.kind).encode(block, shape)
     return tensors, dequantize_block(block)
@@ -408,26 +409,34 @@ GPU_CASES = [("int4-sym-g128", 128, 8, 2048, 768), ("int4-asym-g32", 128, 8, 204
              ("mxfp4", 32, 4, 2880, 2880)]
 
 
-# M 1 / 64 / 1024 each; variant 1: int8 with the weights first (4-bit weights always multiply so),
-# MXFP4 with one dot per scale group (GROUP_DOTS)
-GPU_RUNS = [(*c, M, 0) for c in GPU_CASES for M in (1, 64, 1024)]
-GPU_RUNS += [(*c, 64, 1) for c in GPU_CASES if c[0].startswith("int8")]
-GPU_RUNS += [(*c, M, 1) for c in GPU_CASES if c[0] == "mxfp4" for M in (1, 64)]
-VARIANT = {"int8-sym-g128": "-weights-first", "mxfp4": "-group-dots"}
+# M 1 / 64 / 1024 each (M = 1: a block per pair, no align; split-K GEMM1 where the heuristic splits),
+# and variants: int8 with the weights first (4-bit weights always multiply so); MXFP4 with one dot per
+# scale group (GROUP_DOTS), and with scales <= 2 (the 2^126 folded into the scale); int4 with GEMM1
+# split in 4 at M = 64 (many tiles counting splits at once)
+GPU_RUNS = [(*c, M, "") for c in GPU_CASES for M in (1, 64, 1024)]
+GPU_RUNS += [(*c, 64, "weights-first") for c in GPU_CASES if c[0].startswith("int8")]
+GPU_RUNS += [(*c, M, v) for c in GPU_CASES if c[0] == "mxfp4" for M in (1, 64) for v in ("group-dots", "fold")]
+GPU_RUNS += [(*GPU_CASES[0], M, "gemm1-split4") for M in (64, 1024)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("quant,E_,k,H,I,M,variant", GPU_RUNS,
-                         ids=[f"{r[0]}-I{r[4]}-M{r[5]}" + (VARIANT[r[0]] if r[6] else "") for r in GPU_RUNS])
+                         ids=[f"{r[0]}-I{r[4]}-M{r[5]}" + (f"-{r[6]}" if r[6] else "") for r in GPU_RUNS])
 def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, variant):
-    from moeconvert.kernels.moe_fast import fused_moe_fast, weights_from_tensors
+    from moeconvert.kernels.configs import heuristic_configs
+    from moeconvert.kernels.moe_fast import fused_moe_fast, mx_small_scales, weights_from_tensors
     from moeconvert.runtime.reference import activation_fn, reference_moe
 
     g = torch.Generator().manual_seed(M + E_)
     act = "swigluoai" if quant == "mxfp4" else "silu"
     Hp, Ip = (-(-H // 64) * 64, -(-I // 64) * 64) if quant == "mxfp4" else (H, I)
-    tensors, ref_w = encoded(quant, E_, Hp, Ip, torch.bfloat16, quant == "mxfp4", g, act)
+    # MXFP4: one scale of 2^3 (S = 130) in each projection, no folding; "fold": 2^1 (S = 128) at most
+    tensors, ref_w = encoded(quant, E_, Hp, Ip, torch.bfloat16, quant == "mxfp4", g, act,
+                             mx_top=128 if variant == "fold" else 130)
+    small = variant == "fold"
+    if quant == "mxfp4":
+        assert mx_small_scales(weights_from_tensors(tensors, "w13"), weights_from_tensors(tensors, "w2")) == small
     tensors = {n: t.cuda() for n, t in tensors.items()}
     ref_w = type(ref_w)(*(None if t is None else t.cuda() for t in (ref_w.w13, ref_w.w2, ref_w.w13_bias, ref_w.w2_bias)))
     x = torch.randn(M, Hp, generator=g).to("cuda", torch.bfloat16)
@@ -435,12 +444,16 @@ def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, variant)
     tw, ids = torch.topk(torch.softmax(logits, -1), k)
     fmt = "mxfp4" if quant == "mxfp4" else quant[:4]
     group = 32 if quant == "mxfp4" else (-1 if "gch" in quant else int(quant.rsplit("-g", 1)[1]))
-    from moeconvert.kernels.configs import heuristic_configs
-
-    knob = {"int8": "SWAP_AB", "mxfp4": "GROUP_DOTS"}.get(fmt)
-    configs = tuple(dict(c, **{knob: variant}) if knob else c for c in heuristic_configs(fmt, E_, k, Hp, Ip, M))
+    knob = {"weights-first": ("SWAP_AB", 1, 0), "group-dots": ("GROUP_DOTS", 1, 0), "gemm1-split4": ("SPLIT_K", 4, 1)}
+    configs = list(heuristic_configs(fmt, E_, k, Hp, Ip, M))
+    if variant in knob:
+        key, value, which = knob[variant]
+        configs[which] = dict(configs[which], **{key: value})
+        if which == 0:
+            configs[1] = dict(configs[1], BLOCK_M=configs[0]["BLOCK_M"])
     y = fused_moe_fast(x, weights_from_tensors(tensors, "w13"), weights_from_tensors(tensors, "w2"), tw,
-                       ids.to(torch.int32), fmt=fmt, group_size=group, activation=act, configs=configs)
+                       ids.to(torch.int32), fmt=fmt, group_size=group, activation=act, configs=tuple(configs),
+                       mx_small_scales=small)
     want = reference_moe(x.float(), ref_w, tw, ids, activation_fn(act))
     assert y.dtype == torch.bfloat16 and y.shape == (M, Hp)
     assert rel(y, want) < TOL["bfloat16"]
