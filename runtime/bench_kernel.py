@@ -133,8 +133,9 @@ def ours(p: Problem, device):
 
 def _candidates(p: Problem, M: int, num_sms: int) -> list[tuple[int, list[dict], list[dict]]]:
     """(BLOCK_M, GEMM1 configs, GEMM2 configs) to try for one (shape, M): the tile widths and depths
-    that matter at this M, split-K for a GEMM whose programs would not fill the GPU, and for int8
-    both operand orders (``SWAP_AB``; 4-bit weights always multiply as the first operand)."""
+    that matter at this M (4 stages; 6 too for two tiles when an expert gets few pairs), split-K for a
+    GEMM whose programs would not fill the GPU, and for int8 both operand orders (``SWAP_AB``; 4-bit
+    weights always multiply as the first operand)."""
     ppe = M * p.top_k / p.E
     bms = [16] if ppe <= 8 else [16, 32] if ppe <= 32 else [32, 64] if ppe <= 96 else [64, 128]
     swaps = (0, 1) if p.fmt == "int8" else (0,)
@@ -146,12 +147,15 @@ def _candidates(p: Problem, M: int, num_sms: int) -> list[tuple[int, list[dict],
             else:
                 tiles = [(64, 128, 4), (128, 128, 4), (64, 256, 4), (64, 64, 4), (128, 128, 8)]
             blocks = min(p.E, M * p.top_k)
+            # few pairs an expert: deeper pipelines for the first two tiles too (more bytes in flight)
+            depths = [(bn, bk, w, 4) for bn, bk, w in tiles] + ([(bn, bk, w, 6) for bn, bk, w in tiles[:2]]
+                                                                 if ppe <= 8 else [])
             g1, g2 = [], []
-            for bn, bk, w in tiles:
-                for g, n, k, out_list in ((1, p.I, p.H, g1), (2, p.H, p.I, g2)):
+            for bn, bk, w, st in depths:
+                for n, k, out_list in ((p.I, p.H, g1), (p.H, p.I, g2)):
                     programs = blocks * math.ceil(n / bn)
                     splits = (1, 2, 4) if programs < 2 * num_sms else (1, 2) if programs < 4 * num_sms else (1,)
-                    out_list += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=4, SPLIT_K=sk, SWAP_AB=sw,
+                    out_list += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=sk, SWAP_AB=sw,
                                       GROUP_M=1) for sk in splits if k // bk >= sk for sw in swaps]
         else:
             tiles = [(64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (256, 64, 8)]
