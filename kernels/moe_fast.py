@@ -81,30 +81,29 @@ def _store_block_experts(expert_ids_ptr, end, e_ok, E, max_padded, BLOCK_M: tl.c
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, cursor_ptr, P, E, offset, max_padded,
-                  BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
-                  BCHUNK: tl.constexpr):
+                  BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, BCHUNK: tl.constexpr):
     """``moe_align_block_size`` (align.py has the contract) in one program: count pairs per local expert
-    (a histogram in registers), pad the counts to BLOCK_M, prefix-sum them, fill the sentinels, write
-    the expert of every block, and scatter each pair to its expert's next free slot with atomics (the
-    order of the pairs inside one expert's run is not fixed; every output row depends on its own pair
-    only)."""
+    with atomics, pad the counts to BLOCK_M, prefix-sum them, fill the sentinels, write the expert of
+    every block, and scatter each pair to its expert's next free slot (the order of the pairs inside
+    one expert's run is not fixed; every output row depends on its own pair only)."""
     e_offs = tl.arange(0, E_P2)
     e_ok = e_offs < E
-    counts = tl.zeros((E_P2,), tl.int32)
+    tl.store(cursor_ptr + e_offs, tl.zeros((E_P2,), tl.int32), mask=e_ok)
+    tl.debug_barrier()
     for c in range(0, tl.cdiv(P, CHUNK)):
         ids, ok = _local_ids(ids_ptr, c * CHUNK + tl.arange(0, CHUNK), P, E, offset)
-        # 2 E_P2 bins, other ranks' pairs in the last one; the first E_P2 are the experts
-        both = tl.histogram(tl.where(ok, ids, 2 * E_P2 - 1), 2 * E_P2)
-        mine, _ = tl.split(tl.permute(tl.reshape(both, (2, E_P2)), (1, 0)))
-        counts += mine
+        tl.atomic_add(cursor_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=ok, sem="relaxed")
+    tl.debug_barrier()
+    counts = tl.load(cursor_ptr + e_offs, mask=e_ok, other=0, cache_modifier=".cg")  # atomics live in L2
     padded, end = _padded_runs(counts, BLOCK_M)
     tl.store(ntpp_ptr, tl.sum(padded, 0))
+    tl.debug_barrier()
     tl.store(cursor_ptr + e_offs, end - padded, mask=e_ok)
-    for c in range(0, tl.cdiv(max_padded, FILL)):
-        offs = c * FILL + tl.arange(0, FILL)
-        tl.store(sorted_ptr + offs, tl.full((FILL,), 0, tl.int32) + P, mask=offs < max_padded)
+    for c in range(0, tl.cdiv(max_padded, CHUNK)):
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + offs, tl.full((CHUNK,), 0, tl.int32) + P, mask=offs < max_padded)
     _store_block_experts(expert_ids_ptr, end, e_ok, E, max_padded, BLOCK_M, BCHUNK)
-    tl.debug_barrier()  # the cursors and the sentinels before the scatter
+    tl.debug_barrier()
     for c in range(0, tl.cdiv(P, CHUNK)):
         offs = c * CHUNK + tl.arange(0, CHUNK)
         ids, ok = _local_ids(ids_ptr, offs, P, E, offset)
@@ -158,7 +157,7 @@ def align(topk_ids: torch.Tensor, block_m: int, num_experts: int, expert_offset:
         sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
         cursor = torch.empty(e_p2, dtype=torch.int32, device=dev)
         _align_kernel[(1,)](ids, sorted_ids, expert_ids, ntpp, cursor, P, E, expert_offset, max_padded,
-                            BLOCK_M=block_m, E_P2=e_p2, CHUNK=256, FILL=2048, BCHUNK=bchunk, num_warps=4)
+                            BLOCK_M=block_m, E_P2=e_p2, CHUNK=256, BCHUNK=bchunk, num_warps=4)
         return sorted_ids, expert_ids, ntpp
     sorted_ids = torch.full((max_padded,), P, dtype=torch.int32, device=dev)
     counts = torch.zeros(e_p2, dtype=torch.int32, device=dev)

@@ -412,11 +412,12 @@ GPU_CASES = [("int4-sym-g128", 128, 8, 2048, 768), ("int4-asym-g32", 128, 8, 204
 # M 1 / 64 / 1024 each (M = 1: a block per pair, no align; split-K GEMM1 where the heuristic splits),
 # and variants: int8 with the weights first (4-bit weights always multiply so); MXFP4 with one dot per
 # scale group (GROUP_DOTS), and with scales <= 2 (the 2^126 folded into the scale); int4 with GEMM1
-# split in 4 at M = 64 (many tiles counting splits at once)
+# split in 4 at M = 64 (many tiles counting splits at once); both GEMMs split at M = 1
 GPU_RUNS = [(*c, M, "") for c in GPU_CASES for M in (1, 64, 1024)]
 GPU_RUNS += [(*c, 64, "weights-first") for c in GPU_CASES if c[0].startswith("int8")]
 GPU_RUNS += [(*c, M, v) for c in GPU_CASES if c[0] == "mxfp4" for M in (1, 64) for v in ("group-dots", "fold")]
 GPU_RUNS += [(*GPU_CASES[0], M, "gemm1-split4") for M in (64, 1024)]
+GPU_RUNS += [(*c, 1, "both-split") for c in (GPU_CASES[0], GPU_CASES[-1])]  # one zeroed buffer for both
 
 
 @pytest.mark.gpu
@@ -449,8 +450,8 @@ def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, variant)
     if variant in knob:
         key, value, which = knob[variant]
         configs[which] = dict(configs[which], **{key: value})
-        if which == 0:
-            configs[1] = dict(configs[1], BLOCK_M=configs[0]["BLOCK_M"])
+    elif variant == "both-split":
+        configs = [dict(configs[0], SPLIT_K=4), dict(configs[1], SPLIT_K=2)]
     y = fused_moe_fast(x, weights_from_tensors(tensors, "w13"), weights_from_tensors(tensors, "w2"), tw,
                        ids.to(torch.int32), fmt=fmt, group_size=group, activation=act, configs=tuple(configs),
                        mx_small_scales=small)
