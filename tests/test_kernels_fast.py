@@ -169,6 +169,25 @@ def test_configs_lookup_picks_the_nearest_m(tmp_path, monkeypatch):
     assert got is not None and got[0]["BLOCK_M"] in (16, 32, 64, 128)
 
 
+def test_programmatic_dependent_launch_only_where_it_measured_faster(monkeypatch):
+    pytest.importorskip("triton")
+    from moeconvert.kernels import moe_fast as mf
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(mf.ENV_NO_PDL, raising=False)
+    monkeypatch.setattr(mf, "_capability", lambda index: 9)  # a Hopper GPU, without one here
+    cuda = torch.device("cuda", 0)
+    have = mf.gdc_wait is not None  # this Triton has the grid dependency control instructions
+    assert mf._pdl(cuda) == {"PDL": have, "launch_pdl": have}
+    assert mf._pdl(cuda, wanted=False) == {"PDL": False, "launch_pdl": False}  # one token's GEMMs
+    assert not mf._pdl(torch.device("cpu"))["launch_pdl"]
+    monkeypatch.setattr(mf, "_capability", lambda index: 8)
+    assert not mf._pdl(cuda)["launch_pdl"]
+    monkeypatch.setattr(mf, "_capability", lambda index: 9)
+    monkeypatch.setenv(mf.ENV_NO_PDL, "1")
+    assert not mf._pdl(cuda)["launch_pdl"]
+
+
 # ---------------------------------------------------------------------------------------------------
 # 2. the kernel, direct calls (child process under the interpreter)
 
