@@ -9,6 +9,7 @@ tests) in fp16/fp32; bf16 on realistic shapes is the GPU test (``-m gpu``).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -458,7 +459,8 @@ def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, variant)
     if quant == "mxfp4":
         assert mx_small_scales(weights_from_tensors(tensors, "w13"), weights_from_tensors(tensors, "w2")) == small
     tensors = {n: t.cuda() for n, t in tensors.items()}
-    ref_w = type(ref_w)(*(None if t is None else t.cuda() for t in (ref_w.w13, ref_w.w2, ref_w.w13_bias, ref_w.w2_bias)))
+    ref_w = type(ref_w)(*(None if t is None else t.cuda()
+                          for t in (ref_w.w13, ref_w.w2, ref_w.w13_bias, ref_w.w2_bias)))
     x = torch.randn(M, Hp, generator=g).to("cuda", torch.bfloat16)
     logits = torch.randn(M, E_, generator=g).cuda()
     tw, ids = torch.topk(torch.softmax(logits, -1), k)
@@ -476,6 +478,56 @@ def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, variant)
                        mx_small_scales=small)
     want = reference_moe(x.float(), ref_w, tw, ids, activation_fn(act))
     assert y.dtype == torch.bfloat16 and y.shape == (M, Hp)
+    assert rel(y, want) < TOL["bfloat16"]
+
+
+def _shipped_h200_runs() -> list[tuple[str, str]]:
+    from moeconvert.runtime.bench_kernel import SHAPES
+
+    return [(name, M) for name in SHAPES for M in ("1", "16", "64", "256", "4096")]
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped_shape_weights(name: str):
+    """8 experts of a bench shape (its H, I, format), encoded, on the GPU, with the reference's weights."""
+    from moeconvert.runtime.bench_kernel import SHAPES
+
+    _, _, H, I, f = SHAPES[name]
+    quant = "mxfp4" if f == "mxfp4" else "int4-sym-g128"
+    Hp, Ip = (-(-H // 64) * 64, -(-I // 64) * 64)
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    tensors, ref_w = encoded(quant, 8, Hp, Ip, torch.bfloat16, f == "mxfp4", g,
+                             "swigluoai" if f == "mxfp4" else "silu", mx_top=128)
+    tensors = {n: t.cuda() for n, t in tensors.items()}
+    ref_w = type(ref_w)(*(None if t is None else t.cuda()
+                          for t in (ref_w.w13, ref_w.w2, ref_w.w13_bias, ref_w.w2_bias)))
+    return tensors, ref_w, Hp
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name,M", _shipped_h200_runs(), ids=[f"{n}-M{m}" for n, m in _shipped_h200_runs()])
+def test_every_shipped_h200_config_matches_the_reference_gpu(name, M):
+    """The configs of kernels/tuned/nvidia-h200.json (the tuner times them, it does not check them),
+    each on 8 experts of its shape with real H and I, against the reference."""
+    from moeconvert.kernels import configs
+    from moeconvert.kernels.moe_fast import fused_moe_fast, weights_from_tensors
+    from moeconvert.runtime.bench_kernel import SHAPES
+    from moeconvert.runtime.reference import activation_fn, reference_moe
+
+    E, k, H, I, f = SHAPES[name]
+    fmt, group = ("mxfp4", 32) if f == "mxfp4" else ("int4", 128)
+    table = json.loads((Path(configs.SHIPPED) / "nvidia-h200.json").read_text())["entries"]
+    c1, c2 = table[configs.entry_key(fmt, group, E, k, H, I)][M]
+    tensors, ref_w, Hp = _shipped_shape_weights(name)
+    g = torch.Generator().manual_seed(int(M))
+    x = torch.randn(int(M), Hp, generator=g).to("cuda", torch.bfloat16)
+    tw, ids = torch.topk(torch.softmax(torch.randn(int(M), 8, generator=g), -1), min(k, 8))
+    act = "swigluoai" if f == "mxfp4" else "silu"
+    y = fused_moe_fast(x, weights_from_tensors(tensors, "w13"), weights_from_tensors(tensors, "w2"), tw.cuda(),
+                       ids.to("cuda", torch.int32), fmt=fmt, group_size=group, activation=act, configs=(c1, c2),
+                       mx_small_scales=f == "mxfp4")
+    want = reference_moe(x.float(), ref_w, tw.cuda(), ids.cuda(), activation_fn(act))
     assert rel(y, want) < TOL["bfloat16"]
 
 
