@@ -378,7 +378,7 @@ def _mx_atom(raw_atom, a_rows, a_mask, k0, K, s_pair, acc, FAST: tl.constexpr, c
 def _step_rows(base, step, last, K, offs_n, n_mask, stride_g, other, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
                SG: tl.constexpr):
     """The [BLOCK_N, SG] scale / zero-point rows of K step ``step`` (``other`` past the last group and
-    from step ``last`` on). The K loop loads them two steps ahead of their use: a thread's share of
+    from step ``last`` on). The K loop loads them one step ahead of their use: a thread's share of
     them is 1 or 2 bytes, too small for the asynchronous copies that pipeline the weight tiles, so a
     plain load issued in the same step would stall the step for a whole memory latency."""
     g = (step * BLOCK_K) // GROUP + tl.arange(0, SG)
@@ -650,10 +650,14 @@ def use_pair_blocks(M: int) -> bool:
     return M == 1
 
 
+def _aligned_rows(aligned, block_m: int) -> int:
+    """Rows of the sorted pair buffer the GEMM grid walks (``EM``): one block a pair for PairBlocks."""
+    return aligned.ids.numel() * block_m if isinstance(aligned, PairBlocks) else aligned[0].numel()
+
+
 def gemm1_tiles(cfg: dict, aligned, I: int) -> int:
     """GEMM1's (row block, column block) tiles: the counters a split-K GEMM1 needs."""
-    rows = aligned.ids.numel() * cfg["BLOCK_M"] if isinstance(aligned, PairBlocks) else aligned[0].numel()
-    return triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(I, cfg["BLOCK_N"])
+    return triton.cdiv(_aligned_rows(aligned, cfg["BLOCK_M"]), cfg["BLOCK_M"]) * triton.cdiv(I, cfg["BLOCK_N"])
 
 
 def gemm1_workspace(cfg: dict, aligned, I: int, num_pairs: int, device, counters=None) -> tuple | None:
@@ -678,10 +682,10 @@ def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, grou
     if pair_blocks:
         sorted_ids = expert_ids = ntpp = aligned.ids
         offset, E = aligned.expert_offset, aligned.num_experts
-        EM = aligned.ids.numel() * cfg["BLOCK_M"]
     else:
         sorted_ids, expert_ids, ntpp = aligned
-        offset, E, EM = 0, 0, sorted_ids.numel()
+        offset, E = 0, 0
+    EM = _aligned_rows(aligned, cfg["BLOCK_M"])
     split = cfg.get("SPLIT_K", 1)
     if gated and split > 1 and workspace is None:
         raise ValueError("a split-K GEMM1 needs its workspace (gemm1_workspace)")
