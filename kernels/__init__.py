@@ -4,7 +4,8 @@
 the runtime calls. Triton itself is imported on the first ``fused_moe`` call, so that loading a folder
 does not pay for it and ``TRITON_INTERPRET`` is read when the kernels are defined.
 
-* ``triton-fast`` layouts (WNA16 int4/int8, MXFP4): kernels/moe_fast.py, tuned tiles (configs.py);
+* ``triton-fast`` layouts (WNA16 int4/int8, MXFP4): adapter.py -> moe_fast.py (one layer call: align.py,
+  gemm.py with dequant.py, pdl.py), tuned tiles (configs.py);
 * the WNA16 ``triton`` layout (vLLM's own Triton layout): kernels/moe_wna16.py.
 """
 
@@ -46,7 +47,7 @@ def fused_moe(x, tensors, layer, topk_weights, topk_ids):
     """Routed experts' output ``[M, H]`` in ``x.dtype`` for ``x [M, H]`` and global ``topk_ids [M, k]``."""
     # a submodule named fused_moe would replace this function on the package once imported
     if layer.entry.layout.name == "triton-fast":
-        from moeconvert.kernels.moe_fast import layer_forward
+        from moeconvert.kernels.adapter import layer_forward
     else:
         from moeconvert.kernels.moe_wna16 import fused_moe as layer_forward
 

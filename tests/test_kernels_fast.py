@@ -1,4 +1,4 @@
-"""The ``triton-fast`` layouts and their fused MoE kernel (kernels/moe_fast.py).
+"""The ``triton-fast`` layouts and their fused MoE kernel (kernels/moe_fast.py and the modules it launches).
 
 Weights are random canonical blocks (codes, scales, zero points, biases) encoded by the real
 ``triton-fast`` layout; the reference is ``runtime/reference.py``'s ``reference_moe`` on the same
@@ -172,21 +172,21 @@ def test_configs_lookup_picks_the_nearest_m(tmp_path, monkeypatch):
 
 def test_programmatic_dependent_launch_only_where_it_measured_faster(monkeypatch):
     pytest.importorskip("triton")
-    from moeconvert.kernels import moe_fast as mf
+    from moeconvert.kernels import pdl
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv(mf.ENV_NO_PDL, raising=False)
-    monkeypatch.setattr(mf, "_capability", lambda index: 9)  # a Hopper GPU, without one here
+    monkeypatch.delenv(pdl.ENV_NO_PDL, raising=False)
+    monkeypatch.setattr(pdl, "_capability", lambda index: 9)  # a Hopper GPU, without one here
     cuda = torch.device("cuda", 0)
-    have = mf.gdc_wait is not None  # this Triton has the grid dependency control instructions
-    assert mf._pdl(cuda) == {"PDL": have, "launch_pdl": have}
-    assert mf._pdl(cuda, wanted=False) == {"PDL": False, "launch_pdl": False}  # one token's GEMMs
-    assert not mf._pdl(torch.device("cpu"))["launch_pdl"]
-    monkeypatch.setattr(mf, "_capability", lambda index: 8)
-    assert not mf._pdl(cuda)["launch_pdl"]
-    monkeypatch.setattr(mf, "_capability", lambda index: 9)
-    monkeypatch.setenv(mf.ENV_NO_PDL, "1")
-    assert not mf._pdl(cuda)["launch_pdl"]
+    have = pdl.gdc_wait is not None  # this Triton has the grid dependency control instructions
+    assert pdl.launch_options(cuda) == {"PDL": have, "launch_pdl": have}
+    assert pdl.launch_options(cuda, wanted=False) == {"PDL": False, "launch_pdl": False}  # one token's GEMMs
+    assert not pdl.launch_options(torch.device("cpu"))["launch_pdl"]
+    monkeypatch.setattr(pdl, "_capability", lambda index: 8)
+    assert not pdl.launch_options(cuda)["launch_pdl"]
+    monkeypatch.setattr(pdl, "_capability", lambda index: 9)
+    monkeypatch.setenv(pdl.ENV_NO_PDL, "1")
+    assert not pdl.launch_options(cuda)["launch_pdl"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -266,7 +266,8 @@ CASES = _cases()
 
 
 def _run_case(case: dict) -> dict:
-    from moeconvert.kernels.moe_fast import fused_moe_fast, weights_from_tensors
+    from moeconvert.kernels.adapter import weights_from_tensors
+    from moeconvert.kernels.moe_fast import fused_moe_fast
     from moeconvert.runtime.reference import activation_fn, reference_moe
 
     g = torch.Generator().manual_seed(zlib.crc32(case["id"].encode()))
@@ -302,7 +303,7 @@ def _run_case(case: dict) -> dict:
 
 def _run_align() -> dict:
     """Triton align vs a loop: the same blocks of the same experts holding the same pairs."""
-    from moeconvert.kernels.moe_fast import align
+    from moeconvert.kernels.align import align
 
     out = {}
     for M, k, E_, offset, bm in [(1, 1, 1, 0, 16), (13, 2, 4, 0, 4), (13, 2, 4, 2, 4), (37, 4, 8, 8, 16),
@@ -445,8 +446,9 @@ GPU_RUNS += [(*c, 1, "both-split") for c in (GPU_CASES[0], GPU_CASES[-1])]  # on
 @pytest.mark.parametrize("quant,E_,k,H,I,M,variant", GPU_RUNS,
                          ids=[f"{r[0]}-I{r[4]}-M{r[5]}" + (f"-{r[6]}" if r[6] else "") for r in GPU_RUNS])
 def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, variant):
+    from moeconvert.kernels.adapter import weights_from_tensors
     from moeconvert.kernels.configs import heuristic_configs
-    from moeconvert.kernels.moe_fast import fused_moe_fast, mx_small_scales, weights_from_tensors
+    from moeconvert.kernels.moe_fast import fused_moe_fast, mx_small_scales
     from moeconvert.runtime.reference import activation_fn, reference_moe
 
     g = torch.Generator().manual_seed(M + E_)
@@ -511,7 +513,8 @@ def test_every_shipped_h200_config_matches_the_reference_gpu(name, M):
     """The configs of kernels/tuned/nvidia-h200.json (the tuner times them, it does not check them),
     each on 8 experts of its shape with real H and I, against the reference."""
     from moeconvert.kernels import configs
-    from moeconvert.kernels.moe_fast import fused_moe_fast, weights_from_tensors
+    from moeconvert.kernels.adapter import weights_from_tensors
+    from moeconvert.kernels.moe_fast import fused_moe_fast
     from moeconvert.runtime.bench_kernel import SHAPES
     from moeconvert.runtime.reference import activation_fn, reference_moe
 
