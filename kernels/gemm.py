@@ -80,9 +80,10 @@ def _step_rows(base, step, last, K, offs_n, n_mask, stride_g, other, GROUP: tl.c
     them is 1 or 2 bytes, too small for the asynchronous copies that pipeline the weight tiles, so a
     plain load issued in the same step would stall the step for a whole memory latency."""
     g = (step * BLOCK_K) // GROUP + tl.arange(0, SG)
-    # the step bound folds into the group bound: a scalar condition broadcast into a mask is refused by
-    # Triton 3.9's interpreter ("mask has unsupported dtype")
-    ok = n_mask[:, None] & (g < tl.where(step < last, K // GROUP, 0))[None, :]
+    # the step bound compared per element (g * 0 + step): Triton 3.9's interpreter refuses a scalar
+    # condition broadcast into a load mask ("mask has unsupported dtype"), and this form compiles to
+    # the same SASS as the scalar one (every config of the shipped H200 table, sm_90)
+    ok = n_mask[:, None] & (g < K // GROUP)[None, :] & (g * 0 + step < last)[None, :]
     return tl.load(base + g[None, :] * stride_g + offs_n[:, None], mask=ok, other=other)
 
 
@@ -278,8 +279,8 @@ def moe_gemm(
     if HAS_BIAS:
         bias_base = bias_ptr + expert * stride_biase
         # GEMM1 reaches here once a tile, GEMM2's splits each add theirs: only split 0 adds the bias (the
-        # condition folds into the column bound, as in _step_rows)
-        bias_mask = offs_n < tl.where((pid_k == 0) | GATED, N, 0)
+        # split compared per element, as in _step_rows)
+        bias_mask = n_mask & ((offs_n * 0 + pid_k == 0) | GATED)
         acc += tl.load(bias_base + offs_n, mask=bias_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc_up += tl.load(bias_base + up_offset + offs_n, mask=bias_mask, other=0.0).to(tl.float32)[None, :]
