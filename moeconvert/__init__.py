@@ -3,4 +3,4 @@
 __version__ = "0.1.0"
 
 #: Version of the output format (the layout of ``moeconvert.json`` and the tensor naming contract).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2

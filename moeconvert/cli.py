@@ -1,22 +1,28 @@
 """The ``moeconvert`` command line: ``moeconvert <verb> ...``, one grammar, the same options everywhere.
 
-User errors end with one line on stderr and exit code 2 (``--debug`` anywhere on the line shows the
-traceback too); a bug in moeconvert itself exits 1.
+User errors (bad input, and bad options too: Typer's usage errors are reworded here) end with one line
+on stderr and exit code 2 (``--debug`` anywhere on the line shows the traceback too); a bug in moeconvert
+itself exits 1. SIGINT and SIGTERM unwind the run like an error, so its staging folder is removed, then
+say so in one line and exit 130 / 143.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Optional
 
-import click
 import typer
+import typer.core
 from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
@@ -58,6 +64,39 @@ def _human(n: float) -> str:
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                     TimeRemainingColumn(), console=err, transient=False, disable=not err.is_terminal)
+
+
+def _backend_names(kinds: tuple[str, ...] | None = None) -> list[str]:
+    """The ``--backend`` words with a layout for one of ``kinds`` (all of them without kinds)."""
+    from moeconvert.layouts import layout_kinds, layout_names
+
+    return [n for n in layout_names() if kinds is None or set(kinds) & set(layout_kinds(n))]
+
+
+class _BackendHelp(typer.core.TyperCommand):
+    """A verb whose ``--backend`` help lists the registered layouts it can write.
+
+    Read from the registry when the help is shown, not when the app is built: the layout modules import
+    torch, which ``moeconvert --help`` and every other verb should not wait for.
+    """
+
+    kinds: tuple[str, ...] | None = None
+
+    def format_help(self, ctx, formatter):
+        names = _backend_names(self.kinds)
+        for param in self.params:
+            if param.name == "backend":
+                param.help = (f"Layout to write: {' | '.join(names)} "
+                              "(`moeconvert inspect SRC` says which can take SRC, and why not).")
+        return super().format_help(ctx, formatter)
+
+
+class _QuantizeBackendHelp(_BackendHelp):
+    def format_help(self, ctx, formatter):
+        from moeconvert.quantize import FORMATS  # each format is also the scheme kind of its layouts
+
+        self.kinds = FORMATS
+        return super().format_help(ctx, formatter)
 
 
 def _partition(tp_size, tp_rank, ep_size, ep_rank):
@@ -160,7 +199,7 @@ def inspect(
             out.print(f"  [red]-[/red] {escape(p)} [dim]({escape(where)})[/dim]")
 
 
-@app.command()
+@app.command(cls=_BackendHelp)
 def repack(
     src: str = typer.Argument(..., help="Checkpoint folder or Hugging Face repo id."),
     out_dir: Path = typer.Argument(..., help="Output folder (must not exist or be empty, unless --overwrite)."),
@@ -182,7 +221,7 @@ def repack(
              chunk_mb, dry_run, overwrite, verify, json_out)
 
 
-@app.command()
+@app.command(cls=_QuantizeBackendHelp)
 def quantize(
     src: str = typer.Argument(..., help="Checkpoint folder or Hugging Face repo id (bf16/fp16/fp32 experts, or gpt-oss MXFP4)."),
     out_dir: Path = typer.Argument(..., help="Output folder (must not exist or be empty, unless --overwrite)."),
@@ -222,12 +261,16 @@ def quantize(
 def _convert(src, out_dir, backend, revision, part, max_shard_size, chunk_mb, dry_run, overwrite, verify, json_out,
              quant=None, dtype=None):
     from moeconvert.convert import plan_conversion, run_conversion
-    from moeconvert.layouts import get_layout
+    from moeconvert.layouts import layout_names
     from moeconvert.modelmap import map_model
     from moeconvert.sources import open_source
     from moeconvert.writer import check_output_target
 
-    layout = get_layout(backend)
+    choices = _backend_names(None if quant is None else (quant.format,))
+    if backend not in choices:
+        raise MoeConvertError("unknown backend layout" if backend not in layout_names() else
+                              f"backend has no {quant.format} layout", tensor="--backend",
+                              expected=" | ".join(choices), found=backend)
     shard_limit = parse_size(max_shard_size)
     source = open_source(src, revision)
     if not dry_run:
@@ -237,9 +280,9 @@ def _convert(src, out_dir, backend, revision, part, max_shard_size, chunk_mb, dr
         from moeconvert.quantize import resolve_model_dtype
 
         dtype = resolve_model_dtype(model.dtype, dtype)
-    plan = plan_conversion(source, layout, part, shard_limit, model=model, quant=quant, dtype=dtype)
+    plan = plan_conversion(source, backend, part, shard_limit, model=model, quant=quant, dtype=dtype)
     for w in plan.warnings():
-        err.print(f"[yellow]warning:[/yellow] {w}")
+        err.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True)  # one line each, even in a log
     layout = plan.layout
     summary = {"source": src, "output": str(out_dir), "backend": layout.name, "layout_version": layout.version,
                "partition": part.to_json(), "moe_layers": len(plan.layers), "tensors": len(plan.tensors),
@@ -363,21 +406,13 @@ def example(
 ):
     """Write a small but real checkpoint (transformers + compressed-tensors) to try the tools on."""
     from moeconvert.example import make_example
+    from moeconvert.writer import StagedOutput, check_output_target
 
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise MoeConvertError("output folder exists and is not empty (use --overwrite)", file=str(out_dir))
-    staging = out_dir.parent / f".{out_dir.name}.moeconvert-partial-{os.getpid()}"
-    import shutil
-
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        make_example(staging, family, scheme, group_size=group_size, symmetric=not asym, num_layers=layers,
-                     num_experts=experts, seed=seed)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    check_output_target(out_dir, None, overwrite, make_parents=True)
+    with StagedOutput(out_dir, [], overwrite) as staged:  # the same staging, swap and cleanup as repack's
+        make_example(staged.staging, family, scheme, group_size=group_size, symmetric=not asym,
+                     num_layers=layers, num_experts=experts, seed=seed)
+        staged.publish()
     out.print(f"wrote {family} {scheme} example to {out_dir}")
 
 
@@ -637,30 +672,186 @@ def bench_kernel_cmd(
 CONTENDER_ORDER = ("marlin", "humming", "triton_kernels")
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM, raised in the main thread wherever the run is.
+
+    A BaseException, as KeyboardInterrupt is, so no ``except Exception`` on the way swallows it, and every
+    ``finally`` / ``__exit__`` runs (the writer's removes its staging folder). Not a KeyboardInterrupt:
+    Typer turns that into a silent exit 130 before we could say what happened.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_unwind():
+    """While the command runs, the first SIGINT / SIGTERM raises :class:`Interrupted`; a second one,
+    while the first is still unwinding, exits at once (what is left is cleared by the next run)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+
+    def handler(signum, frame):
+        if caught:
+            os.write(2, f"moeconvert: interrupted twice ({signal.Signals(signum).name}); stopped at once, "
+                        "the next run on the same output removes what was left\n".encode())
+            os._exit(128 + signum)
+        caught.append(signum)
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _click_errors(command) -> tuple[tuple, tuple, tuple]:
+    """(usage errors, exits, aborts) of the click that ``command`` is built on.
+
+    Typer may run on the installed click or on its own copy (``typer._click``), whose exceptions are
+    other classes: take them from the modules the command's classes come from, plus ``click``'s if
+    something imported it.
+    """
+    names = {"click.exceptions", "typer.exceptions"}
+    for c in type(command).__mro__:
+        names |= {c.__module__, c.__module__.rpartition(".")[0] + ".exceptions"}
+    modules = [sys.modules.get(n) for n in names]
+
+    def found(name):
+        return tuple({getattr(m, name) for m in modules if isinstance(getattr(m, name, None), type)})
+
+    return found("ClickException"), found("Exit") + (typer.Exit,), found("Abort")
+
+
+def _given(argv: list[str], opts: list[str]) -> str | None:
+    """The value last given on the command line for an option spelled one of ``opts``."""
+    value = None
+    for i, a in enumerate(argv):
+        for o in opts:
+            if a == o and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif o.startswith("--") and a.startswith(o + "="):
+                value = a[len(o) + 1:]
+    return value
+
+
+def _command_path(command, argv: list[str]) -> str:
+    """``moeconvert bench load``: the verbs ``argv`` starts with (for an error click gave no context)."""
+    words = ["moeconvert"]
+    for a in argv:
+        command = getattr(command, "commands", {}).get(a)
+        if command is None:
+            break
+        words.append(a)
+    return " ".join(words)
+
+
+def _usage_line(e, argv: list[str], command) -> str:
+    """One line for a click usage error: which verb, what is wrong, what was given, where help is."""
+    ctx = getattr(e, "ctx", None)
+    path = ctx.command_path if ctx is not None else _command_path(command, argv)
+    verb = path.partition(" ")[2]
+    possibilities = getattr(e, "possibilities", None)
+    text = (e.message if possibilities else e.format_message()).strip().rstrip(".")
+    text = text[:1].lower() + text[1:]
+    notes = []
+    if possibilities:
+        notes.append("did you mean " + " or ".join(sorted(possibilities)))
+    param = getattr(e, "param", None)
+    if type(e).__name__ != "MissingParameter" and param is not None and getattr(param, "opts", None):
+        value = _given(argv, [o for o in param.opts if o.startswith("-")])
+        if value is not None:
+            notes.append(f"found {value!r}")
+    if ctx is not None and text.startswith("no such command") and hasattr(ctx.command, "list_commands"):
+        notes.append("expected one of: " + ", ".join(ctx.command.list_commands(ctx)))
+    notes.append(f"see {path} --help")
+    line = f"{verb}: {text}" if verb else text
+    return " ".join(f"{line} ({'; '.join(notes)})".split())
+
+
+#: errors of the machine or of the paths given, never of moeconvert: a user error wherever they surface
+_USER_ERRNOS = {errno.ENAMETOOLONG, errno.ELOOP, errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
+                errno.EPERM, errno.EIO}
+
+
 def main(argv: list[str] | None = None) -> None:
+    try:
+        _main(argv)
+    except BrokenPipeError:
+        # whoever read our output stopped reading (`| head`): nothing went wrong, and nothing more can be
+        # said there; point stdout at /dev/null so the interpreter's last flush does not complain either
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        sys.exit(141)  # as if killed by SIGPIPE, what a shell reports for the same
+
+
+def _main(argv: list[str] | None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or bool(os.environ.get("MOECONVERT_DEBUG"))
     argv = [a for a in argv if a != "--debug"]
     command = typer.main.get_command(app)
+    usage_errors, exits, aborts = _click_errors(command)
     try:
-        code = command.main(args=argv, prog_name="moeconvert", standalone_mode=False)
+        with _signals_unwind():
+            code = command.main(args=argv, prog_name="moeconvert", standalone_mode=False)
     except MoeConvertError as e:
         if debug:
             traceback.print_exc()
         print(f"moeconvert: error: {e.line()}", file=sys.stderr)
         sys.exit(2)
-    except click.exceptions.Exit as e:
+    except Interrupted as e:
+        if debug:
+            traceback.print_exc()
+        print(f"moeconvert: interrupted ({signal.Signals(e.signum).name}); no unfinished output was left behind",
+              file=sys.stderr)
+        sys.exit(128 + e.signum)
+    except exits as e:
         sys.exit(e.exit_code)
-    except click.UsageError as e:
-        e.show()
+    except usage_errors as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # a bare `moeconvert` or `moeconvert bench`: the help
+            print(e.format_message())
+            sys.exit(0)
+        if debug:
+            traceback.print_exc()
+        print(f"moeconvert: error: {_usage_line(e, argv, command)}", file=sys.stderr)
         sys.exit(2)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        print("moeconvert: interrupted; nothing was left behind", file=sys.stderr)
+    except aborts + (KeyboardInterrupt,):
+        print("moeconvert: interrupted; no unfinished output was left behind", file=sys.stderr)
         sys.exit(130)
+    except (OSError, RuntimeError) as e:
+        if isinstance(e, BrokenPipeError):
+            raise
+        if debug:
+            traceback.print_exc()
+        line = _os_error_line(e)
+        if line is None:
+            _internal_error(e)
+        print(f"moeconvert: error: {line}", file=sys.stderr)
+        sys.exit(2)
     except Exception as e:  # a bug: say so, keep the one-line promise unless asked for more
         if debug:
             traceback.print_exc()
-        print(f"moeconvert: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
-              file=sys.stderr)
-        sys.exit(1)
+        _internal_error(e)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _os_error_line(e: BaseException) -> str | None:
+    """The one line for an OS error that is the machine's or the given paths' fault, else None."""
+    if isinstance(e, RuntimeError) and str(e).startswith("Symlink loop from "):
+        return f"{str(e)[len('Symlink loop from '):].strip(chr(39))}: a symbolic link loop"  # pathlib < 3.13
+    if isinstance(e, OSError) and e.errno in _USER_ERRNOS:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    return None
+
+
+def _internal_error(e: BaseException) -> None:
+    line = " ".join(f"{type(e).__name__}: {e}".split())
+    print(f"moeconvert: internal error: {line} (rerun with --debug for the traceback)", file=sys.stderr)
+    sys.exit(1)

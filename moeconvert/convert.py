@@ -8,6 +8,7 @@ MoE layers are decoded and encoded a chunk of experts at a time.
 
 from __future__ import annotations
 
+import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +118,7 @@ def check_layers(model: ModelMap, layout: Layout, part: Partition, quant: Quanti
         try:
             shape, _ = layer_shape(layer, part, dtype or model.dtype, layout, quant)
         except MoeConvertError as e:
-            problems[layer.prefix] = [e.message + (f" (expected {e.expected}, found {e.found})" if e.expected else "")]
+            problems[layer.prefix] = [e.what()]
             continue
         scheme = output_scheme(layer, quant)
         found = decoder_problems(layer) + layout.check(shape, scheme)
@@ -128,14 +129,15 @@ def check_layers(model: ModelMap, layout: Layout, part: Partition, quant: Quanti
     return problems
 
 
-def plan_conversion(source: Source, layout: Layout, part: Partition = Partition(),
+def plan_conversion(source: Source, backend: str, part: Partition = Partition(),
                     max_shard_size: int = 5 * 10**9, model: ModelMap | None = None,
                     quant: Quantization | None = None, dtype: str | None = None) -> ConversionPlan:
-    """``quant``: quantize float experts (``moeconvert quantize``); ``dtype``: the model dtype the output
-    is for (default: the checkpoint's)."""
+    """``backend``: the ``--backend`` word; the layout is the one registered under it for the output's
+    scheme kind (the only lookup on the way to the encoder). ``quant``: quantize float experts
+    (``moeconvert quantize``); ``dtype``: the model dtype the output is for (default: the checkpoint's)."""
     model = model or map_model(source)
     dtype = dtype or model.dtype
-    layout = get_layout(layout.name, scheme_kind(model, quant))
+    layout = get_layout(backend, scheme_kind(model, quant))
     problems = check_layers(model, layout, part, quant, dtype)
     if problems:
         n = sum(len(v) for v in problems.values())
@@ -219,10 +221,11 @@ def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
                 _write_layer_chunk(staged, lp, encoded, a, b)
                 progress(sum(lp.tensors[s.suffix].nbytes * (b - a) // n for s in lp.specs))
                 del block, encoded
-        manifest = build_manifest(plan, staged, {f: fut.result() for f, fut in digests.items()})
+        copies = source.other_files()  # listed once: the manifest's checksums are of exactly these
+        manifest = build_manifest(plan, staged, {f: fut.result() for f, fut in digests.items()}, copies)
         index = {"metadata": {"total_size": sum(t.nbytes for t in plan.tensors)},
                  "weight_map": {t.name: plan.shards[t.shard].filename for t in plan.tensors}}
-        staged.finish(index, source.other_files(), manifest)
+        staged.finish(index, copies, manifest)
     return manifest
 
 
@@ -239,7 +242,10 @@ def _write_layer_chunk(staged: StagedOutput, lp: LayerPlan, encoded: dict, a: in
         staged.write(planned, a * (planned.nbytes // lp.shape.num_experts), tensor_bytes(t))
 
 
-def build_manifest(plan: ConversionPlan, staged: StagedOutput, source_digests: dict) -> dict:
+def build_manifest(plan: ConversionPlan, staged: StagedOutput, source_digests: dict, copies: list[Path]) -> dict:
+    """The manifest (docs/format.md): every tensor's sha256 as written, every shard header's, and those
+    of the files copied through (``copies``), so that ``verify`` and ``load(verify=True)`` can check
+    every byte of the output without its source."""
     src = plan.source
     entry = lambda t: {"name": t.name, "file": plan.shards[t.shard].filename, "shape": list(t.shape),
                        "dtype": t.dtype, "sha256": staged.digest(t)}
@@ -292,5 +298,9 @@ def build_manifest(plan: ConversionPlan, staged: StagedOutput, source_digests: d
         "partition": plan.partition.to_json(),
         "moe_layers": layers,
         "tensors": {t.name: entry(t) for t in plan.tensors if t.source is not None},
-        "shards": [{"file": s.filename, "size": s.size} for s in plan.shards],
+        # a header's sha256 covers everything before the shard's data (its 8-byte length, the JSON,
+        # ``__metadata__`` and padding included); the tensors' digests cover the rest
+        "shards": [{"file": s.filename, "size": s.size, "header_sha256": hashlib.sha256(s.header).hexdigest()}
+                   for s in plan.shards],
+        "copied_files": {p.name: src.file_digest(p) for p in copies},
     }

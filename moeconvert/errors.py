@@ -8,7 +8,11 @@ from __future__ import annotations
 
 
 class MoeConvertError(Exception):
-    """A user-facing error naming where the problem is and what was expected vs found."""
+    """A user-facing error naming where the problem is and what was expected vs found.
+
+    ``expected`` / ``found`` left out (None) are left out of the text too: a refusal that has nothing
+    to compare says only what it found (or only what it wanted), never "expected None".
+    """
 
     def __init__(
         self,
@@ -26,11 +30,15 @@ class MoeConvertError(Exception):
         self.found = found
         super().__init__(self.line())
 
+    def what(self) -> str:
+        """The message with its ``(expected X, found Y)`` part, without the file and tensor."""
+        parts = [f"{label} {value}" for label, value in (("expected", self.expected), ("found", self.found))
+                 if value is not None]
+        return f"{self.message} ({', '.join(parts)})" if parts else self.message
+
     def line(self) -> str:
         where = ": ".join(str(p) for p in (self.file, self.tensor) if p)
-        text = f"{where}: {self.message}" if where else self.message
-        if self.expected is not None or self.found is not None:
-            text += f" (expected {self.expected}, found {self.found})"
+        text = f"{where}: {self.what()}" if where else self.what()
         return " ".join(text.split())  # one line, always
 
 

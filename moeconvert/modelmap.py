@@ -4,6 +4,10 @@ One :class:`Family` per model family says how its checkpoints name expert tensor
 give E, I and top-k. :func:`map_model` finds every MoE layer from the tensor names, checks each layer
 against the config (sizes, expert count, which layers the config says are sparse) and against itself
 (every expert has every projection, all shapes and dtypes agree), and resolves the layer's scheme.
+
+Every config value used is read through the typed getters of ``sources`` (an error names the key), and
+no loop runs to a bound the config alone gives: layers and experts are walked as the tensor names hold
+them, and a layer count beyond the highest layer index in those names is refused before any walk.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ import bisect
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from moeconvert.errors import MoeConvertError
 from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme, WNA16Scheme, float_dtype_name, parse_quantization_config
-from moeconvert.sources import Source
+from moeconvert.sources import CONFIG_NAME, Source, config_int, config_number, config_value, show_value
 
 # Per-expert tensors: {prefix}.{e}.{proj}.{suffix}; prefix ends in "<layers>.<L>.<mlp>.experts".
 _PER_EXPERT = re.compile(
@@ -27,6 +32,9 @@ _FUSED = re.compile(
     r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)"
     r"(?P<suffix>|_bias|_blocks|_scales)$"
 )
+
+# Any layer's tensors (attention, norms, experts, MTP): bounds what num_hidden_layers may claim.
+_ANY_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 FLOAT_SUFFIXES = {"weight"}
 WNA16_SUFFIXES = {"weight_packed", "weight_scale", "weight_shape", "weight_zero_point"}
@@ -44,20 +52,48 @@ class Family:
     router: tuple[str, ...] = ("gate",)  # module names under the MoE block, for inspect
     shared: tuple[str, ...] = ()
 
-    def expected_sparse_layers(self, cfg: dict) -> set[int] | None:
-        """Layers the config says have routed experts (None when the config does not say)."""
-        n = cfg.get("num_hidden_layers")
-        if not isinstance(n, int):
+    def sparse_layers(self, cfg: dict, section: str = "") -> "SparseLayers | None":
+        """The layers the config says have routed experts (None when it does not say how many layers)."""
+        n = config_int(cfg, "num_hidden_layers", default=None, section=section)
+        if n is None:
             return None
         if self.name in ("qwen2-moe", "qwen3-moe"):
-            step = cfg.get("decoder_sparse_step", 1) or 1
-            only = set(cfg.get("mlp_only_layers") or [])
-            return {i for i in range(n) if i not in only and (i + 1) % step == 0}
+            # transformers: sparse when not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+            step = config_int(cfg, "decoder_sparse_step", default=1, section=section)
+            only = config_value(cfg, "mlp_only_layers", list, default=[], section=section)
+            for i in only:
+                if type(i) is not int or i < 0:
+                    raise MoeConvertError("invalid value", file=CONFIG_NAME, tensor=f"{section}mlp_only_layers",
+                                          expected="a list of layer indices (integers >= 0)", found=show_value(i))
+            return SparseLayers(n, first=step - 1, step=step, skip=frozenset(only))
         if self.name in ("deepseek-v2", "deepseek-v3", "glm4-moe"):
-            k = cfg.get("first_k_dense_replace", 0) or 0
-            freq = cfg.get("moe_layer_freq", 1) or 1
-            return {i for i in range(n) if i >= k and i % freq == 0}
-        return set(range(n))
+            # transformers: sparse when i >= first_k_dense_replace and i % moe_layer_freq == 0
+            k = config_int(cfg, "first_k_dense_replace", min=0, default=0, section=section)
+            freq = config_int(cfg, "moe_layer_freq", default=1, section=section)
+            return SparseLayers(n, first=-(-k // freq) * freq, step=freq)
+        return SparseLayers(n, first=0, step=1)
+
+
+@dataclass(frozen=True)
+class SparseLayers:
+    """Layers ``first, first + step, ...`` below ``n``, less ``skip``: a rule, never a materialised set
+    (``n`` comes from the config and may be anything)."""
+
+    n: int
+    first: int
+    step: int
+    skip: frozenset = frozenset()
+
+    def __contains__(self, i: int) -> bool:
+        return self.first <= i < self.n and (i - self.first) % self.step == 0 and i not in self.skip
+
+    def __iter__(self) -> Iterator[int]:
+        """In order; a caller stopping at the first layer it lacks does O(layers found + skip) steps."""
+        i = self.first
+        while i < self.n:
+            if i not in self.skip:
+                yield i
+            i += self.step
 
 
 FAMILIES = [
@@ -79,10 +115,10 @@ FAMILIES = [
 
 
 def family_for(cfg: dict) -> Family:
-    mt = cfg.get("model_type")
-    text = cfg.get("text_config")
-    if isinstance(text, dict) and not any(mt in f.model_types for f in FAMILIES):
-        mt = text.get("model_type", mt)
+    mt = config_value(cfg, "model_type", str, default=None)
+    text = config_value(cfg, "text_config", dict, default=None)
+    if text is not None and not any(mt in f.model_types for f in FAMILIES):
+        mt = config_value(text, "model_type", str, default=mt, section="text_config.")
     for f in FAMILIES:
         if mt in f.model_types:
             return f
@@ -128,47 +164,58 @@ class ModelMap:
         return {n for layer in self.layers for n in layer.source_tensors()}
 
 
-def _cfg(cfg: dict) -> dict:
-    """Text-model config (multimodal wrappers nest it)."""
-    text = cfg.get("text_config")
-    return text if isinstance(text, dict) and "hidden_size" in text and "hidden_size" not in cfg else cfg
+def _text_config(cfg: dict) -> tuple[dict, str]:
+    """The text model's config (multimodal wrappers nest it) and the key prefix that names it."""
+    text = config_value(cfg, "text_config", dict, default=None)
+    if text is not None and "hidden_size" in text and "hidden_size" not in cfg:
+        return text, "text_config."
+    return cfg, ""
 
 
-def _first(cfg: dict, keys: tuple[str, ...]):
-    for k in keys:
-        if cfg.get(k) is not None:
-            return cfg[k]
-    return None
-
-
-def model_dtype(cfg: dict) -> str:
-    dt = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+def model_dtype(cfg: dict, section: str = "") -> str:
+    key = "torch_dtype" if cfg.get("torch_dtype") is not None else "dtype"
+    dt = config_value(cfg, key, str, default="bfloat16", section=section)
     return dt if dt in ("bfloat16", "float16", "float32") else "bfloat16"
 
 
 def map_model(source: Source) -> ModelMap:
     raw_cfg = source.config
     fam = family_for(raw_cfg)
-    cfg = _cfg(raw_cfg)
-    qconfig = parse_quantization_config(raw_cfg, "config.json")
-    layers = _map_fused(source, fam, cfg) if fam.fused else _map_per_expert(source, fam, cfg, qconfig)
+    cfg, section = _text_config(raw_cfg)
+    qconfig = parse_quantization_config(raw_cfg, CONFIG_NAME)
+    sizes = _sizes(cfg, fam, section)
+    layers = _map_fused(source, fam, cfg, sizes) if fam.fused else _map_per_expert(source, fam, cfg, qconfig, sizes)
     if not layers:
         raise MoeConvertError(f"no MoE expert tensors found for family {fam.name}", file=str(source.ident),
                               expected=_expected_names(fam), found=_sample_names(source))
-    expected = fam.expected_sparse_layers(cfg)
-    if expected is not None:
-        found = {lm.layer for lm in layers}
-        missing = sorted(expected - found)
-        if missing:
-            raise MoeConvertError(f"config says layer {missing[0]} has routed experts, but the checkpoint has no "
-                                  "expert tensors for it", file=str(source.ident), tensor=f"layers.{missing[0]}",
-                                  expected=_expected_names(fam), found="none")
-        n = cfg.get("num_hidden_layers", 0)
-        extra = sorted(found - expected)
-        if extra and (extra[0] < n or not cfg.get("num_nextn_predict_layers")):
-            raise MoeConvertError(f"layer {extra[0]} has expert tensors but the config says it is dense",
-                                  file=str(source.ident), tensor=f"layers.{extra[0]}")
-    return ModelMap(family=fam, config=raw_cfg, dtype=model_dtype(cfg), layers=sorted(layers, key=lambda x: x.layer))
+    _check_sparse_layers(source, fam, cfg, section, {lm.layer for lm in layers})
+    return ModelMap(family=fam, config=raw_cfg, dtype=model_dtype(cfg, section),
+                    layers=sorted(layers, key=lambda x: x.layer))
+
+
+def _check_sparse_layers(source: Source, fam: Family, cfg: dict, section: str, found: set[int]) -> None:
+    """The layers holding experts are exactly those the config calls sparse (plus DeepSeek's MTP layers
+    after the last one). Walks the config's rule only as far as the first layer it lacks."""
+    sparse = fam.sparse_layers(cfg, section)
+    if sparse is None:
+        return
+    last = max((int(m[1]) for m in map(_ANY_LAYER.search, source.tensors) if m and len(m[1]) <= 18), default=-1)
+    if sparse.n > last + 1:
+        raise MoeConvertError("more layers than the checkpoint has tensors for", file=CONFIG_NAME,
+                              tensor=f"{section}num_hidden_layers",
+                              expected=f"at most {last + 1} (the highest layer index in tensor names is {last})",
+                              found=sparse.n)
+    for i in sparse:
+        if i not in found:
+            raise MoeConvertError(f"config says layer {i} has routed experts (num_hidden_layers = {sparse.n}), but "
+                                  "the checkpoint has no expert tensors for it", file=str(source.ident),
+                                  tensor=f"layers.{i}", expected=_expected_names(fam), found="none")
+    nextn = config_int(cfg, "num_nextn_predict_layers", min=0, default=0, section=section)
+    for i in sorted(found):
+        if i not in sparse and not sparse.n <= i < sparse.n + nextn:
+            raise MoeConvertError(f"layer {i} has expert tensors but the config says it is dense"
+                                  + (f" (num_hidden_layers = {sparse.n})" if i >= sparse.n else ""),
+                                  file=str(source.ident), tensor=f"layers.{i}")
 
 
 def _expected_names(fam: Family) -> str:
@@ -182,15 +229,77 @@ def _sample_names(source: Source) -> str:
     return ", ".join(names) or "no tensors"
 
 
-def _sizes(cfg: dict, fam: Family, source: Source) -> tuple[int, int, int | None]:
-    E = _first(cfg, fam.experts_key)
-    I = _first(cfg, fam.intermediate_key)
-    H = cfg.get("hidden_size")
-    for key, val in ((fam.experts_key[0], E), (fam.intermediate_key[0], I), ("hidden_size", H)):
-        if not isinstance(val, int) or val <= 0:
-            raise MoeConvertError("missing or invalid size in config", file="config.json", tensor=key,
-                                  expected="a positive integer", found=val)
-    return E, H, I
+@dataclass(frozen=True)
+class ConfigSizes:
+    """E, H, I and top-k from the config, with the keys they came from (errors name those)."""
+
+    E: int
+    E_key: str
+    H: int
+    I: int
+    I_key: str
+    top_k: int | None
+    section: str  # "text_config." when the sizes come from a nested text config
+
+
+def _present_key(cfg: dict, keys: tuple[str, ...]) -> str:
+    """The first of ``keys`` the config sets (not null); the first one when none is set."""
+    return next((k for k in keys if cfg.get(k) is not None), keys[0])
+
+
+def _sizes(cfg: dict, fam: Family, section: str) -> ConfigSizes:
+    E_key, I_key = _present_key(cfg, fam.experts_key), _present_key(cfg, fam.intermediate_key)
+    E = config_int(cfg, E_key, section=section)
+    H = config_int(cfg, "hidden_size", section=section)
+    I = config_int(cfg, I_key, section=section)
+    top_k = _routing_top_k(cfg, fam, E, E_key, section)
+    return ConfigSizes(E, section + E_key, H, I, section + I_key, top_k, section)
+
+
+def _routing_top_k(cfg: dict, fam: Family, E: int, E_key: str, section: str) -> int | None:
+    """Top-k and the routing parameters the runtime's router reads from the copied config.json, checked
+    now so that a config the router cannot follow is refused before converting, not at the first token."""
+    top_k = config_int(cfg, "num_experts_per_tok", default=None, section=section)
+    if top_k is not None and top_k > E:
+        raise MoeConvertError("top-k is larger than the number of routed experts", file=CONFIG_NAME,
+                              tensor=f"{section}num_experts_per_tok", expected=f"at most {E} ({section}{E_key})",
+                              found=top_k)
+    if fam.name in ("qwen2-moe", "qwen3-moe", "deepseek-v2", "deepseek-v3", "glm4-moe"):
+        config_value(cfg, "norm_topk_prob", bool, default=None, section=section)
+    if fam.name in ("deepseek-v2", "deepseek-v3", "glm4-moe"):
+        config_number(cfg, "routed_scaling_factor", default=None, positive=True, section=section)
+        method = config_value(cfg, "topk_method", str, default="greedy", section=section)
+        n_group = config_int(cfg, "n_group", default=1, section=section)
+        topk_group = config_int(cfg, "topk_group", default=1, section=section)
+        if E % n_group:
+            raise MoeConvertError("experts cannot be split into n_group equal groups", file=CONFIG_NAME,
+                                  tensor=f"{section}n_group", expected=f"a divisor of {E} ({section}{E_key})",
+                                  found=n_group)
+        if topk_group > n_group:
+            raise MoeConvertError("topk_group is larger than n_group", file=CONFIG_NAME, tensor=f"{section}topk_group",
+                                  expected=f"at most {n_group} (n_group)", found=topk_group)
+        grouped = fam.name != "deepseek-v2" or method == "group_limited_greedy"
+        if fam.name != "deepseek-v2" and E // n_group < 2:
+            # noaux_tc ranks a group by the sum of its two best scores (transformers' topk(2) per group)
+            raise MoeConvertError("grouped routing needs at least 2 experts per group", file=CONFIG_NAME,
+                                  tensor=f"{section}n_group", expected=f"at most {E // 2} ({E} experts / 2)",
+                                  found=n_group)
+        if grouped and top_k is not None and top_k > topk_group * (E // n_group):
+            raise MoeConvertError("top-k is larger than the experts the kept groups hold", file=CONFIG_NAME,
+                                  tensor=f"{section}num_experts_per_tok",
+                                  expected=f"at most {topk_group * (E // n_group)} (topk_group x experts per group)",
+                                  found=top_k)
+    return top_k
+
+
+def _index(source: Source, name: str, digits: str) -> int:
+    """A layer or expert index from a tensor name, written as Python and transformers write it: "01" would
+    silently alias expert 1, and a 5000-digit index is not an index."""
+    if len(digits) > 18 or digits != str(int(digits)):
+        raise MoeConvertError("layer or expert index in the tensor name is not a plain number",
+                              file=source.tensors[name].file.name, tensor=name,
+                              expected="0, 1, 2, ... without leading zeros", found=digits[:24])
+    return int(digits)
 
 
 def _with_prefix(names: list[str], prefix: str) -> list[str]:
@@ -210,8 +319,8 @@ def _router_and_shared(source: Source, fam: Family, prefix: str, names: list[str
     return router, shared
 
 
-def _map_per_expert(source: Source, fam: Family, cfg: dict, qconfig) -> list[MoELayerMap]:
-    E_cfg, H_cfg, I_cfg = _sizes(cfg, fam, source)
+def _map_per_expert(source: Source, fam: Family, cfg: dict, qconfig, sizes: ConfigSizes) -> list[MoELayerMap]:
+    E_cfg, H_cfg, I_cfg = sizes.E, sizes.H, sizes.I
     by_prefix: dict[str, dict[int, dict[str, dict[str, str]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
     layer_of: dict[str, int] = {}
     for name in source.tensors:
@@ -223,18 +332,18 @@ def _map_per_expert(source: Source, fam: Family, cfg: dict, qconfig) -> list[MoE
             raise MoeConvertError(f"unexpected expert projection '{proj}' for family {fam.name}",
                                   file=source.tensors[name].file.name, tensor=name,
                                   expected="/".join(fam.roles), found=proj)
-        by_prefix[m["prefix"]][int(m["e"])][fam.roles[proj]][m["suffix"]] = name
-        layer_of[m["prefix"]] = int(m["layer"])
+        by_prefix[m["prefix"]][_index(source, name, m["e"])][fam.roles[proj]][m["suffix"]] = name
+        layer_of[m["prefix"]] = _index(source, name, m["layer"])
 
     names = sorted(source.tensors)
     layers = []
     for prefix, experts in by_prefix.items():
         ids = sorted(experts)
-        if ids != list(range(E_cfg)):
-            missing = sorted(set(range(E_cfg)) - set(ids))
+        if len(ids) != E_cfg or ids[-1] != E_cfg - 1:  # sorted distinct ids: exactly 0..E-1 (no range(E))
+            first_gap = next((i for i, e in enumerate(ids) if e != i), len(ids))
             raise MoeConvertError("layer does not hold every routed expert", file=str(source.ident),
-                                  tensor=prefix, expected=f"experts 0..{E_cfg - 1} (config)",
-                                  found=(f"expert {missing[0]} missing" if missing else f"expert {ids[-1]}"))
+                                  tensor=prefix, expected=f"experts 0..{E_cfg - 1} ({sizes.E_key} = {E_cfg})",
+                                  found=(f"expert {first_gap} missing" if first_gap < E_cfg else f"expert {ids[-1]}"))
         first = experts[0]
         for role in ("gate", "up", "down"):
             if role not in first:
@@ -247,12 +356,12 @@ def _map_per_expert(source: Source, fam: Family, cfg: dict, qconfig) -> list[MoE
             raise MoeConvertError("expert hidden size disagrees with config.json hidden_size", tensor=prefix,
                                   file=str(source.ident), expected=H_cfg, found=H)
         if I != I_cfg:
-            raise MoeConvertError(f"expert intermediate size disagrees with config.json {fam.intermediate_key[0]}",
+            raise MoeConvertError(f"expert intermediate size disagrees with config.json {sizes.I_key}",
                                   tensor=prefix, file=str(source.ident), expected=I_cfg, found=I)
         has_bias = "bias" in first["gate"]
         router, shared = _router_and_shared(source, fam, prefix, names)
         layers.append(MoELayerMap(
-            prefix=prefix, layer=layer_of[prefix], num_experts=E_cfg, top_k=cfg.get("num_experts_per_tok"),
+            prefix=prefix, layer=layer_of[prefix], num_experts=E_cfg, top_k=sizes.top_k,
             hidden_size=H, intermediate_size=I, scheme=scheme, activation=fam.activation, activation_params={},
             has_bias=has_bias,
             bias_dtype=float_dtype_name(source.tensors[first["gate"]["bias"]].dtype) if has_bias else None,
@@ -271,7 +380,8 @@ def _layer_scheme(source: Source, prefix: str, experts, qconfig) -> Scheme:
         scale_dtype = float_dtype_name(source.tensors[first["gate"]["weight_scale"]].dtype) if "weight_scale" in suffixes else None
         if scale_dtype is None:
             raise MoeConvertError("packed experts need a float weight_scale", file=str(source.ident),
-                                  tensor=f"{prefix}.0", found=", ".join(sorted(suffixes)))
+                                  tensor=f"{prefix}.0", expected="weight_scale in BF16, F16 or F32",
+                                  found=", ".join(sorted(suffixes)))
         names = {role: first[role]["weight_packed"].rsplit(".", 1)[0] for role in ("gate", "up", "down")
                  if "weight_packed" in first[role]}
         scheme = qconfig.scheme_for(names, scale_dtype)
@@ -324,6 +434,13 @@ def _check_expert_shapes(source: Source, prefix: str, experts, scheme: Scheme) -
                                   expected=_fmt(want.get(diff)) + " (as expert 0)", found=_fmt(got.get(diff)))
     g, u, d = (first[r] for r in ("gate", "up", "down"))
     if isinstance(scheme, WNA16Scheme):
+        for r in ("gate", "up", "down"):
+            # every expert matches expert 0 (above), so expert 0's dtypes speak for the layer
+            _expect_dtype(source, first[r]["weight_packed"], ("I32",))
+            _expect_dtype(source, first[r]["weight_shape"], _INT_DTYPES)
+            _expect(source, first[r]["weight_shape"], t[first[r]["weight_shape"]].shape, (2,))
+            if not scheme.symmetric:
+                _expect_dtype(source, first[r]["weight_zero_point"], ("I32",))
         pf = scheme.pack_factor
         shapes = {r: tuple(int(x) for x in source.read(first[r]["weight_shape"]).tolist()) for r in ("gate", "up", "down")}
         I, H = shapes["gate"]
@@ -353,6 +470,7 @@ def _check_expert_shapes(source: Source, prefix: str, experts, scheme: Scheme) -
                 raise MoeConvertError("expert bias on some projections only", file=str(source.ident),
                                       tensor=f"{prefix}.0.<{r}>.bias", expected="present", found="missing")
             _expect(source, first[r]["bias"], t[first[r]["bias"]].shape, (n,))
+            _expect_dtype(source, first[r]["bias"], _FLOAT_CODES)
     return H, I
 
 
@@ -366,15 +484,27 @@ def _expect(source: Source, name: str, got, want) -> None:
                               expected=list(want), found=list(got))
 
 
-def _map_fused(source: Source, fam: Family, cfg: dict) -> list[MoELayerMap]:
-    E_cfg, H_cfg, I_cfg = _sizes(cfg, fam, source)
+_INT_DTYPES = ("I8", "I16", "I32", "I64", "U8")
+_FLOAT_CODES = ("BF16", "F16", "F32")
+
+
+def _expect_dtype(source: Source, name: str, allowed: tuple[str, ...]) -> None:
+    """The tensors decode reads as words, sizes or biases must have a dtype it can read them as."""
+    got = source.tensors[name].dtype
+    if got not in allowed:
+        raise MoeConvertError("unexpected dtype", file=source.tensors[name].file.name, tensor=name,
+                              expected=" or ".join(allowed), found=got)
+
+
+def _map_fused(source: Source, fam: Family, cfg: dict, sizes: ConfigSizes) -> list[MoELayerMap]:
+    E_cfg, H_cfg, I_cfg = sizes.E, sizes.H, sizes.I
     by_prefix: dict[str, dict[str, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
     layer_of = {}
     for name in source.tensors:
         m = _FUSED.match(name)
         if m:
             by_prefix[m["prefix"]][m["proj"]][m["suffix"] or "weight"] = name
-            layer_of[m["prefix"]] = int(m["layer"])
+            layer_of[m["prefix"]] = _index(source, name, m["layer"])
     t = source.tensors
     all_names = sorted(t)
     layers = []
@@ -424,10 +554,13 @@ def _map_fused(source: Source, fam: Family, cfg: dict) -> list[MoELayerMap]:
         if has_bias:
             _expect(source, gu["_bias"], t[gu["_bias"]].shape, (E_cfg, 2 * I_cfg))
             _expect(source, dn["_bias"], t[dn["_bias"]].shape, (E_cfg, H_cfg))
+            _expect_dtype(source, gu["_bias"], _FLOAT_CODES)
+            _expect_dtype(source, dn["_bias"], _FLOAT_CODES)
         router, shared = _router_and_shared(source, fam, prefix, all_names)
-        params = {"alpha": cfg.get("swiglu_alpha", 1.702), "limit": cfg.get("swiglu_limit", 7.0)}
+        params = {"alpha": config_number(cfg, "swiglu_alpha", default=1.702, section=sizes.section),
+                  "limit": config_number(cfg, "swiglu_limit", default=7.0, section=sizes.section)}
         layers.append(MoELayerMap(
-            prefix=prefix, layer=layer_of[prefix], num_experts=E_cfg, top_k=cfg.get("num_experts_per_tok"),
+            prefix=prefix, layer=layer_of[prefix], num_experts=E_cfg, top_k=sizes.top_k,
             hidden_size=H_cfg, intermediate_size=I_cfg, scheme=scheme, activation=fam.activation,
             activation_params=params, has_bias=has_bias,
             bias_dtype=float_dtype_name(t[gu["_bias"]].dtype) if has_bias else None, fused=True,

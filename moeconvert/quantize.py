@@ -4,7 +4,9 @@
 every start (mxfp4-layouts.md §5):
 
 1. the experts are cast to the model dtype (the engine's parameters are in it; an fp32 checkpoint runs
-   in bf16 unless ``--dtype`` says otherwise, as vLLM's ``dtype=auto`` does);
+   in bf16 unless ``--dtype`` says otherwise, as vLLM's ``dtype=auto`` does). A finite value the cast
+   would turn into inf (bf16 weights above fp16's 65504 with ``--dtype float16``) is refused, naming the
+   layer and expert, where vLLM quantizes the inf silently (to the top scale);
 2. each TP rank's H and I are rounded up to the backend's multiples (``Layout.pad_multiples``) and the
    padding is zero: w13 rows ``[gate | 0 | up | 0]``, zero K columns, zero bias entries (§5.2-5.3);
 3. w13 and w2 are quantized row by row along K (:func:`moeconvert.mxfp4.quantize_mxfp4`).
@@ -18,12 +20,13 @@ checked against a fresh quantization of its source, byte for byte.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
-from moeconvert.errors import MoeConvertError
+from moeconvert.errors import InternalError, MoeConvertError
 from moeconvert.mxfp4 import MXFP4_BLOCK_SIZE, ROUNDINGS, mxfp4_error_sums, quantize_mxfp4, require_finite
 from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme
 
@@ -104,14 +107,20 @@ class Quality:
         self.blocks[name] += real_blocks
 
     def to_json(self) -> dict:
+        """The report, finite by construction: the inputs were refused unless finite and the cast was
+        refused where it overflows, so a NaN or inf here is a bug, never something to write down."""
         out = {}
         for name in ("w13", "w2"):
             num, den = self.sq_err[name] ** 0.5, self.sq_ref[name] ** 0.5
             out[name] = {
-                "rel_fro_error": 0.0 if num == 0.0 else num / den if den else float("inf"),
+                # w == 0 everywhere quantizes exactly (num == 0), so den == 0 leaves num == 0 too
+                "rel_fro_error": num / den if den else 0.0,
                 "max_abs_error": self.max_abs[name],
                 "saturated_block_fraction": self.saturated[name] / self.blocks[name] if self.blocks[name] else 0.0,
             }
+            bad = {k: v for k, v in out[name].items() if not math.isfinite(v)}
+            if bad or (num and not den):
+                raise InternalError(f"quality report of {name} is not finite: {bad or 'error with a zero reference'}")
         return out
 
 
@@ -127,8 +136,9 @@ def output_block(block: ExpertBlock, shape: LayerShape, unpadded: tuple[int, int
     dt = _TORCH[shape.dtype]
     kw = {}
     if block.w13_bias is not None:
-        kw["w13_bias"] = _pad_rows(block.w13_bias.to(dt), I, Ip)
-        kw["w2_bias"] = _pad_k(block.w2_bias.to(dt), Hp)
+        cast = dict(dtype=dt, prefix=prefix, expert_offset=expert_offset)
+        kw["w13_bias"] = _pad_rows(to_model_dtype(block.w13_bias, what="w13_bias", **cast), I, Ip)
+        kw["w2_bias"] = _pad_k(to_model_dtype(block.w2_bias, what="w2_bias", **cast), Hp)
     if isinstance(block.scheme, MXFP4Scheme):
         return ExpertBlock(
             scheme=block.scheme,
@@ -143,7 +153,7 @@ def output_block(block: ExpertBlock, shape: LayerShape, unpadded: tuple[int, int
     out = {}
     for name, w, n_real, k_real in (("w13", block.w13, 2 * I, H), ("w2", block.w2, H, I)):
         require_finite(w, tensor=f"{prefix} ({name})", expert_offset=expert_offset)
-        w = w.to(device=quant.device, dtype=dt)
+        w = to_model_dtype(w.to(quant.device), dtype=dt, prefix=prefix, what=name, expert_offset=expert_offset)
         if name == "w13":
             w = _pad_k(_pad_rows(w, I, Ip), Hp)
         else:
@@ -154,6 +164,33 @@ def output_block(block: ExpertBlock, shape: LayerShape, unpadded: tuple[int, int
         del w
         out[name], out[name + "_scale"] = packed.cpu(), scales.cpu()
     return ExpertBlock(scheme=MXFP4Scheme(), **out, **kw)
+
+
+def to_model_dtype(t: torch.Tensor, *, dtype: torch.dtype, prefix: str, what: str,
+                   expert_offset: int) -> torch.Tensor:
+    """``t`` (a chunk of experts ``[E, ...]``) cast to the model dtype, refusing values the cast overflows.
+
+    Finite values beyond the dtype's largest (65504 for float16) become inf, which MXFP4 then encodes
+    as the top scale and a verify of the same cast cannot tell apart: the one line says which expert,
+    how many values and what to do instead.
+    """
+    out = t.to(dtype)
+    if out.dtype == t.dtype or not out.is_floating_point():
+        return out
+    blown = torch.isinf(out) & torch.isfinite(t)
+    if not bool(blown.any()):
+        return out
+    per_expert = blown.reshape(blown.shape[0], -1).sum(1)
+    e = int(torch.nonzero(per_expert)[0])
+    big = float(t[e].abs().float().max())
+    limit = torch.finfo(dtype).max
+    name = str(dtype).removeprefix("torch.")
+    others = int((per_expert > 0).sum()) - 1
+    more = f"; {others} more expert(s) too" if others else ""
+    advice = "; use --dtype bfloat16" if dtype == torch.float16 else ""
+    raise MoeConvertError(
+        f"expert {e + expert_offset} ({what}): {int(per_expert[e])} values exceed {name}'s range "
+        f"(max |x| {big:.1e} > {limit:.6g}){more}{advice}", tensor=prefix)
 
 
 def _pad_rows(t: torch.Tensor, I: int, Ip: int) -> torch.Tensor:
@@ -183,4 +220,4 @@ def _pad_k(t: torch.Tensor, k: int) -> torch.Tensor:
 
 
 __all__ = ["Quantization", "Quality", "output_block", "output_problems", "padded_sizes", "resolve_model_dtype",
-           "round_up"]
+           "round_up", "to_model_dtype"]

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Union
 
 from moeconvert.errors import MoeConvertError
+from moeconvert.sources import config_value
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -105,7 +106,7 @@ class CompressedTensorsConfig:
 
         self.raw = raw
         self.config_file = config_file
-        groups = raw.get("config_groups") or {}
+        groups = config_value(raw, "config_groups", dict, default={}, section="quantization_config.")
         for gname, gval in groups.items():
             # vLLM reads `targets` from every group value, so only the full dict form works there
             # (spec §1.1 caveat): refuse the preset shorthand `"W4A16": ["Linear"]` the same way.
@@ -116,7 +117,9 @@ class CompressedTensorsConfig:
                     expected="a dict with targets/weights",
                     found=type(gval).__name__,
                 )
-            actorder = (gval.get("weights") or {}).get("actorder")
+            weights = config_value(gval, "weights", dict, default={},
+                                   section=f"quantization_config.config_groups.{gname}.")
+            actorder = weights.get("actorder")
             if actorder in ("group", "dynamic"):
                 # vLLM 0.33.0 refuses this at config parse (newer compressed-tensors too).
                 raise MoeConvertError(
@@ -225,18 +228,23 @@ class CompressedTensorsConfig:
 
 
 def parse_quantization_config(config: dict, config_file: str) -> CompressedTensorsConfig | None:
-    """The checkpoint's quantization config, or None for an unquantized checkpoint."""
-    qc = config.get("quantization_config") or config.get("compression_config")
+    """The checkpoint's quantization config, or None for an unquantized checkpoint.
+
+    Read where transformers reads it (``quantization_config``, or the older ``compression_config``);
+    a value that is not an object is refused naming the key, before compressed-tensors sees it.
+    """
+    key = "quantization_config" if config.get("quantization_config") is not None else "compression_config"
+    qc = config_value(config, key, dict, default=None)
     if not qc:
         return None
-    method = qc.get("quant_method")
+    method = config_value(qc, "quant_method", str, default=None, section=f"{key}.")
     if method == "compressed-tensors":
         return CompressedTensorsConfig(qc, config_file)
     if method == "mxfp4":
         return None  # gpt-oss MXFP4: recognised by its tensor names (`*_blocks` / `*_scales`)
     raise MoeConvertError(
         "unsupported quantization_config.quant_method", file=_where(config_file),
-        expected="compressed-tensors (pack-quantized) or none", found=method,
+        expected="compressed-tensors (pack-quantized) or none", found=method or "no quant_method",
     )
 
 

@@ -1,8 +1,11 @@
 """verify: is a converted folder exactly what its manifest says, and exactly its source?
 
-1. The manifest is read and every shard's header checked against it (names, files, shapes, dtypes;
-   nothing missing, nothing extra).
-2. Every tensor's sha256 is recomputed.
+1. Everything but the tensor data is checked by :func:`moeconvert.manifest.check_output`, the same
+   check ``load`` makes: every manifest field, the manifest against the partition and the layouts'
+   plans, every shard header's sha256 (``__metadata__`` and padding included) and its tensors' names,
+   files, shapes and dtypes, config.json's sha256. A failure there is an error (the folder cannot be
+   read as what it claims to be), not a line of the report.
+2. Every tensor's data is read once: its sha256 is computed from the same reads that 3. decodes.
 3. Every MoE layer is decoded back to the canonical block through its layout's ``decode``; with
    ``--against SRC`` it is compared, bit for bit, with the canonical block decoded from the source
    (same TP/EP cut), and every pass-through tensor's bytes with the source's.
@@ -11,51 +14,19 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moeconvert import FORMAT_VERSION
-from moeconvert.canonical import LayerShape, Partition
+import torch
+
+from moeconvert.canonical import Partition
 from moeconvert.decode import decode_chunk
-from moeconvert.errors import MoeConvertError
-from moeconvert.layouts import get_layout
+from moeconvert.manifest import check_output
 from moeconvert.modelmap import map_model
 from moeconvert.quantize import Quality, Quantization, output_block
-from moeconvert.schemes import scheme_from_json
-from moeconvert.sources import MANIFEST_NAME, Source, open_source
+from moeconvert.sources import Source, open_source
 
 CHUNK_EXPERTS_BYTES = 256 << 20
-
-
-def read_manifest(out: Path) -> dict:
-    path = out / MANIFEST_NAME
-    if not out.is_dir():
-        raise MoeConvertError("no such output folder", file=str(out))
-    if not path.is_file():
-        raise MoeConvertError("incomplete or not a moeconvert output: no moeconvert.json", file=str(out))
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MoeConvertError(f"corrupt manifest: {e}", file=str(path)) from e
-    if manifest.get("format") != "moeconvert":
-        raise MoeConvertError("not a moeconvert manifest", file=str(path), tensor="format",
-                              expected="moeconvert", found=manifest.get("format"))
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise MoeConvertError("unsupported output format version (made by another moeconvert version)",
-                              file=str(path), expected=FORMAT_VERSION, found=manifest.get("format_version"))
-    return manifest
-
-
-def layer_shape_from_manifest(entry: dict, dtype: str) -> LayerShape:
-    """The LayerShape the layout planned with: padded sizes (and the real ones in ``extra``) for MXFP4."""
-    H, I, extra = entry["hidden_size"], entry["intermediate_size"], {}
-    if entry["scheme"]["kind"] == "mxfp4":
-        extra = {"hidden_size_unpadded": H, "intermediate_size_unpadded": I}
-        H, I = entry["hidden_size_padded"], entry["intermediate_size_padded"]
-    return LayerShape(num_experts=entry["num_experts"], hidden_size=H, intermediate_size=I,
-                      has_bias=entry["has_bias"], activation=entry["activation"], dtype=dtype,
-                      bias_dtype=entry.get("bias_dtype"), extra=extra)
 
 
 @dataclass
@@ -111,32 +82,33 @@ def _sha256(src: Source, name: str) -> str:
     return h.hexdigest()
 
 
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while buf := f.read(8 << 20):
+            h.update(buf)
+    return h.hexdigest()
+
+
+def _update(h, t: torch.Tensor) -> None:
+    """Hash a CPU tensor's stored bytes (as the writer hashed them: little-endian, row-major)."""
+    if t.numel():
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
 def verify_output(out: Path, against: str | None = None, revision: str | None = None,
                   progress=None) -> VerifyReport:
     progress = progress or (lambda n: None)
-    manifest = read_manifest(out)
+    checked = check_output(out, hash_headers=True, made_for=False)
+    manifest = checked.manifest
     produced = Source(out, str(out))
-    kinds = {scheme_from_json(layer["scheme"]).kind for layer in manifest["moe_layers"]}
-    layout = get_layout(manifest["layout"]["name"], next(iter(kinds)) if len(kinds) == 1 else None)
-    if manifest["layout"]["version"] != layout.version:
-        raise MoeConvertError("layout version differs from this moeconvert's", file=MANIFEST_NAME,
-                              tensor=f"layout {layout.name}", expected=layout.version,
-                              found=manifest["layout"]["version"])
-    listed = {e["name"]: e for e in manifest["tensors"].values()}
-    for layer in manifest["moe_layers"]:
-        listed.update({e["name"]: e for e in layer["tensors"].values()})
     other_errors = []
-    for name, e in listed.items():
-        info = produced.tensors.get(name)
-        if info is None:
-            other_errors.append(f"{name}: in the manifest but in no shard")
-        elif (info.file.name, list(info.shape), info.dtype) != (e["file"], e["shape"], e["dtype"]):
-            other_errors.append(f"{name}: shard says {info.file.name} {list(info.shape)} {info.dtype}, manifest says "
-                                f"{e['file']} {e['shape']} {e['dtype']}")
-    for name in produced.tensors:
-        if name not in listed:
-            other_errors.append(f"{name}: in a shard but not in the manifest")
-    ok_names = {n for n in listed if n in produced.tensors and not any(err.startswith(n + ":") for err in other_errors)}
+    for name, want in manifest["copied_files"].items():
+        path = out / name
+        if not path.is_file():
+            other_errors.append(f"{name}: copied from the source at conversion, now missing")
+        elif _file_sha256(path) != want["sha256"]:
+            other_errors.append(f"{name}: sha256 mismatch (file changed after conversion)")
 
     source = model = None
     part = Partition(**manifest["partition"])
@@ -146,8 +118,6 @@ def verify_output(out: Path, against: str | None = None, revision: str | None = 
     by_prefix = {lm.prefix: lm for lm in model.layers} if model else {}
 
     for name, e in manifest["tensors"].items():
-        if name not in ok_names:
-            continue
         digest = _sha256(produced, name)
         progress(produced.info(name).nbytes)
         if digest != e["sha256"]:
@@ -161,38 +131,37 @@ def verify_output(out: Path, against: str | None = None, revision: str | None = 
         missing = set(source.tensors) - set(manifest["tensors"]) - model.moe_tensor_names()
         other_errors += [f"{n}: in the source but not in the output" for n in sorted(missing)]
 
+    quant = Quantization(**manifest["quantization"]) if manifest["quantization"] else None
     reports = []
-    for entry in manifest["moe_layers"]:
+    for cl in checked.layers:
+        entry, layout, scheme, shape = cl.raw, cl.layout, cl.scheme, cl.shape
         rep = LayerReport(entry["prefix"], len(entry["tensors"]))
         reports.append(rep)
-        for suffix, e in entry["tensors"].items():
-            if e["name"] not in ok_names:
-                rep.checksum_errors.append(f"{suffix}: missing or mismatched (see above)")
-                continue
-            if _sha256(produced, e["name"]) != e["sha256"]:
-                rep.checksum_errors.append(f"{suffix}: sha256 mismatch")
-            progress(produced.info(e["name"]).nbytes)
-        if rep.checksum_errors:
-            continue
-        scheme = scheme_from_json(entry["scheme"])
-        shape = layer_shape_from_manifest(entry, manifest["dtype"])
         src_layer = by_prefix.get(entry["prefix"])
+        decoding = True
         if source is not None and src_layer is None:
             rep.differences.append("no such MoE layer in the source")
-            continue
-        quant = Quantization(**manifest["quantization"]) if manifest.get("quantization") else None
+            decoding = False
         quality = Quality() if source is not None and "quality" in entry else None
+        hashes = {suffix: hashlib.sha256() for suffix in entry["tensors"]}
         n = shape.num_experts
         per_expert = sum(produced.info(e["name"]).nbytes for e in entry["tensors"].values()) // max(n, 1)
         step = max(1, min(n, CHUNK_EXPERTS_BYTES // max(4 * per_expert, 1)))
         for a in range(0, n, step):
             b = min(n, a + step)
+            # one read per byte: the rows decoded are the rows hashed
             tensors = {suffix: produced.read(e["name"], rows=(a, b)) for suffix, e in entry["tensors"].items()}
+            for suffix, t in tensors.items():
+                _update(hashes[suffix], t)
+            progress(per_expert * (b - a))
+            if not decoding:
+                continue
             try:
                 block = layout.decode(tensors, shape, scheme)
             except (RuntimeError, ValueError, KeyError, IndexError) as exc:
                 rep.decode_errors.append(f"experts {a}..{b - 1}: {exc}")
-                break
+                decoding = False
+                continue
             if source is not None:
                 rep.compared = True
                 e0 = entry["expert_offset"]
@@ -203,7 +172,13 @@ def verify_output(out: Path, against: str | None = None, revision: str | None = 
                                         expert_offset=e0 + a, quality=quality)
                 diffs = layout.expected_block(want, shape).differences(block)
                 rep.differences += [f"experts {a}..{b - 1}: {d}" for d in diffs]
-        if quality is not None and not rep.decode_errors:
+        rep.checksum_errors = [f"{suffix}: sha256 mismatch" for suffix, h in hashes.items()
+                               if h.hexdigest() != entry["tensors"][suffix]["sha256"]]
+        if rep.checksum_errors:
+            # not the bytes that were converted: what decoding them said is beside the point
+            rep.decode_errors, rep.differences, rep.compared = [], [], False
+            continue
+        if quality is not None and not rep.decode_errors and decoding:
             rep.quality = quality.to_json()
             rep.differences += _quality_differences(entry["quality"], rep.quality)
     return VerifyReport(str(out), against, reports, len(manifest["tensors"]), other_errors)

@@ -9,10 +9,14 @@ are on disk; a failure removes the staging folder and leaves any earlier output 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
+import signal
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,22 +95,127 @@ def dtype_code(dt: torch.dtype) -> str:
     return TORCH_TO_CODE[dt]
 
 
+def leftover_path(out: Path, what: str, pid: int | None = None) -> Path:
+    """``.OUT.moeconvert-partial-PID`` (the staging folder) or ``.OUT.moeconvert-old-PID`` (the output
+    being replaced): hidden, named after the output and the process, so a later run can tell them apart."""
+    return out.parent / f".{out.name}.moeconvert-{what}-{os.getpid() if pid is None else pid}"
+
+
+def _pid_gone(pid: int) -> bool:
+    """True only when no process ``pid`` runs (a zombie counts as gone: it will never clean up)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, ValueError):
+        return False  # someone else's process, or not a pid a process of ours could have had
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def clear_leftovers(out: Path) -> None:
+    """Tidy what runs on ``out`` that were killed (``kill -9``, a crash, power loss) left beside it.
+
+    Only names of exactly our pattern whose process no longer runs are touched; a live run's folders
+    are left alone. A staging folder is removed. A replaced output (the run died between its two
+    renames) is put back as ``out`` when ``out`` is missing, else removed, so a killed ``--overwrite``
+    never loses the previous output.
+    """
+    prefix = f".{out.name}.moeconvert-"
+    try:
+        names = sorted(e.name for e in os.scandir(out.parent) if e.name.startswith(prefix))
+    except OSError:
+        return  # no parent (yet), or unreadable: nothing of ours can be there, and the checks say why
+    for name in names:
+        m = re.fullmatch(r"(partial|old)-([1-9][0-9]{0,9})", name[len(prefix):])
+        if not m or int(m[2]) == os.getpid() or not _pid_gone(int(m[2])):
+            continue
+        path = out.parent / name
+        try:
+            if path.is_symlink():
+                path.unlink()  # only the link: never what it points to
+            elif not path.is_dir():
+                continue  # a file of that name is not ours
+            elif m[1] == "old" and not os.path.lexists(out):
+                os.rename(path, out)
+            else:
+                shutil.rmtree(path)
+        except OSError:
+            pass  # a concurrent run got there first, or we may not: it stays, harmlessly hidden
+
+
+def _path_problem(e: OSError) -> str:
+    if e.errno == errno.ELOOP:
+        return "the path is a symbolic link loop"
+    if e.errno == errno.ENAMETOOLONG:
+        return "the name is longer than the file system allows"
+    return e.strerror
+
+
+def output_folder(out: Path) -> Path:
+    """The folder a run on ``out`` writes: ``out`` itself, or the folder ``out`` is a symbolic link to.
+
+    A link to a folder (often onto a bigger disk) is kept and its target replaced: staging goes next to
+    the target, on the target's file system, where the final rename has to happen. A dangling link or a
+    link loop is refused.
+    """
+    try:
+        st = os.lstat(out)
+    except FileNotFoundError:
+        return out
+    except OSError as e:
+        raise MoeConvertError(f"cannot use the output path: {_path_problem(e)}", file=str(out)) from e
+    if not stat.S_ISLNK(st.st_mode):
+        return out
+    try:
+        return out.resolve(strict=True)
+    except FileNotFoundError as e:
+        raise MoeConvertError("the output path is a symbolic link to nothing", file=str(out),
+                              found=os.readlink(out)) from e
+    except RuntimeError as e:  # pathlib before Python 3.13 reports a loop so
+        raise MoeConvertError("the output path is a symbolic link loop", file=str(out)) from e
+    except OSError as e:
+        raise MoeConvertError(f"cannot use the output path: {_path_problem(e)}", file=str(out)) from e
+
+
+def _hold_signals():
+    """Block SIGINT / SIGTERM in this thread until :func:`_release_signals`: a signal then arrives
+    after the two renames that swap an output in, never between them."""
+    if not hasattr(signal, "pthread_sigmask"):
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def _release_signals(mask) -> None:
+    if mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 class StagedOutput:
-    """Shard files being filled in a staging folder next to the final output."""
+    """Shard files being filled in a staging folder next to the final output.
+
+    ``out`` may be a symbolic link to a folder: the folder it points to is what gets replaced. With no
+    shards, the staging folder is simply made, for a caller to fill before :meth:`publish`.
+    """
 
     def __init__(self, out: Path, shards: list[Shard], overwrite: bool):
-        self.out = out
+        self.out = output_folder(Path(out))
         self.overwrite = overwrite
         self.shards = shards
-        self.staging = out.parent / f".{out.name}.moeconvert-partial-{os.getpid()}"
+        self.staging = leftover_path(self.out, "partial")
+        self._old: Path | None = None  # the replaced output, while it is moved aside
         self._fds: list[int] = []
         self._hash: dict[str, tuple[object, int]] = {}  # name -> (sha256, bytes hashed so far)
 
     def __enter__(self) -> "StagedOutput":
-        if self.staging.exists():
-            shutil.rmtree(self.staging)
-        self.staging.mkdir(parents=True)
+        clear_leftovers(self.out)
         try:
+            if os.path.lexists(self.staging):  # ours, from an earlier run in this same process
+                shutil.rmtree(self.staging)
+            self.staging.mkdir(parents=True)
             for shard in self.shards:
                 fd = os.open(self.staging / shard.filename, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
                 self._fds.append(fd)
@@ -115,6 +224,9 @@ class StagedOutput:
         except OSError as e:
             self._cleanup()
             raise MoeConvertError(f"cannot write the output: {e.strerror}", file=str(self.out)) from e
+        except BaseException:  # a signal while setting up: __exit__ will not run for a failed __enter__
+            self._cleanup()
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -122,6 +234,7 @@ class StagedOutput:
             self._cleanup()
 
     def _cleanup(self) -> None:
+        """Leave things as they were: no staging folder, and the previous output (if any) in place."""
         for fd in self._fds:
             try:
                 os.close(fd)
@@ -129,6 +242,15 @@ class StagedOutput:
                 pass
         self._fds = []
         shutil.rmtree(self.staging, ignore_errors=True)
+        if self._old is not None:
+            try:
+                if os.path.lexists(self.out):  # the new output is in: the old one was being removed
+                    shutil.rmtree(self._old)
+                else:
+                    os.rename(self._old, self.out)
+                self._old = None
+            except OSError:
+                pass  # left hidden beside the output; the next run on it puts it back or removes it
 
     def write(self, t: PlannedTensor, at: int, data: memoryview) -> None:
         """Write ``data`` at byte ``at`` of tensor ``t``. Pieces of one tensor must come in order."""
@@ -164,7 +286,7 @@ class StagedOutput:
                 shutil.copyfile(p, self.staging / p.name)
             tmp = self.staging / (MANIFEST_NAME + ".tmp")
             with open(tmp, "w") as f:
-                f.write(json.dumps(manifest, indent=1) + "\n")
+                f.write(json.dumps(manifest, indent=1, allow_nan=False) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.staging / MANIFEST_NAME)
@@ -173,35 +295,71 @@ class StagedOutput:
             self._cleanup()
             raise MoeConvertError(f"cannot finish the output: {e.strerror}", file=str(self.out)) from e
 
+    def publish(self) -> None:
+        """Make the filled staging folder the output (for callers that fill it themselves)."""
+        self._publish()
+
     def _publish(self) -> None:
         out = self.out
-        old = None
-        if out.exists():
-            if any(out.iterdir()):
-                if not self.overwrite:  # checked before converting too; something appeared meanwhile
-                    raise MoeConvertError("output folder exists and is not empty (use --overwrite)", file=str(out))
-                old = out.parent / f".{out.name}.moeconvert-old-{os.getpid()}"
-                os.rename(out, old)
-            else:
-                out.rmdir()
-        os.rename(self.staging, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        mask = _hold_signals()
+        try:
+            if os.path.lexists(out):
+                if any(out.iterdir()):
+                    if not self.overwrite:  # checked before converting too; something appeared meanwhile
+                        raise MoeConvertError("output folder exists and is not empty (use --overwrite)",
+                                              file=str(out))
+                    self._old = leftover_path(out, "old")
+                    os.rename(out, self._old)
+                else:
+                    out.rmdir()
+            os.rename(self.staging, out)
+        finally:
+            _release_signals(mask)
+        if self._old is not None:
+            shutil.rmtree(self._old, ignore_errors=True)
+            self._old = None
 
 
-def check_output_target(out: Path, source_root: Path, overwrite: bool) -> None:
-    """Refuse, before any work, outputs that would clobber data."""
-    out_r, src_r = out.resolve(), source_root.resolve()
-    if out_r == src_r or src_r in out_r.parents or out_r in src_r.parents:
-        raise MoeConvertError("the output folder must be outside the source checkpoint (and not contain it)",
-                              file=str(out))
-    if out.exists():
-        if not out.is_dir():
+def check_output_target(out: Path, source_root: Path | None, overwrite: bool,
+                        make_parents: bool = False) -> None:
+    """Refuse, before any work, outputs that would clobber data or that the file system cannot hold.
+
+    Also tidies what killed runs left beside the output (:func:`clear_leftovers`) first, so that a
+    previous output they had moved aside is back in place before it is judged. ``make_parents``: a
+    missing parent folder is fine (the staging folder is made with its parents).
+    """
+    real = output_folder(out)
+    staging = leftover_path(real, "partial")
+    try:
+        os.lstat(staging)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            raise MoeConvertError(f"the name is too long: the staging folder beside it adds "
+                                  f"{len(staging.name) - len(real.name)} characters and would be longer than "
+                                  "the file system allows", file=str(out)) from e
+        raise MoeConvertError(f"cannot use the output path: {_path_problem(e)}", file=str(out)) from e
+    clear_leftovers(real)
+    out_r = real.resolve()
+    if source_root is not None:
+        src_r = source_root.resolve()
+        if out_r == src_r or src_r in out_r.parents or out_r in src_r.parents:
+            raise MoeConvertError("the output folder must be outside the source checkpoint (and not contain it)",
+                                  file=str(out))
+    if os.path.lexists(real):
+        if not real.is_dir():
             raise MoeConvertError("output path exists and is not a folder", file=str(out))
-        if any(out.iterdir()) and not overwrite:
+        try:
+            non_empty = any(real.iterdir())
+        except OSError as e:
+            raise MoeConvertError(f"cannot read the output folder: {e.strerror}", file=str(out)) from e
+        if non_empty and not overwrite:
             raise MoeConvertError("output folder exists and is not empty (use --overwrite to replace it)",
                                   file=str(out))
     parent = out_r.parent
+    if make_parents and not os.path.lexists(parent):
+        return
     if not parent.is_dir():
         raise MoeConvertError("the output's parent folder does not exist", file=str(parent))
     if not os.access(parent, os.W_OK):

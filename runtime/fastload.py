@@ -18,6 +18,11 @@ Why not the mapped reads of loader.py: a ``copy_`` from mapped pages is one thre
    buffer meanwhile, and waits for a buffer's event before refilling it. On CPU the "device copy" is a
    memcpy into the final tensor.
 
+With ``expect`` (verifying), the chunks are dealt out in **jobs** instead of one by one: a job is a
+run of chunks no tensor crosses the end of, so every tensor is read by one worker, in order, and that
+worker hashes each piece in its host buffer right after issuing its copy (sha256 is sequential within
+a tensor; tensors are hashed in parallel). The bytes hashed are the bytes copied.
+
 Host memory is bounded by the ring (``2 * threads`` buffers of ``buffer_mb``, fewer and smaller for
 small loads), never the model. File reads and ``copy_`` release the GIL, so the threads overlap.
 The result is the bytes of the file, as the ``direct`` reader gives (tests/test_fastload.py).
@@ -25,6 +30,7 @@ The result is the bytes of the file, as the ``direct`` reader gives (tests/test_
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -34,7 +40,7 @@ from pathlib import Path
 import torch
 
 from moeconvert.errors import MoeConvertError
-from moeconvert.runtime.loader import Reader
+from moeconvert.runtime.loader import Reader, check_digest
 from moeconvert.sources import TensorInfo
 
 _ALIGN = 4096
@@ -74,6 +80,8 @@ def _pread(fd: int, view: memoryview, offset: int) -> int:
 class _Segment:
     info: TensorInfo
     dst: torch.Tensor  # uint8, info.nbytes, on the device
+    sha256: str | None = None  # what its bytes must hash to (verifying)
+    hasher: object = None
 
 
 @dataclass
@@ -141,6 +149,19 @@ def plan_chunks(segments: list[_Segment], chunk_bytes: int) -> list[_Chunk]:
                     chunks.append(ch)
                 a = b
     return chunks
+
+
+def plan_jobs(chunks: list[_Chunk]) -> list[list[_Chunk]]:
+    """The chunks cut where no tensor continues from one chunk into the next: each job then holds
+    whole tensors, which one worker reads (and hashes) in order."""
+    jobs: list[list[_Chunk]] = []
+    for ch in chunks:
+        continues = ch.pieces[0][1] > 0  # the chunk starts inside a tensor the previous one began
+        if jobs and continues:
+            jobs[-1].append(ch)
+        else:
+            jobs.append([ch])
+    return jobs
 
 
 class _Progress:
@@ -231,24 +252,33 @@ class ThreadedReader(Reader):
             got += n
 
     # -- the pipeline --------------------------------------------------------------------------------
-    def read_many(self, infos: list[TensorInfo]) -> list[torch.Tensor]:
+    def read_many(self, infos: list[TensorInfo], expect: dict[str, str] | None = None) -> list[torch.Tensor]:
         dsts = [torch.empty(i.nbytes, dtype=torch.uint8, device=self.device) for i in infos]
-        self._run([_Segment(i, d) for i, d in zip(infos, dsts)])
+        self._run([_Segment(i, d, None if expect is None else expect[i.name]) for i, d in zip(infos, dsts)])
         return [d.view(i.torch_dtype).reshape(i.shape) if i.nbytes else
                 torch.empty(i.shape, dtype=i.torch_dtype, device=self.device) for i, d in zip(infos, dsts)]
 
-    def read(self, info: TensorInfo) -> torch.Tensor:
-        return self.read_many([info])[0]
+    def read(self, info: TensorInfo, sha256: str | None = None) -> torch.Tensor:
+        return self.read_many([info], None if sha256 is None else {info.name: sha256})[0]
 
-    def read_into(self, info: TensorInfo, dst: torch.Tensor) -> None:
-        self._run([_Segment(info, dst)])
+    def read_into(self, info: TensorInfo, dst: torch.Tensor, sha256: str | None = None) -> None:
+        self._run([_Segment(info, dst, sha256)])
 
     def _run(self, segments: list[_Segment]) -> None:
+        verifying = any(seg.sha256 is not None for seg in segments)
+        for seg in segments:
+            if seg.sha256 is not None:
+                seg.hasher = hashlib.sha256()
         chunks = plan_chunks(segments, self.buffer_bytes)
-        if not chunks:
-            return
+        if chunks:
+            self._pipeline(chunks, plan_jobs(chunks) if verifying else [[c] for c in chunks])
+        for seg in segments:  # every copy has completed (or _pipeline raised)
+            if seg.hasher is not None:
+                check_digest(seg.info, seg.hasher.hexdigest(), seg.sha256)
+
+    def _pipeline(self, chunks: list[_Chunk], jobs: list[list[_Chunk]]) -> None:
         size = max(c.nbytes for c in chunks)
-        workers = min(self.threads, len(chunks))
+        workers = min(self.threads, len(jobs))
         cuda = self.device.type == "cuda"
         # one allocation for the ring; the caching host allocator keeps it for the next load
         ring = torch.empty(2 * workers * size, dtype=torch.uint8, pin_memory=cuda)
@@ -267,25 +297,31 @@ class ThreadedReader(Reader):
                 while True:
                     with lock:
                         i = state["next"]
-                        if state["error"] is not None or i >= len(chunks):
+                        if state["error"] is not None or i >= len(jobs):
                             return
                         state["next"] = i + 1
-                    chunk, b = chunks[i], k % 2
-                    k += 1
-                    if events[b] is not None:
-                        events[b].synchronize()  # the copies out of this buffer have finished
-                    self._fill(w, chunk, views[b])
-                    buf = bufs[b]
-                    if cuda:
-                        with torch.cuda.stream(streams[w]):
+                    for chunk in jobs[i]:
+                        if state["error"] is not None:
+                            return
+                        b = k % 2
+                        k += 1
+                        if events[b] is not None:
+                            events[b].synchronize()  # the copies out of this buffer have finished
+                        self._fill(w, chunk, views[b])
+                        buf = bufs[b]
+                        if cuda:
+                            with torch.cuda.stream(streams[w]):
+                                for seg, t, c, n in chunk.pieces:
+                                    seg.dst[t:t + n].copy_(buf[c:c + n], non_blocking=True)
+                                events[b] = torch.cuda.Event()
+                                events[b].record(streams[w])
+                        else:
                             for seg, t, c, n in chunk.pieces:
-                                seg.dst[t:t + n].copy_(buf[c:c + n], non_blocking=True)
-                            events[b] = torch.cuda.Event()
-                            events[b].record(streams[w])
-                    else:
+                                seg.dst[t:t + n].copy_(buf[c:c + n])
                         for seg, t, c, n in chunk.pieces:
-                            seg.dst[t:t + n].copy_(buf[c:c + n])
-                    bar.advance(chunk.nbytes)
+                            if seg.hasher is not None:  # in tensor order: the job holds the whole tensor
+                                seg.hasher.update(views[b][c:c + n])
+                        bar.advance(chunk.nbytes)
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                 with lock:
                     if state["error"] is None:
@@ -318,4 +354,4 @@ class ThreadedReader(Reader):
             raise state["error"]
 
 
-__all__ = ["ThreadedReader", "plan_chunks", "default_threads", "default_buffer_mb"]
+__all__ = ["ThreadedReader", "plan_chunks", "plan_jobs", "default_threads", "default_buffer_mb"]

@@ -14,6 +14,13 @@ copied with one ``Tensor.copy_`` into a fresh device tensor of the stored dtype.
 ``load`` hands a reader every tensor it wants at once (``read_many``), so a reader can plan its reads
 over whole shards; the default ``read_many`` reads them one by one with ``read_into``. Another reader
 (``O_DIRECT``, GPUDirect Storage) slots in by implementing ``read_many`` or ``read_into``.
+
+``expect`` (``load(verify=True)``, ``model.tensor`` after it): each tensor's sha256 is computed from
+the bytes in the same pass that copies them, a piece at a time while the piece is in cache, and a
+tensor whose digest is not the manifest's raises before anything is returned. Hashing the bytes that
+are copied, rather than the file before the copy, leaves no window in which the file could change
+between the check and the read. The direct reader hashes its tensors on several threads (``hashlib``
+and ``copy_`` release the GIL): sha256 runs at a few GB/s per core, slower than a memcpy.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -29,12 +37,28 @@ from moeconvert.errors import MoeConvertError
 from moeconvert.sources import TensorInfo
 
 READERS = ("direct", "pinned", "threaded")
+#: bytes hashed and copied at a time: small enough to stay in cache between the two
+_HASH_STEP = 4 << 20
+
+
+def check_digest(info: TensorInfo, got: str, want: str) -> None:
+    """A tensor whose bytes hash to another sha256 than the manifest's is never handed out."""
+    if got != want:
+        raise MoeConvertError("checksum mismatch: the tensor's bytes changed after conversion",
+                              file=info.file.name, tensor=info.name, expected=f"sha256 {want[:16]}…",
+                              found=f"sha256 {got[:16]}…")
+
+
+def hash_workers() -> int:
+    return min(8, os.cpu_count() or 1)
 
 
 class Reader:
     """Mapped shards of one output folder. Use as a context manager; tensors it made outlive it."""
 
     name = "direct"
+    #: threads that hash-and-copy tensors in parallel when verifying (1: the reader's buffer is shared)
+    _verify_threads = hash_workers()
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -77,29 +101,44 @@ class Reader:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(m, dtype=torch.uint8, count=info.nbytes, offset=info.start)
 
-    def sha256(self, info: TensorInfo) -> str:
-        h = hashlib.sha256()
-        m = self._map(info.file)
-        step = 64 << 20
-        for a in range(info.start, info.end, step):
-            h.update(memoryview(m)[a:min(a + step, info.end)])
-        return h.hexdigest()
-
-    def read(self, info: TensorInfo) -> torch.Tensor:
-        """A new tensor on the device holding the stored tensor (its dtype and shape)."""
+    def read(self, info: TensorInfo, sha256: str | None = None) -> torch.Tensor:
+        """A new tensor on the device holding the stored tensor (its dtype and shape); with ``sha256``,
+        only if its bytes hash to it."""
         dst = torch.empty(info.nbytes, dtype=torch.uint8, device=self.device)
-        self.read_into(info, dst)
+        self.read_into(info, dst, sha256)
         return dst.view(info.torch_dtype).reshape(info.shape) if info.nbytes else \
             torch.empty(info.shape, dtype=info.torch_dtype, device=self.device)
 
-    def read_many(self, infos: list[TensorInfo]) -> list[torch.Tensor]:
-        """New device tensors holding the stored tensors, in the order asked for."""
-        return [self.read(info) for info in infos]
+    def read_many(self, infos: list[TensorInfo], expect: dict[str, str] | None = None) -> list[torch.Tensor]:
+        """New device tensors holding the stored tensors, in the order asked for. ``expect``: name ->
+        sha256 each tensor must hash to (every name asked for must be in it)."""
+        if expect is None:
+            return [self.read(info) for info in infos]
+        workers = min(self._verify_threads, len(infos))
+        if workers <= 1:
+            return [self.read(info, expect[info.name]) for info in infos]
+        for info in infos:
+            self._map(info.file)  # mapped here, once, not raced for by the threads
+        with ThreadPoolExecutor(workers, thread_name_prefix="moeconvert-verify") as pool:
+            return list(pool.map(lambda info: self.read(info, expect[info.name]), infos))
 
-    def read_into(self, info: TensorInfo, dst: torch.Tensor) -> None:
+    def read_into(self, info: TensorInfo, dst: torch.Tensor, sha256: str | None = None) -> None:
         """Fill ``dst`` (uint8, ``info.nbytes`` long, on the device) with the tensor's bytes."""
-        if info.nbytes:
-            dst.copy_(self.host_bytes(info))
+        if sha256 is None:
+            if info.nbytes:
+                dst.copy_(self.host_bytes(info))
+            return
+        src, h = self.host_bytes(info), hashlib.sha256()
+        on_host = dst.device.type == "cpu"
+        for a in range(0, info.nbytes, _HASH_STEP):
+            b = min(a + _HASH_STEP, info.nbytes)
+            if on_host:  # hash the very bytes handed out
+                dst[a:b].copy_(src[a:b])
+                h.update(dst[a:b].numpy())
+            else:  # hash the mapped bytes, then copy them while they are in cache
+                h.update(src[a:b].numpy())
+                dst[a:b].copy_(src[a:b])
+        check_digest(info, h.hexdigest(), sha256)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -110,6 +149,7 @@ class PinnedReader(Reader):
     """Copies through a reused pinned buffer: two halves, each ``chunk`` bytes, alternating."""
 
     name = "pinned"
+    _verify_threads = 1
 
     def __init__(self, device: torch.device, chunk: int = 32 << 20):
         super().__init__(device)
@@ -121,8 +161,9 @@ class PinnedReader(Reader):
         self._events = [torch.cuda.Event(), torch.cuda.Event()]
         self._used = [False, False]
 
-    def read_into(self, info: TensorInfo, dst: torch.Tensor) -> None:
+    def read_into(self, info: TensorInfo, dst: torch.Tensor, sha256: str | None = None) -> None:
         src = self.host_bytes(info)
+        h = hashlib.sha256() if sha256 is not None else None
         for i, a in enumerate(range(0, info.nbytes, self.chunk)):
             half = i % 2
             n = min(self.chunk, info.nbytes - a)
@@ -133,6 +174,10 @@ class PinnedReader(Reader):
             dst[a:a + n].copy_(stage, non_blocking=True)
             self._events[half].record()
             self._used[half] = True
+            if h is not None:
+                h.update(stage.numpy())  # the bytes being copied, hashed while the copy runs
+        if h is not None:
+            check_digest(info, h.hexdigest(), sha256)
 
 
 def make_reader(kind: str, device: torch.device, *, threads: int | None = None, buffer_mb: float | None = None,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +11,7 @@ import torch
 
 from moeconvert.errors import MoeConvertError
 from moeconvert.runtime.layer import MoELayer
-from moeconvert.runtime.loader import Reader, make_reader
+from moeconvert.runtime.loader import make_reader
 from moeconvert.runtime.manifest import CheckedManifest, LayerEntry, read_checked
 from moeconvert.runtime.routing import Router, router_config, router_from_tensors
 
@@ -30,6 +29,8 @@ class MoEModel:
     moe_layers: dict[str, MoELayer]
     checked: CheckedManifest = field(repr=False)
     reader: str = "direct"
+    #: loaded with ``verify=True``: ``tensor()`` checks what it reads too
+    verify: bool = False
 
     def __getitem__(self, key: str | int) -> MoELayer:
         """A layer by experts prefix (``model.layers.3.mlp.experts``) or by decoder layer number."""
@@ -60,12 +61,16 @@ class MoEModel:
                 "layers": [layer.describe() for layer in self.moe_layers.values()]}
 
     def tensor(self, name: str) -> torch.Tensor:
-        """Any other tensor of the output (attention, norms, embeddings, ...), read to the device now."""
+        """Any other tensor of the output (attention, norms, embeddings, ...), read to the device now.
+
+        After ``load(verify=True)`` the bytes are hashed as they are read, on every call: the file may
+        have changed since the load, and a tensor whose sha256 is not the manifest's is never returned.
+        """
         info = self.checked.tensors.get(name)
         if info is None:
             raise MoeConvertError("no such tensor in the output", file=str(self.path), tensor=name)
         with make_reader(self.reader, self.device) as r:
-            t = r.read(info)
+            t = r.read(info, self.checked.sha256[name] if self.verify else None)
             r.synchronize()
         return t
 
@@ -103,15 +108,6 @@ def _select(layers: Iterable[int | str] | None, entries: list[LayerEntry]) -> li
     return out
 
 
-def _verify(reader: Reader, checked: CheckedManifest, name: str) -> None:
-    info = checked.tensors[name]
-    got = reader.sha256(info)
-    if got != checked.sha256[name]:
-        raise MoeConvertError("checksum mismatch: the tensor's bytes changed after conversion",
-                              file=info.file.name, tensor=name, expected=f"sha256 {checked.sha256[name][:16]}…",
-                              found=f"sha256 {got[:16]}…")
-
-
 def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -125,7 +121,9 @@ def load(path_or_repo: str | Path, device: str | torch.device | None = None, lay
 
     ``layers``: decoder layer numbers or experts prefixes (default: all). ``tp_rank`` / ``tp_size`` /
     ``ep_size`` / ``ep_rank``: the partition this process expects; an output cut otherwise is refused.
-    ``verify``: recompute every loaded tensor's sha256 against the manifest first. ``kernel``: force a
+    ``verify``: check the sha256 of every shard header and of config.json, and of every tensor's bytes
+    as they are read (now for the layers' tensors, at each ``model.tensor`` call for the others); a
+    tensor whose digest is not the manifest's is never returned. ``kernel``: force a
     kernel (``reference``, ``vllm-marlin``, ``triton``), as ``$MOECONVERT_KERNEL`` does. ``reader``:
     ``auto`` | ``direct`` | ``pinned`` | ``threaded`` (loader.py, fastload.py). ``threads`` /
     ``buffer_mb``: the threaded reader's workers and buffer size (default ``$MOECONVERT_LOAD_THREADS``
@@ -139,9 +137,8 @@ def load(path_or_repo: str | Path, device: str | torch.device | None = None, lay
                               expected="cpu, or a machine with CUDA", found=str(dev))
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    checked = read_checked(root, tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank)
-    cfg_path = root / "config.json"
-    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    checked = read_checked(root, tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank, verify=verify)
+    config = checked.config
     family = checked.family
     part = checked.partition
     selected = _select(layers, checked.layers)
@@ -151,11 +148,10 @@ def load(path_or_repo: str | Path, device: str | torch.device | None = None, lay
     names = list(dict.fromkeys(names))
     out: dict[str, MoELayer] = {}
     with make_reader(reader, dev, threads=threads, buffer_mb=buffer_mb, progress=progress) as r:
-        if verify:
-            for n in names:
-                _verify(r, checked, n)
-        # every tensor at once: a reader may plan its reads over whole shards (fastload.py)
-        read = dict(zip(names, r.read_many([checked.tensors[n] for n in names])))
+        # every tensor at once: a reader may plan its reads over whole shards (fastload.py), and
+        # hashes each tensor's bytes in the pass that copies them
+        expect = {n: checked.sha256[n] for n in names} if verify else None
+        read = dict(zip(names, r.read_many([checked.tensors[n] for n in names], expect)))
         r.synchronize()
         reader_name = r.name
     for entry in selected:
@@ -165,9 +161,9 @@ def load(path_or_repo: str | Path, device: str | torch.device | None = None, lay
             rt = {n: read[n] for n in entry.router}
             router = router_from_tensors(router_config(family, config, entry.top_k), rt)
         shared = {n: read[n] for n in entry.shared}
-        out[entry.prefix] = MoELayer(entry, tensors, dev, router, shared, config, part.get("tp_size", 1), kernel)
+        out[entry.prefix] = MoELayer(entry, tensors, dev, router, shared, config, part["tp_size"], kernel)
     return MoEModel(path=root, device=dev, manifest=checked.raw, config=config, moe_layers=out, checked=checked,
-                    reader=reader_name)
+                    reader=reader_name, verify=verify)
 
 
 __all__ = ["load", "MoEModel", "MoELayer", "Router"]
