@@ -1,12 +1,11 @@
-"""moeconvert's own Triton kernels (docs/kernels.md), the runtime's ``triton`` kernel (runtime/dispatch.py).
+"""moeconvert's own Triton kernels (docs/kernels.md): plain tensors and numbers in, no manifest.
 
-``supports(layout, kind)`` and ``fused_moe(x, tensors, layer, topk_weights, topk_ids)`` are the hook
-the runtime calls. Triton itself is imported on the first ``fused_moe`` call, so that loading a folder
-does not pay for it and ``TRITON_INTERPRET`` is read when the kernels are defined.
+* kernels/moe_fast.py ``fused_moe_fast``: the kernel of the ``triton-fast`` layouts (WNA16 int4/int8,
+  MXFP4), one layer call: align.py, gemm.py with dequant.py, pdl.py; tuned tiles in configs.py;
+* kernels/moe_wna16.py ``fused_moe_wna16``: the kernel of vLLM's WNA16 ``triton`` layout.
 
-* ``triton-fast`` layouts (WNA16 int4/int8, MXFP4): adapter.py -> moe_fast.py (one layer call: align.py,
-  gemm.py with dequant.py, pdl.py), tuned tiles (configs.py);
-* the WNA16 ``triton`` layout (vLLM's own Triton layout): kernels/moe_wna16.py.
+The runtime calls them through its ``triton`` kernel adapter (runtime/moeconvert_triton.py), which the
+layouts that name ``triton`` are dispatched to (runtime/dispatch.py).
 """
 
 from __future__ import annotations
@@ -35,20 +34,3 @@ if __name__ == "kernels":
         sys.modules["kernels"] = _module
         _spec.loader.exec_module(_module)
     # the import system returns sys.modules['kernels']: the rest of this file defines nothing it uses
-#: (layout name, scheme kind) pairs the fused MoE kernels read
-SUPPORTED = frozenset({("triton", "wna16"), ("triton-fast", "wna16"), ("triton-fast", "mxfp4")})
-
-
-def supports(layout: str, kind: str) -> bool:
-    return (layout, kind) in SUPPORTED
-
-
-def fused_moe(x, tensors, layer, topk_weights, topk_ids):
-    """Routed experts' output ``[M, H]`` in ``x.dtype`` for ``x [M, H]`` and global ``topk_ids [M, k]``."""
-    # a submodule named fused_moe would replace this function on the package once imported
-    if layer.entry.layout.name == "triton-fast":
-        from moeconvert.kernels.adapter import layer_forward
-    else:
-        from moeconvert.kernels.moe_wna16 import fused_moe as layer_forward
-
-    return layer_forward(x, tensors, layer, topk_weights, topk_ids)

@@ -5,7 +5,8 @@ docs/kernels.md, "fused_moe_fast: one layer call"); this module plans them: the 
 (configs.py, checked by :func:`check_config`), the alignment (align.py, or none for one token), the
 buffers that must start as zeros and split-K GEMM1's workspace, and each GEMM's launch
 (:func:`launch_gemm`, which ``bench kernel --tune`` also times alone). The kernels live in align.py,
-gemm.py (with dequant.py) and pdl.py; the runtime's adapter for ``triton-fast`` layers in adapter.py.
+gemm.py (with dequant.py) and pdl.py; the runtime's adapter for ``triton-fast`` layers in
+runtime/moeconvert_triton.py.
 """
 
 from __future__ import annotations
@@ -221,13 +222,3 @@ def mx_small_scales(*weights: FastWeights) -> bool:
     fold the unpacking's 2^126 into the scale (2^(S - 1) is a normal bf16 number). Reads the scales
     back to the host: call it once per layer, outside CUDA graph capture."""
     return all(int(w.scale.max()) <= 128 for w in weights if w.scale.numel())
-
-
-def __getattr__(name: str):
-    # Thin re-exports, to be removed once runtime/bench_kernel.py imports them from adapter.py (runtime/
-    # was not ours to edit when they moved). Lazy: adapter.py imports this module.
-    if name in ("weights_from_tensors", "layer_forward"):
-        from moeconvert.kernels import adapter
-
-        return getattr(adapter, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -184,20 +184,3 @@ def fused_moe_wna16(x: torch.Tensor, w13: WNA16Weights, w2: WNA16Weights, topk_w
     _gemm(a, w2, y, align, topk_weights.reshape(-1).float().contiguous(), bits=bits, group_size=group_size,
           top_k=1, num_pairs=P, cfg=cfg)
     return y.view(M, k, H).sum(dim=1).to(x.dtype)
-
-
-def fused_moe(x: torch.Tensor, tensors: dict[str, torch.Tensor], layer, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """The runtime's hook (runtime/dispatch.py): one ``MoELayer`` in the WNA16 ``triton`` layout."""
-    e = layer.entry
-    s = e.scheme
-    get = tensors.get
-    w13 = WNA16Weights(tensors["w13_weight"], tensors["w13_weight_scale"], get("w13_weight_zero_point"),
-                       get("w13_bias"))
-    w2 = WNA16Weights(tensors["w2_weight"], tensors["w2_weight_scale"], get("w2_weight_zero_point"), get("w2_bias"))
-    H = e.hidden_size
-    K = w13.qweight.shape[2] * 8 // s.bits
-    xin = x if K == H else torch.nn.functional.pad(x, (0, K - H))
-    y = fused_moe_wna16(xin, w13, w2, topk_weights, topk_ids, layer.act, bits=s.bits, group_size=s.group_size,
-                        expert_offset=e.expert_offset, w13_rows=e.metadata.get("w13_rows") or "gate_up")
-    return y[:, :H]

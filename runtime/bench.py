@@ -464,7 +464,6 @@ def make_folder(out: Path, gb: float = 6.0, *, hidden: int = 2048, intermediate:
 
     from moeconvert.canonical import Partition
     from moeconvert.convert import plan_conversion, run_conversion
-    from moeconvert.layouts import get_layout
     from moeconvert.sources import INDEX_NAME, open_source
     from moeconvert.writer import check_output_target
 
@@ -509,7 +508,7 @@ def make_folder(out: Path, gb: float = 6.0, *, hidden: int = 2048, intermediate:
                                                     indent=2))
         source = open_source(str(src))
         check_output_target(out, source.root, overwrite)
-        plan = plan_conversion(source, get_layout("plain"), Partition(), max_shard_size)
+        plan = plan_conversion(source, "plain", Partition(), max_shard_size)
         manifest = run_conversion(plan, out, overwrite=overwrite, progress=progress)
     finally:
         shutil.rmtree(src, ignore_errors=True)

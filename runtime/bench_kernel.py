@@ -113,7 +113,8 @@ def _fmt(p: Problem) -> tuple[str, int]:
 
 
 def ours(p: Problem, device):
-    from moeconvert.kernels.moe_fast import fused_moe_fast, mx_small_scales, weights_from_tensors
+    from moeconvert.kernels.moe_fast import fused_moe_fast, mx_small_scales
+    from moeconvert.runtime.moeconvert_triton import weights_from_tensors
 
     t = random_layout_tensors("triton-fast", p, device)
     w13, w2 = weights_from_tensors(t, "w13"), weights_from_tensors(t, "w2")

@@ -1,15 +1,19 @@
-"""Which kernel runs a layer: explicit, inspectable, one table.
+"""Which kernel runs a layer: explicit, inspectable, keyed by the names layouts declare.
 
-Every runtime kernel is a :class:`Kernel` registered here with the (layout name, scheme kind) pairs it
-reads, in order of preference; the PyTorch ``reference`` reads every layout (it decodes to the
-canonical block). For a layer, :func:`select` takes
+A runtime kernel is a :class:`Kernel` registered under its name with how to tell whether it can run a
+layer here and how to run it (:func:`register_kernel`): the built-in adapters are vllm_marlin.py
+(``vllm-marlin``) and moeconvert_triton.py (``triton``); other distributions add theirs through the
+``moeconvert.kernels`` entry-point group, loaded the first time the registry is asked. A layout
+declares the names of the runtime kernels that read it, in order of preference
+(``Layout.runtime_kernels``): that is the only link between the two. For a layer, :func:`select` takes
 
 1. the override, if any: the ``kernel=`` argument of ``load``, else ``$MOECONVERT_KERNEL``; an
    override that cannot run the layer is an error, not a fallback;
-2. else the first registered kernel that reads the layer's layout and can run here;
-3. else the reference. When the layout was made for a kernel that cannot run here (not installed,
-   wrong device or GPU, another library version, not wired into the runtime yet), a
-   :class:`KernelFallbackWarning` says which and why, once per reason.
+2. else the first of its layout's runtime kernels that can run here (``reference`` among them means
+   the PyTorch reference is the layout's own kernel, as for ``plain``);
+3. else the reference, which reads every layout (it decodes to the canonical block). A
+   :class:`KernelFallbackWarning` says which kernel could not run and why (not installed, wrong device
+   or GPU, another library version, or no runtime kernel reads the layout yet), once per reason.
 
 ``MoELayer.kernel`` names the choice and ``MoELayer.kernel_note`` the reason for a fallback.
 """
@@ -35,30 +39,73 @@ class KernelFallbackWarning(UserWarning):
 
 @dataclass(frozen=True)
 class Kernel:
+    """A runtime kernel: the layouts that name it (``Layout.runtime_kernels``) are the ones it reads."""
+
     name: str
-    reads: tuple[tuple[str, str], ...]  # (layout name, scheme kind)
-    #: why it cannot run this layer on this device (None: it can)
+    #: unavailable(layer, device): why it cannot run this ``MoELayer`` on this device (None: it can)
     unavailable: Callable[["object", torch.device], str | None]
-    #: run(layer, x [M, H], topk_weights [M, k] fp32, topk_ids [M, k] int32 global ids) -> [M, H]
+    #: run(layer, x [M, H], topk_weights [M, k] fp32, topk_ids [M, k] int32 global ids) -> [M, H] in
+    #: x.dtype; the layer's tensors are ``layer.tensors``, by the names its layout's plan declares
     run: Callable[..., torch.Tensor]
 
 
-_KERNELS: list[Kernel] = []
+_KERNELS: dict[str, Kernel] = {}
+_plugins_loaded = False
 
 
-def register(kernel: Kernel) -> Kernel:
-    if any(k.name == kernel.name for k in _KERNELS) or kernel.name == REFERENCE:
+def register_kernel(kernel: Kernel) -> Kernel:
+    """Register a runtime kernel under ``kernel.name``; layouts that list the name are dispatched to it."""
+    if not isinstance(kernel, Kernel):
+        raise TypeError(f"{kernel!r} is not a moeconvert.runtime.Kernel")
+    if kernel.name in _KERNELS or kernel.name == REFERENCE:
         raise ValueError(f"kernel {kernel.name!r} registered twice")
-    _KERNELS.append(kernel)
+    _KERNELS[kernel.name] = kernel
     return kernel
 
 
+def _add_plugin(obj: object) -> None:
+    import types
+
+    if isinstance(obj, types.ModuleType):
+        return  # its kernels registered themselves when it was imported
+    if isinstance(obj, Kernel) and _KERNELS.get(obj.name) is obj:
+        return  # registered by its module while the entry point imported it
+    register_kernel(obj)  # type: ignore[arg-type]
+
+
+def _registry() -> dict[str, Kernel]:
+    """The registry, with the ``moeconvert.kernels`` entry points loaded (once)."""
+    global _plugins_loaded
+    if not _plugins_loaded:
+        from moeconvert.plugins import KERNELS_GROUP, load_entry_points
+
+        _plugins_loaded = True  # a plugin that asks the registry while it loads sees it as it is
+        try:
+            load_entry_points(KERNELS_GROUP, _add_plugin)
+        except BaseException:
+            _plugins_loaded = False  # said again on the next use, not silently missing
+            raise
+    return _KERNELS
+
+
 def kernel_names() -> list[str]:
-    return [k.name for k in _KERNELS] + [REFERENCE]
+    return list(_registry()) + [REFERENCE]
 
 
-def kernels_for(layout: str, kind: str) -> list[Kernel]:
-    return [k for k in _KERNELS if (layout, kind) in k.reads]
+def get_kernel(name: str) -> Kernel:
+    try:
+        return _registry()[name]
+    except KeyError:
+        raise MoeConvertError("unknown kernel", tensor="kernel / $" + ENV_KERNEL,
+                              expected=" | ".join(kernel_names()), found=name) from None
+
+
+def reads(name: str) -> list[tuple[str, str]]:
+    """The (layout name, scheme kind) pairs whose layouts name kernel ``name`` (from the layouts' own
+    declarations: nothing here says it twice)."""
+    from moeconvert.layouts import layout_classes
+
+    return [(cls.name, kind) for cls in layout_classes() if name in cls.runtime_kernels for kind in cls.schemes]
 
 
 @dataclass(frozen=True)
@@ -77,111 +124,42 @@ def _say_once(text: str) -> None:
 
 
 def select(layer, device: torch.device, override: str | None = None) -> Choice:
-    """The kernel for ``layer`` (an ``MoELayer``) on ``device``."""
+    """The kernel for ``layer`` (an ``MoELayer``) on ``device``.
+
+    The layer's layout is the registered class the manifest's layout name and scheme kind resolved to
+    (``layer.entry.layout``); its ``runtime_kernels`` are the candidates, nothing else."""
     override = override or os.environ.get(ENV_KERNEL) or None
-    layout, kind = layer.entry.layout.name, layer.entry.scheme.kind
+    layout, kind = layer.entry.layout, layer.entry.scheme.kind
+    declared = layout.runtime_kernels
     if override is not None:
         if override == REFERENCE:
             return Choice(REFERENCE)
-        k = next((k for k in _KERNELS if k.name == override), None)
-        if k is None:
-            raise MoeConvertError("unknown kernel", tensor="kernel / $" + ENV_KERNEL,
-                                  expected=" | ".join(kernel_names()), found=override)
-        if (layout, kind) not in k.reads:
-            raise MoeConvertError(f"kernel {override} does not read the '{layout}' layout of {kind} experts",
-                                  tensor=layer.prefix, expected=", ".join(f"{a} ({b})" for a, b in k.reads),
-                                  found=f"{layout} ({kind})")
+        k = get_kernel(override)
+        if override not in declared:
+            raise MoeConvertError(f"kernel {override} does not read the '{layout.name}' layout of {kind} experts",
+                                  tensor=layer.prefix, expected=", ".join(f"{a} ({b})" for a, b in reads(override)),
+                                  found=f"{layout.name} ({kind})")
         why = k.unavailable(layer, device)
         if why is not None:
             raise MoeConvertError(f"kernel {override} was asked for but cannot run: {why}", tensor=layer.prefix)
         return Choice(override)
     reasons = []
-    for k in kernels_for(layout, kind):
-        why = k.unavailable(layer, device)
+    for name in declared:
+        if name == REFERENCE:
+            return Choice(REFERENCE)  # the layout's own kernel
+        k = _registry().get(name)
+        why = ("no runtime kernel of that name is registered (a plugin not installed?)" if k is None
+               else k.unavailable(layer, device))
         if why is None:
-            return Choice(k.name)
-        reasons.append(f"{k.name}: {why}")
-    made_for = layer.entry.layout.kernel
-    if not reasons and made_for == REFERENCE:
-        return Choice(REFERENCE)
+            return Choice(name)
+        reasons.append(f"{name}: {why}")
     note = ("; ".join(reasons) if reasons else
-            f"the runtime does not call {made_for} (the kernel the '{layout}' layout was made for) yet")
-    _say_once(f"moeconvert.runtime: '{layout}' layout ({kind}) on {device}: running the PyTorch reference "
+            f"the runtime does not call {layout.kernel} (the kernel the '{layout.name}' layout was made for) yet")
+    _say_once(f"moeconvert.runtime: '{layout.name}' layout ({kind}) on {device}: running the PyTorch reference "
               f"instead of its kernel, because {note}")
     return Choice(REFERENCE, note)
 
 
-# ---------------------------------------------------------------------------------------------------
-# vLLM's Marlin MoE (marlin layouts, WNA16 and MXFP4)
-
-
-def _marlin_unavailable(layer, device: torch.device) -> str | None:
-    from moeconvert.runtime import vllm_marlin
-
-    return vllm_marlin.unavailable_reason(device, layer.entry.layout.made_for)
-
-
-def _local_ids(layer, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
-    """Global expert ids -> this output's local ids; other ranks' experts get weight 0 (EP)."""
-    e = layer.entry
-    if e.expert_offset == 0 and e.num_experts == e.num_experts_global:
-        return topk_weights, topk_ids
-    local = topk_ids.long() - e.expert_offset
-    mine = (local >= 0) & (local < e.num_experts)
-    return (torch.where(mine, topk_weights.float(), 0.0),
-            torch.where(mine, local, 0).to(torch.int32).contiguous())
-
-
-def _marlin_run(layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    from moeconvert.runtime import vllm_marlin
-
-    e = layer.entry
-    if x.dtype not in (torch.float16, torch.bfloat16) or (e.scheme.kind == "mxfp4" and x.dtype != torch.bfloat16):
-        raise MoeConvertError("vLLM's Marlin MoE runs float16/bfloat16 activations (bfloat16 only for MXFP4)",
-                              tensor=layer.prefix, expected="bfloat16" + ("" if e.scheme.kind == "mxfp4" else " or float16"),
-                              found=str(x.dtype).replace("torch.", ""))
-    s = e.scheme
-    type_id = vllm_marlin.weight_type_id(s.kind, getattr(s, "bits", None), getattr(s, "symmetric", True))
-    H, Hp = e.hidden_size, e.shape.hidden_size
-    Ip = e.intermediate_size_padded
-    xin = x if Hp == H else torch.nn.functional.pad(x, (0, Hp - H))
-    w, ids = _local_ids(layer, topk_weights, topk_ids)
-    y = vllm_marlin.fused_moe(xin.contiguous(), layer.tensors, E=e.num_experts, Hp=Hp, Ip=Ip, type_id=type_id,
-                              topk_weights=w, topk_ids=ids.to(torch.int32).contiguous(), act=layer.act,
-                              w13_rows=e.metadata.get("w13_rows") or "gate_up")
-    return y[:, :H]
-
-
-register(Kernel("vllm-marlin", (("marlin", "wna16"), ("marlin", "mxfp4")), _marlin_unavailable, _marlin_run))
-
-
-# ---------------------------------------------------------------------------------------------------
-# moeconvert's own Triton kernels (kernels/, moeconvert.kernels)
-#
-# The hook: ``moeconvert.kernels.supports(layout, kind) -> bool`` and
-# ``moeconvert.kernels.fused_moe(x, tensors, layer, topk_weights, topk_ids) -> [M, H]`` (docs/runtime.md).
-
-
-def _kernels_module():
-    import moeconvert.kernels as k
-
-    return k if callable(getattr(k, "fused_moe", None)) and callable(getattr(k, "supports", None)) else None
-
-
-def _triton_unavailable(layer, device: torch.device) -> str | None:
-    k = _kernels_module()
-    if k is None:
-        return "moeconvert.kernels has no fused MoE kernel yet"
-    if not k.supports(layer.entry.layout.name, layer.entry.scheme.kind):
-        return f"moeconvert.kernels does not take the {layer.entry.layout.name} layout of {layer.entry.scheme.kind} experts"
-    if device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
-        return f"Triton kernels need a CUDA device (device is {device}; TRITON_INTERPRET=1 runs them on CPU)"
-    return None
-
-
-def _triton_run(layer, x, topk_weights, topk_ids):
-    return _kernels_module().fused_moe(x, layer.tensors, layer, topk_weights, topk_ids)
-
-
-register(Kernel("triton", (("triton-fast", "wna16"), ("triton-fast", "mxfp4"), ("triton", "wna16"), ("triton", "mxfp4")),
-                _triton_unavailable, _triton_run))
+# The built-in runtime kernels register themselves on import (one adapter module per kernel).
+from moeconvert.runtime import vllm_marlin  # noqa: E402,F401
+from moeconvert.runtime import moeconvert_triton  # noqa: E402,F401

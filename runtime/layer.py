@@ -114,7 +114,7 @@ class MoELayer:
             return self.reference(hidden_states, topk_weights, topk_ids)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         self._check_inputs(x, topk_weights, topk_ids)
-        kernel = next(k for k in dispatch._KERNELS if k.name == self.kernel)
+        kernel = dispatch.get_kernel(self.kernel)
         return kernel.run(self, x, topk_weights, topk_ids.to(torch.int32)).reshape(hidden_states.shape)
 
     # -- routing and the whole block --------------------------------------------------------------

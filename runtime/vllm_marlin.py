@@ -1,4 +1,5 @@
-"""vLLM 0.33.0's Marlin MoE CUDA kernel on ``marlin`` layouts (WNA16 int4/int8 and MXFP4), loaded alone.
+"""The runtime kernel ``vllm-marlin``: vLLM 0.33.0's Marlin MoE CUDA kernel on ``marlin`` layouts (WNA16
+int4/int8 and MXFP4), loaded alone. The adapter (availability, one layer's call) is at the end.
 
 Only vLLM's compiled MoE ops library is loaded (``torch.ops.load_library`` of ``vllm/_moe_C*.so``),
 never the ``vllm`` Python package: ``$MOECONVERT_VLLM_MOE_LIB`` names the file, else it is looked up
@@ -29,6 +30,10 @@ from pathlib import Path
 import torch
 
 from moeconvert.errors import MoeConvertError
+from moeconvert.layouts.base import W2, W13
+from moeconvert.runtime.dispatch import Kernel, register_kernel
+
+NAME = "vllm-marlin"
 
 ENV_LIB = "MOECONVERT_VLLM_MOE_LIB"
 
@@ -163,11 +168,11 @@ def gemm(a: torch.Tensor, t: dict[str, torch.Tensor], w13: bool, r: Routing, *, 
          size_k: int) -> torch.Tensor:
     """One Marlin MoE GEMM. GEMM1 (``w13``): ``a [M, K]``, each token to its k experts, out
     ``[M*k, N]``; GEMM2: ``a [M*k, K]``, one expert per row, times its topk weight, out ``[M*k, N]``."""
-    p = "w13" if w13 else "w2"
+    p = W13 if w13 else W2
     size_m = a.shape[0]
     return ops().moe_wna16_marlin_gemm(
-        a, None, t[f"{p}_weight"], t.get(f"{p}_bias"), t[f"{p}_weight_scale"], None, None,
-        t.get(f"{p}_weight_zero_point"), _workspace(a.device), r.sorted_ids, r.expert_ids, r.num_tokens_past_padded,
+        a, None, t[p.weight], t.get(p.bias), t[p.weight_scale], None, None,
+        t.get(p.weight_zero_point), _workspace(a.device), r.sorted_ids, r.expert_ids, r.num_tokens_past_padded,
         r.topk_weights, r.block_size, r.top_k if w13 else 1, not w13, type_id, size_m, size_n, size_k,
         False, True, False, -1, -1, -1).view(size_m * (r.top_k if w13 else 1), size_n)
 
@@ -189,3 +194,44 @@ def fused_moe(x: torch.Tensor, t: dict[str, torch.Tensor], *, E: int, Hp: int, I
     a = activation(c1, act, Ip, w13_rows, x.dtype)
     c2 = gemm(a, t, False, r, type_id=type_id, size_n=Hp, size_k=Ip)
     return c2.view(M, top_k, Hp).sum(1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the runtime's adapter: an ``MoELayer`` of a ``marlin`` layout (its manifest entry and tensors) in,
+# the layer's output out
+
+
+def _unavailable(layer, device: torch.device) -> str | None:
+    return unavailable_reason(device, layer.entry.layout.made_for)
+
+
+def _local_ids(layer, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
+    """Global expert ids -> this output's local ids; other ranks' experts get weight 0 (EP)."""
+    e = layer.entry
+    if e.expert_offset == 0 and e.num_experts == e.num_experts_global:
+        return topk_weights, topk_ids
+    local = topk_ids.long() - e.expert_offset
+    mine = (local >= 0) & (local < e.num_experts)
+    return (torch.where(mine, topk_weights.float(), 0.0),
+            torch.where(mine, local, 0).to(torch.int32).contiguous())
+
+
+def _run(layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    e = layer.entry
+    if x.dtype not in (torch.float16, torch.bfloat16) or (e.scheme.kind == "mxfp4" and x.dtype != torch.bfloat16):
+        raise MoeConvertError("vLLM's Marlin MoE runs float16/bfloat16 activations (bfloat16 only for MXFP4)",
+                              tensor=layer.prefix, expected="bfloat16" + ("" if e.scheme.kind == "mxfp4" else " or float16"),
+                              found=str(x.dtype).replace("torch.", ""))
+    s = e.scheme
+    type_id = weight_type_id(s.kind, getattr(s, "bits", None), getattr(s, "symmetric", True))
+    H, Hp = e.hidden_size, e.shape.hidden_size
+    Ip = e.intermediate_size_padded
+    xin = x if Hp == H else torch.nn.functional.pad(x, (0, Hp - H))
+    w, ids = _local_ids(layer, topk_weights, topk_ids)
+    y = fused_moe(xin.contiguous(), layer.tensors, E=e.num_experts, Hp=Hp, Ip=Ip, type_id=type_id,
+                  topk_weights=w, topk_ids=ids.to(torch.int32).contiguous(), act=layer.act,
+                  w13_rows=e.metadata.get("w13_rows") or "gate_up")
+    return y[:, :H]
+
+
+KERNEL = register_kernel(Kernel(NAME, _unavailable, _run))

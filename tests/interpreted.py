@@ -14,15 +14,12 @@ import traceback
 from pathlib import Path
 
 import pytest
-import torch
+
+from helpers import rel  # noqa: F401  (the error measure, re-exported for the kernel tests)
 
 REPO = Path(__file__).resolve().parents[1]
 # rel = |y - ref| / |ref| (Frobenius); fp32 dots are exact-ish, fp16/bf16 round weights and GEMM1's output
 TOL = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 2e-2}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def run_child(module_file: str, mode: str, path: Path, timeout: int) -> None:

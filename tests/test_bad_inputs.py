@@ -14,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moeconvert.cli import main
 from moeconvert.example import make_example
+
+from helpers import cli
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +39,8 @@ def ckpt(pristine, tmp_path):
     return copy
 
 
-def run(args, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return exc.value.code, captured.err
-
-
-def assert_refused(src, out, capsys, *phrases, extra=()):
-    code, err = run(["repack", src, out, "--backend", "plain", *extra], capsys)
+def assert_refused(src, out, *phrases, extra=()):
+    code, _, err = cli("repack", src, out, "--backend", "plain", *extra)
     lines = err.strip().splitlines()
     assert code == 2, err
     assert len(lines) == 1 and lines[0].startswith("moeconvert: error: "), err
@@ -71,32 +65,32 @@ def rewrite_header(path: Path, edit):
     path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
 
 
-def test_truncated_shard(ckpt, tmp_path, capsys):
+def test_truncated_shard(ckpt, tmp_path):
     src = ckpt()
     f = only_shard(src)
     data = f.read_bytes()
     f.write_bytes(data[: len(data) - 1000])
-    assert_refused(src, tmp_path / "out", capsys, "model.safetensors", "past the end of the file")
+    assert_refused(src, tmp_path / "out", "model.safetensors", "past the end of the file")
 
 
-def test_corrupt_header_json(ckpt, tmp_path, capsys):
+def test_corrupt_header_json(ckpt, tmp_path):
     src = ckpt()
     f = only_shard(src)
     data = bytearray(f.read_bytes())
     data[8] = ord("x")  # the header's opening brace
     f.write_bytes(bytes(data))
-    assert_refused(src, tmp_path / "out", capsys, "model.safetensors", "corrupt header JSON")
+    assert_refused(src, tmp_path / "out", "model.safetensors", "corrupt header JSON")
 
 
-def test_header_length_past_end(ckpt, tmp_path, capsys):
+def test_header_length_past_end(ckpt, tmp_path):
     src = ckpt()
     f = only_shard(src)
     data = f.read_bytes()
     f.write_bytes(struct.pack("<Q", len(data) * 2) + data[8:])
-    assert_refused(src, tmp_path / "out", capsys, "header length exceeds the file")
+    assert_refused(src, tmp_path / "out", "header length exceeds the file")
 
 
-def test_offsets_past_end_of_file(ckpt, tmp_path, capsys):
+def test_offsets_past_end_of_file(ckpt, tmp_path):
     src = ckpt()
     name = "model.layers.1.mlp.experts.2.up_proj.weight"
 
@@ -105,26 +99,26 @@ def test_offsets_past_end_of_file(ckpt, tmp_path, capsys):
         h[name]["data_offsets"] = [b + 10**9, e + 10**9]
 
     rewrite_header(only_shard(src), edit)
-    assert_refused(src, tmp_path / "out", capsys, name, "past the end of the file")
+    assert_refused(src, tmp_path / "out", name, "past the end of the file")
 
 
-def test_size_does_not_match_shape(ckpt, tmp_path, capsys):
+def test_size_does_not_match_shape(ckpt, tmp_path):
     src = ckpt()
     name = "model.layers.0.mlp.experts.1.down_proj.weight"
     rewrite_header(only_shard(src), lambda h: h[name].update(shape=[h[name]["shape"][0], 3]))
-    assert_refused(src, tmp_path / "out", capsys, name, "does not match shape")
+    assert_refused(src, tmp_path / "out", name, "does not match shape")
 
 
-def test_index_names_missing_shard(ckpt, tmp_path, capsys):
+def test_index_names_missing_shard(ckpt, tmp_path):
     src = ckpt("sharded")
     shards = sorted(src.glob("model-*.safetensors"))
     assert len(shards) > 1
     shards[-1].unlink()
-    assert_refused(src, tmp_path / "out", capsys, "model.safetensors.index.json", "does not exist", shards[-1].name)
+    assert_refused(src, tmp_path / "out", "model.safetensors.index.json", "does not exist", shards[-1].name)
 
 
 @pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
-def test_index_path_outside_checkpoint_is_never_read(ckpt, tmp_path, capsys, how):
+def test_index_path_outside_checkpoint_is_never_read(ckpt, tmp_path, how):
     src = ckpt("sharded")
     index = json.loads((src / "model.safetensors.index.json").read_text())
     victim = sorted(set(index["weight_map"].values()))[0]
@@ -139,7 +133,7 @@ def test_index_path_outside_checkpoint_is_never_read(ckpt, tmp_path, capsys, how
         target = victim
     index["weight_map"] = {k: (target if v == victim else v) for k, v in index["weight_map"].items()}
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
-    line = assert_refused(src, tmp_path / "out", capsys, "outside the checkpoint folder", "refusing to read it")
+    line = assert_refused(src, tmp_path / "out", "outside the checkpoint folder", "refusing to read it")
     assert ("link" in line) == (how == "symlink")
 
 
@@ -152,102 +146,102 @@ def _resave_without(src: Path, drop=(), replace=None):
     save_file(tensors, f, metadata={"format": "pt"})
 
 
-def test_missing_expert_tensor(ckpt, tmp_path, capsys):
+def test_missing_expert_tensor(ckpt, tmp_path):
     src = ckpt()
     _resave_without(src, drop=["model.layers.1.mlp.experts.3.up_proj.weight"])
-    assert_refused(src, tmp_path / "out", capsys, "missing expert tensor", "model.layers.1.mlp.experts.3")
+    assert_refused(src, tmp_path / "out", "missing expert tensor", "model.layers.1.mlp.experts.3")
 
 
-def test_missing_whole_expert(ckpt, tmp_path, capsys):
+def test_missing_whole_expert(ckpt, tmp_path):
     src = ckpt()
     names = [n for n in load_file(only_shard(src)) if ".experts.3." in n and "layers.0." in n]
     _resave_without(src, drop=names)
-    assert_refused(src, tmp_path / "out", capsys, "does not hold every routed expert", "expert 3 missing")
+    assert_refused(src, tmp_path / "out", "does not hold every routed expert", "expert 3 missing")
 
 
-def test_mismatched_shapes_across_experts(ckpt, tmp_path, capsys):
+def test_mismatched_shapes_across_experts(ckpt, tmp_path):
     src = ckpt()
     name = "model.layers.0.mlp.experts.2.gate_proj.weight"
     t = load_file(only_shard(src))[name]
     _resave_without(src, replace={name: torch.zeros(t.shape[0] // 2, t.shape[1], dtype=t.dtype)})
-    assert_refused(src, tmp_path / "out", capsys, name, "disagree across experts")
+    assert_refused(src, tmp_path / "out", name, "disagree across experts")
 
 
-def test_config_hidden_size_disagrees(ckpt, tmp_path, capsys):
+def test_config_hidden_size_disagrees(ckpt, tmp_path):
     src = ckpt()
     cfg = json.loads((src / "config.json").read_text())
     cfg["hidden_size"] *= 2
     (src / "config.json").write_text(json.dumps(cfg))
-    assert_refused(src, tmp_path / "out", capsys, "hidden size disagrees with config.json")
+    assert_refused(src, tmp_path / "out", "hidden size disagrees with config.json")
 
 
-def test_unknown_family(ckpt, tmp_path, capsys):
+def test_unknown_family(ckpt, tmp_path):
     src = ckpt()
     cfg = json.loads((src / "config.json").read_text())
     cfg["model_type"] = "llama"
     (src / "config.json").write_text(json.dumps(cfg))
-    assert_refused(src, tmp_path / "out", capsys, "unknown model family", "llama", "qwen3_moe")
+    assert_refused(src, tmp_path / "out", "unknown model family", "llama", "qwen3_moe")
 
 
-def test_actorder_group_is_refused_like_vllm(ckpt, tmp_path, capsys):
+def test_actorder_group_is_refused_like_vllm(ckpt, tmp_path):
     src = ckpt("w4a16")
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
     (src / "config.json").write_text(json.dumps(cfg))
-    assert_refused(src, tmp_path / "out", capsys, "actorder='group'", "not supported")
+    assert_refused(src, tmp_path / "out", "actorder='group'", "not supported")
 
 
-def test_mixed_schemes_across_projections(ckpt, tmp_path, capsys):
+def test_mixed_schemes_across_projections(ckpt, tmp_path):
     src = ckpt("w4a16")
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"]["ignore"].append("re:.*down_proj$")
     (src / "config.json").write_text(json.dumps(cfg))
-    assert_refused(src, tmp_path / "out", capsys, "same quantization scheme")
+    assert_refused(src, tmp_path / "out", "same quantization scheme")
 
 
-def test_activation_quantization_is_not_wna16(ckpt, tmp_path, capsys):
+def test_activation_quantization_is_not_wna16(ckpt, tmp_path):
     src = ckpt("w4a16")
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {
         "num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
     (src / "config.json").write_text(json.dumps(cfg))
-    assert_refused(src, tmp_path / "out", capsys, "not a weight-only")
+    assert_refused(src, tmp_path / "out", "not a weight-only")
 
 
-def test_output_exists(ckpt, tmp_path, capsys):
+def test_output_exists(ckpt, tmp_path):
     src = ckpt()
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    code, err = run(["repack", src, out, "--backend", "plain"], capsys)
+    code, _, err = cli("repack", src, out, "--backend", "plain")
     assert code == 2 and "not empty" in err and "--overwrite" in err
     assert [p.name for p in out.iterdir()] == ["precious.txt"]
 
 
-def test_output_inside_source(ckpt, capsys):
+def test_output_inside_source(ckpt):
     src = ckpt()
-    code, err = run(["repack", src, src / "converted", "--backend", "plain"], capsys)
+    code, _, err = cli("repack", src, src / "converted", "--backend", "plain")
     assert code == 2 and "outside the source" in err
     assert not (src / "converted").exists()
 
 
 @pytest.mark.parametrize("kind", ["missing", "file", "no-config"])
-def test_unreadable_source(tmp_path, capsys, kind):
+def test_unreadable_source(tmp_path, kind):
     src = tmp_path / "src"
     if kind == "file":
         src.write_text("not a folder")
     elif kind == "no-config":
         src.mkdir()
-    assert_refused(src, tmp_path / "out", capsys, str(src) if kind != "no-config" else "no config.json")
+    assert_refused(src, tmp_path / "out", str(src) if kind != "no-config" else "no config.json")
 
 
-def test_unknown_backend(ckpt, tmp_path, capsys):
-    code, err = run(["repack", ckpt(), tmp_path / "out", "--backend", "nope"], capsys)
+def test_unknown_backend(ckpt, tmp_path):
+    code, _, err = cli("repack", ckpt(), tmp_path / "out", "--backend", "nope")
     assert code == 2 and "unknown backend layout" in err and "plain" in err
     assert not (tmp_path / "out").exists()
 
 
-def test_failure_mid_write_leaves_nothing_and_keeps_old_output(ckpt, tmp_path, capsys, monkeypatch):
+def test_failure_mid_write_leaves_nothing_and_keeps_old_output(ckpt, tmp_path, monkeypatch):
     src = ckpt()
     out = tmp_path / "out"
     out.mkdir()
@@ -264,15 +258,15 @@ def test_failure_mid_write_leaves_nothing_and_keeps_old_output(ckpt, tmp_path, c
         return real(self, block, shape)
 
     monkeypatch.setattr(PlainLayout, "encode", failing)
-    code, err = run(["repack", src, out, "--backend", "plain", "--overwrite"], capsys)
+    code, _, err = cli("repack", src, out, "--backend", "plain", "--overwrite")
     assert code == 1 and "internal error" in err and len(err.strip().splitlines()) == 1
     assert [p.name for p in out.iterdir()] == ["old.txt"]
     assert not [p for p in tmp_path.iterdir() if "moeconvert-partial" in p.name]
 
 
-def test_debug_shows_the_traceback(ckpt, tmp_path, capsys):
+def test_debug_shows_the_traceback(ckpt, tmp_path):
     src = ckpt()
     f = only_shard(src)
     f.write_bytes(f.read_bytes()[:4])
-    code, err = run(["repack", src, tmp_path / "out", "--backend", "plain", "--debug"], capsys)
+    code, _, err = cli("repack", src, tmp_path / "out", "--backend", "plain", "--debug")
     assert code == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("moeconvert: error:")

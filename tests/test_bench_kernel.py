@@ -13,27 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeconvert.cli import main
 from moeconvert.kernels import configs
 from moeconvert.kernels.moe_fast import check_config
 from moeconvert.layouts import get_layout
 from moeconvert.runtime.bench_kernel import SHAPES, _candidates, _fmt, problems, write_table
 from moeconvert.runtime.contenders import Problem, padded_shape, random_layout_tensors
 
+from helpers import cli
 from interpreted import REPO, run_child
 
 
-
-def run_cli(argv, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    cap = capsys.readouterr()
-    return exc.value.code, cap.out, cap.err
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
-def test_bench_kernel_refuses_without_a_gpu_in_one_line(capsys):
-    code, out, err = run_cli(["bench", "kernel", "--shapes", "mixtral", "--tokens", "1"], capsys)
+def test_bench_kernel_refuses_without_a_gpu_in_one_line():
+    code, out, err = cli("bench", "kernel", "--shapes", "mixtral", "--tokens", "1")
     assert code == 2 and err.count("\n") == 1 and "needs a CUDA device" in err
 
 
@@ -44,8 +36,8 @@ def test_bench_kernel_refuses_without_a_gpu_in_one_line(capsys):
     (["--tokens", "x"], "bad token counts"),
     (["--format", "fp8"], "unknown weight format"),
 ])
-def test_bench_kernel_bad_arguments_exit_2(argv, needle, capsys):
-    code, out, err = run_cli(["bench", "kernel", *argv], capsys)
+def test_bench_kernel_bad_arguments_exit_2(argv, needle):
+    code, out, err = cli("bench", "kernel", *argv)
     assert code == 2 and needle in err and err.count("\n") == 1, err
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeconvert.cli import main
 from moeconvert.errors import MoeConvertError
 from moeconvert.runtime import KernelFallbackWarning, load
 from moeconvert.runtime import fastload
@@ -26,13 +25,9 @@ from moeconvert.runtime.fastload import ThreadedReader, _Segment, plan_chunks
 from moeconvert.runtime.loader import make_reader
 from moeconvert.sources import TensorInfo
 
+from helpers import cli
+
 TINY = dict(hidden=256, intermediate=128, experts=8)
-
-
-def cli(*args) -> int:
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in args])
-    return exc.value.code
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +43,7 @@ def plain_out(tmp_path_factory) -> Path:
 def marlin_out(tmp_path_factory, example_ckpt) -> Path:
     src = example_ckpt("qwen3-moe", "w4a16", group_size=32, num_experts=4)
     out = tmp_path_factory.mktemp("fastload-marlin") / "marlin"
-    assert cli("repack", src, out, "--backend", "marlin", "--max-shard-size", "200KB") == 0
+    cli("repack", src, out, "--backend", "marlin", "--max-shard-size", "200KB", expect=0)
     return out
 
 
@@ -292,30 +287,25 @@ def test_peak_host_memory_is_the_result_plus_the_ring(big_out):
 
 # -- the bench ---------------------------------------------------------------------------------------
 
-def test_make_folder_is_a_valid_output(tmp_path, capsys):
-    capsys.readouterr()
-    assert cli("bench", "make-folder", tmp_path / "f", "--gb", 0.002, "--experts", 8, "--json") == 0
-    r = json.loads(capsys.readouterr().out)
+def test_make_folder_is_a_valid_output(tmp_path):
+    r = json.loads(cli("bench", "make-folder", tmp_path / "f", "--gb", 0.002, "--experts", 8, "--json", expect=0).out)
     assert r["layers"] == 1 and r["experts"] == 8 and r["bytes"] > 2e6
-    assert cli("verify", tmp_path / "f") == 0
+    cli("verify", tmp_path / "f", expect=0)
     m = json.loads((tmp_path / "f" / "moeconvert.json").read_text())
     assert m["layout"]["name"] == "plain" and m["family"] == "qwen3-moe"
     layer = m["moe_layers"][0]
     assert layer["tensors"]["w13_weight"]["shape"] == [8, 2 * 768, 2048] and layer["hidden_size"] == 2048
 
 
-def test_bench_load_io(plain_out, capsys):
-    capsys.readouterr()
-    assert cli("bench", "load", plain_out, "--device", "cpu", "--runs", 1, "--io", "--cold-runs", 0,
-               "--threads", 2, "--buffer-mb", 1, "--json") == 0
-    r = json.loads(capsys.readouterr().out)["io"]
+def test_bench_load_io(plain_out):
+    r = json.loads(cli("bench", "load", plain_out, "--device", "cpu", "--runs", 1, "--io", "--cold-runs", 0,
+                       "--threads", 2, "--buffer-mb", 1, "--json", expect=0).out)["io"]
     assert set(r["warm_bytes_per_s"]) == {"ours", "ours_direct", "safetensors_load_file",
                                           "safetensors_mmap_to_device", "sequential_read"}
     assert all(v > 0 for v in r["warm_bytes_per_s"].values())
     assert r["cold_bytes_per_s"] == {} and r["h2d_bytes_per_s"] is None
     assert r["ratios"]["ours_warm_vs_safetensors_load_file"] > 0 and r["load_bytes"] <= r["file_bytes"]
-    assert cli("bench", "load", plain_out, "--device", "cpu", "--runs", 1, "--io", "--cold-runs", 0) == 0
-    text = capsys.readouterr().out
+    text = cli("bench", "load", plain_out, "--device", "cpu", "--runs", 1, "--io", "--cold-runs", 0, expect=0).out
     assert "moeconvert load (threaded, " in text and "sequential read" in text
     assert "cold: not measured (no cold runs asked for)" in text
 

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeconvert.kernels import supports
 from moeconvert.kernels.align import max_padded_tokens, moe_align_block_size
+from moeconvert.runtime.dispatch import reads
 
+from helpers import cli
 from interpreted import TOL, rel, record, result, run_child
 
 
@@ -64,6 +65,11 @@ def test_align_matches_a_python_loop(M, k, E, offset, block_m):
     assert (got.expert_ids[nb:] == -1).all()
     assert got.sorted_token_ids.numel() == max_padded_tokens(M * k, E, block_m) >= used
     assert got.sorted_token_ids.dtype == got.expert_ids.dtype == torch.int32
+
+
+def supports(layout: str, kind: str) -> bool:
+    """The layouts name the runtime kernels that read them; ``triton`` is the one of our kernels."""
+    return (layout, kind) in reads("triton")
 
 
 def test_supports_the_layouts_made_for_our_kernels_only():
@@ -195,16 +201,12 @@ def _child(work: Path) -> None:
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory, example_ckpt):
     pytest.importorskip("triton")
-    from moeconvert.cli import main
-
     work = tmp_path_factory.mktemp("kernels")
     loads = {}
     for name, spec in LOADS.items():
         src = example_ckpt("qwen3-moe", num_layers=1, num_experts=4, **spec["args"])
         out = work / name
-        with pytest.raises(SystemExit) as exc:
-            main(["repack", str(src), str(out), "--backend", "triton", *spec["repack"]])
-        assert exc.value.code == 0
+        cli("repack", src, out, "--backend", "triton", *spec["repack"], expect=0)
         loads[name] = str(out)
     (work / "spec.json").write_text(json.dumps({"loads": loads}))
     run_child(__file__, "child", work, timeout=300)

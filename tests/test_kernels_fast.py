@@ -266,7 +266,7 @@ CASES = _cases()
 
 
 def _run_case(case: dict) -> dict:
-    from moeconvert.kernels.adapter import weights_from_tensors
+    from moeconvert.runtime.moeconvert_triton import weights_from_tensors
     from moeconvert.kernels.moe_fast import fused_moe_fast
     from moeconvert.runtime.reference import activation_fn, reference_moe
 
@@ -446,7 +446,7 @@ GPU_RUNS += [(*c, 1, "both-split") for c in (GPU_CASES[0], GPU_CASES[-1])]  # on
 @pytest.mark.parametrize("quant,E_,k,H,I,M,variant", GPU_RUNS,
                          ids=[f"{r[0]}-I{r[4]}-M{r[5]}" + (f"-{r[6]}" if r[6] else "") for r in GPU_RUNS])
 def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, variant):
-    from moeconvert.kernels.adapter import weights_from_tensors
+    from moeconvert.runtime.moeconvert_triton import weights_from_tensors
     from moeconvert.kernels.configs import heuristic_configs
     from moeconvert.kernels.moe_fast import fused_moe_fast, mx_small_scales
     from moeconvert.runtime.reference import activation_fn, reference_moe
@@ -513,7 +513,7 @@ def test_every_shipped_h200_config_matches_the_reference_gpu(name, M):
     """The configs of kernels/tuned/nvidia-h200.json (the tuner times them, it does not check them),
     each on 8 experts of its shape with real H and I, against the reference."""
     from moeconvert.kernels import configs
-    from moeconvert.kernels.adapter import weights_from_tensors
+    from moeconvert.runtime.moeconvert_triton import weights_from_tensors
     from moeconvert.kernels.moe_fast import fused_moe_fast
     from moeconvert.runtime.bench_kernel import SHAPES
     from moeconvert.runtime.reference import activation_fn, reference_moe

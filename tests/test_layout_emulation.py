@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
-from moeconvert.errors import MoeConvertError
 from moeconvert.layouts import get_layout
-from moeconvert.layouts.emulation import OUTPUT_SCHEME, EmulationLayout
+from moeconvert.layouts.emulation import EmulationLayout
 from moeconvert.layouts.plain import PlainLayout
 from moeconvert.schemes import FloatScheme, WNA16Scheme
-from test_layout_triton import cli, ct_params, lift_from_vllm, make_block, st_tensors
+
+from helpers import assert_lists_exactly, cli, st_tensors
+from test_layout_triton import ct_params, lift_from_vllm, make_block
 
 LAYOUT = get_layout("emulation", "wna16")
 
@@ -115,44 +116,32 @@ def test_float32_scales_are_cast_like_the_loader_first():
 
 
 # ---------------------------------------------------------------------------------------------------
-# decode, expected block, bias, check
+# bias, check (decode == expected_block, the plan, chunks and refusals: tests/test_layout_contract.py)
 
 
 @pytest.mark.parametrize("sym", [True, False])
-def test_decode_gives_the_expected_block(sym):
+def test_biases_are_the_loaders_bf16_values_and_decode_gives_the_reference(sym):
     shape = layer(3, 128, 64, bias=True)
     block = make_block(3, 128, 64, 4, 32, sym, seed=2)
     block.w13_bias = torch.randn(3, 128, dtype=torch.float32)
     block.w2_bias = torch.randn(3, 128, dtype=torch.float32)
     tensors = LAYOUT.encode(block, shape)
-    assert [s.suffix for s in LAYOUT.plan(shape, block.scheme)] == list(tensors)
-    decoded = LAYOUT.decode(tensors, shape, block.scheme)
-    assert decoded.scheme == OUTPUT_SCHEME
-    assert decoded.differences(LAYOUT.expected_block(block, shape)) == []
     # biases: the loader's bf16 values, untouched by the emulation
     assert torch.equal(tensors["w2_bias"], block.w2_bias.to(torch.bfloat16))
     r13, _ = reference(block)
-    assert bits_of(decoded.w13) == bits_of(r13)
+    assert bits_of(LAYOUT.decode(tensors, shape, block.scheme).w13) == bits_of(r13)
 
 
 def test_check_reports_every_violated_constraint_at_once():
     problems = LAYOUT.check(layer(1000, 100, 36, dtype="float16"), WNA16Scheme(8, 48, True, "float16"))
-    needles = ["bits = 8", "hidden_size H = 100 must be divisible by group_size 48",
-               "intermediate_size I = 36 (per TP partition) must be divisible by group_size 48",
-               "hidden_size H = 100 must be a multiple of 8",
-               "intermediate_size I (per TP partition) = 36 must be a multiple of 8",
-               "model dtype = float16", "1000 experts"]
-    assert len(problems) == len(needles), "\n".join(problems)
-    for needle in needles:
-        assert sum(needle in p for p in problems) == 1, needle
+    assert_lists_exactly(problems, [
+        "bits = 8", "hidden_size H = 100 must be divisible by group_size 48",
+        "intermediate_size I = 36 (per TP partition) must be divisible by group_size 48",
+        "hidden_size H = 100 must be a multiple of 8",
+        "intermediate_size I (per TP partition) = 36 must be a multiple of 8", "model dtype = float16", "1000 experts"])
     (channel,) = LAYOUT.check(layer(2, 128, 64), WNA16Scheme(4, -1, True, "bfloat16"))
     assert "channelwise" in channel
     assert LAYOUT.check(layer(2, 128, 64, bias=True), WNA16Scheme(4, 32, False, "bfloat16")) == []
-
-
-def test_encode_refuses_a_bad_layer():
-    with pytest.raises(MoeConvertError, match="model dtype = float16"):
-        LAYOUT.encode(make_block(2, 64, 32, 4, 32, True), layer(2, 64, 32, dtype="float16"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -165,8 +154,8 @@ def test_repack_and_verify_a_compressed_tensors_checkpoint(example_ckpt, tmp_pat
 
     src = example_ckpt("qwen3-moe", "w4a16", group_size=group_size, symmetric=symmetric, num_experts=4)
     out = tmp_path / "out"
-    assert cli("repack", src, out, "--backend", "emulation", "--verify") == 0
-    assert cli("verify", out, "--against", src) == 0
+    cli("repack", src, out, "--backend", "emulation", "--verify", expect=0)
+    cli("verify", out, "--against", src, expect=0)
     manifest = json.loads((out / "moeconvert.json").read_text())
     s, o = st_tensors(src), st_tensors(out)
     lay = manifest["moe_layers"][0]
@@ -184,10 +173,9 @@ def test_repack_and_verify_a_compressed_tensors_checkpoint(example_ckpt, tmp_pat
     assert f"{p}.w13_weight_scale" not in o and f"{p}.w13_weight_zero_point" not in o
 
 
-def test_repack_refuses_int8(example_ckpt, tmp_path, capsys):
+def test_repack_refuses_int8(example_ckpt, tmp_path):
     src = example_ckpt("qwen3-moe", "w8a16", group_size=64, symmetric=True, num_experts=4)
-    assert cli("repack", src, tmp_path / "out", "--backend", "emulation") == 2
-    assert "int4 only" in capsys.readouterr().err
+    assert "int4 only" in cli("repack", src, tmp_path / "out", "--backend", "emulation", expect=2).err
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """The MXFP4 layouts ``flashinfer-cutlass`` (SM90) and ``flashinfer-trtllm`` (Blackwell).
 
 Proved by: vectors worked out by hand from mxfp4-layouts.md §6.3/§6.6 (single-bit probes of the fp4
-interleave, one-hot probes of the row orders and the scale layouts), decode(encode(x)) == x, a
-literal port of FlashInfer's CUDA interleave kernel, and (optional, when the sources are found) vLLM
+interleave, one-hot probes of the row orders and the scale layouts), a literal port of FlashInfer's
+CUDA interleave kernel, and (optional, when the sources are found) vLLM
 0.33.0's own conversion functions run with FlashInfer's own pure-torch helpers on the same tensors.
 On a GPU with nvcc, FlashInfer's CUDA interleave kernel itself is compiled and run on our inputs.
+decode(encode(x)) == x, plan == what encode writes, streaming by chunks and the refusals every layout
+owes are tests/test_layout_contract.py.
 
 Sources for the optional oracle: ``MOECONVERT_FLASHINFER_SRC`` (a flashinfer wheel, the unpacked
 wheel, or the ``flashinfer`` package folder; else an installed flashinfer, found without importing
@@ -13,16 +15,12 @@ it) and ``MOECONVERT_VLLM_SRC`` (a vllm wheel or a folder holding ``vllm/``; els
 
 from __future__ import annotations
 
-import ast
 import ctypes
 import functools
-import importlib.util
-import os
 import shutil
 import subprocess
 import sys
 import types
-import zipfile
 from enum import Enum
 from pathlib import Path
 from typing import Union
@@ -31,18 +29,18 @@ import pytest
 import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
-from moeconvert.errors import MoeConvertError
 from moeconvert.layouts import get_layout
-from moeconvert.layouts.flashinfer_mxfp4 import (
+from moeconvert.layouts.flashinfer_cutlass import (
     FlashInferCutlassMXFP4Layout,
-    FlashInferTrtllmMXFP4Layout,
     deinterleave_sm90_fp4,
     fold_scales_sm90,
     interleave_sm90_fp4,
-    trtllm_w13_rows,
     unfold_scales_sm90,
 )
-from moeconvert.schemes import MXFP4Scheme, WNA16Scheme
+from moeconvert.layouts.flashinfer_trtllm_mxfp4 import FlashInferTrtllmMXFP4Layout, trtllm_w13_rows
+from moeconvert.schemes import MXFP4Scheme
+
+from helpers import FLASHINFER_SRC, assert_lists_exactly, lift, package_reader, same_bits, undecorated, vllm_reader
 
 CUTLASS = get_layout("flashinfer-cutlass", "mxfp4")
 TRTLLM = get_layout("flashinfer-trtllm", "mxfp4")
@@ -326,28 +324,7 @@ def test_trtllm_biases_are_fp32_in_row_order():
 
 
 # ---------------------------------------------------------------------------------------------------
-# round trips, plans, registry
-
-ROUND_TRIPS = [(CUTLASS, Hp, Ip) for Hp, Ip in ((128, 128), (256, 128), (384, 256), (128, 384))] + \
-              [(TRTLLM, Hp, Ip) for Hp, Ip in ((256, 128), (512, 256), (256, 384), (768, 128))]
-
-
-@pytest.mark.parametrize("L,Hp,Ip", ROUND_TRIPS, ids=[f"{L.name}-{Hp}-{Ip}" for L, Hp, Ip in ROUND_TRIPS])
-@pytest.mark.parametrize("E", [1, 3])
-@pytest.mark.parametrize("bias", [False, True])
-def test_decode_inverts_encode(L, Hp, Ip, E, bias):
-    shape, block = layer(E, Hp, Ip, bias=bias), make_block(E, Hp, Ip, bias, seed=Hp + Ip + E)
-    assert L.check(shape, MX) == []
-    tensors = L.encode(block, shape)
-    planned = L.plan(shape, MX)
-    assert [s.suffix for s in planned] == list(tensors)
-    for spec in planned:
-        t = tensors[spec.suffix]
-        assert (tuple(t.shape), t.dtype) == (spec.shape, spec.dtype), spec.suffix
-        assert t.is_contiguous(), spec.suffix
-    back = L.decode(tensors, shape, MX)
-    assert L.expected_block(block, shape).differences(back) == []
-    assert back.w13.dtype == torch.uint8 and back.w13_scale.dtype == torch.uint8
+# bytes that move, plans, registry
 
 
 @pytest.mark.parametrize("L", [CUTLASS, TRTLLM], ids=["cutlass", "trtllm"])
@@ -383,7 +360,6 @@ def test_registry_and_padding():
     assert CUTLASS.pad_multiples == (128, 128)  # spec §5.3
     assert TRTLLM.pad_multiples == (256, 128)
     assert type(get_layout("flashinfer-trtllm", "wna16")).__name__ != "FlashInferTrtllmMXFP4Layout"
-    assert CUTLASS.check(layer(2, 128, 128), WNA16Scheme(4, 32, True, "bfloat16"))  # not its scheme
 
 
 def test_activations_do_not_change_the_bytes():
@@ -403,9 +379,7 @@ def test_activations_do_not_change_the_bytes():
 
 
 def test_cutlass_check_reports_every_violation_at_once():
-    problems = CUTLASS.check(layer(2, 96, 48, dtype="float16", activation="gelu"), MX)
-    text = "\n".join(problems)
-    expected = [
+    assert_lists_exactly(CUTLASS.check(layer(2, 96, 48, dtype="float16", activation="gelu"), MX), [
         "model dtype = float16",
         "activation = gelu",
         "hidden_size Hp = 96 must be a multiple of 128",
@@ -416,18 +390,13 @@ def test_cutlass_check_reports_every_violation_at_once():
         "w13_weight_scale: K/32 = 3 must be divisible by 4",
         "w2_weight: K = 48 must be divisible by 64",
         "w2_weight_scale: rows = 96 must be divisible by 64",
-    ]
-    assert len(problems) == len(expected), text
-    for needle in expected:
-        assert sum(needle in p for p in problems) == 1, needle
+    ])
     assert any("n = 8 rows must be divisible by 16" in p for p in CUTLASS.check(layer(1, 8, 128), MX))
     assert CUTLASS.check(layer(1, 128, 128), MX) == []
 
 
 def test_trtllm_check_reports_every_violation_at_once():
-    problems = TRTLLM.check(layer(2, 96, 48, dtype="float16", activation="gelu"), MX)
-    text = "\n".join(problems)
-    expected = [
+    assert_lists_exactly(TRTLLM.check(layer(2, 96, 48, dtype="float16", activation="gelu"), MX), [
         "model dtype = float16",
         "activation = gelu",
         "hidden_size Hp = 96 must be a multiple of 256",
@@ -436,86 +405,34 @@ def test_trtllm_check_reports_every_violation_at_once():
         "w13_weight_scale: rows = 96 must be divisible by 128",
         "w13_weight_scale: K/32 = 3 must be divisible by 4",
         "w2_weight_scale: rows = 96 must be divisible by 128",
-    ]
-    assert len(problems) == len(expected), text
-    for needle in expected:
-        assert sum(needle in p for p in problems) == 1, needle
+    ])
     assert any("rows = 16 must be divisible by 32" in p for p in TRTLLM.check(layer(1, 16, 128), MX))
     assert TRTLLM.check(layer(1, 256, 128), MX) == []
     assert TRTLLM.check(layer(1, 128, 128), MX) == ["hidden_size Hp = 128 must be a multiple of 256 (vLLM 0.33.0 "
                                                     "pads it to 256 for this backend; mxfp4-layouts.md §5.3)"]
 
 
-@pytest.mark.parametrize("L", [CUTLASS, TRTLLM], ids=["cutlass", "trtllm"])
-def test_encode_refuses_bad_layers(L):
-    block = make_block(1, 256, 128)
-    with pytest.raises(MoeConvertError, match="model dtype = float16"):
-        L.encode(block, layer(1, 256, 128, dtype="float16"))
-
-
 # ---------------------------------------------------------------------------------------------------
 # Oracle: vLLM 0.33.0's conversion functions with FlashInfer's own helpers (optional)
 
 
-def _reader(env: str, package: str):
-    """``read(rel)`` for files of ``package`` (``flashinfer`` / ``vllm``): ``$env`` (a wheel, a folder
-    holding ``package/``, or the package folder), else the installed package, found without importing."""
-    src = os.environ.get(env)
-    if src:
-        path = Path(src)
-        if not path.exists():
-            return None
-        if path.is_file():
-            zf = zipfile.ZipFile(path)
-            return lambda rel: zf.read(f"{package}/{rel}").decode()
-        root = path / package if (path / package / "__init__.py").exists() else path
-    else:
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        root = Path(list(spec.submodule_search_locations)[0])
-    return lambda rel: (root / rel).read_text()
-
-
-def _lift(source: str, names: list[str], ns: dict, where: str) -> None:
-    """Exec the top-level functions/classes/assignments ``names`` of ``source`` into ``ns`` (decorators dropped)."""
-    import __future__
-
-    tree = ast.parse(source)
-    found = {}
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in names:
-            node.decorator_list = []
-            found[node.name] = node
-        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id in names:
-            found[node.targets[0].id] = node
-    missing = set(names) - set(found)
-    assert not missing, f"{where} no longer defines {sorted(missing)}"
-    module = ast.Module(body=[found[n] for n in names], type_ignores=[])
-    exec(compile(module, where, "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True), ns)
-
-
 @functools.lru_cache(maxsize=1)
 def flashinfer_helpers():
-    read = _reader("MOECONVERT_FLASHINFER_SRC", "flashinfer")
+    read = package_reader(FLASHINFER_SRC, "flashinfer")
     if read is None:
         pytest.skip("FlashInfer sources not found (set MOECONVERT_FLASHINFER_SRC to a flashinfer-python wheel or "
                     "its unpacked folder)")
     ns: dict = {"torch": torch, "Union": Union, "Optional": __import__("typing").Optional}
-    utils = read("utils.py")
-    names = ["srcToDstBlk16RowMap", "srcToDstBlk32RowMap", "get_shuffle_block_size",
-             "get_shuffle_matrix_a_row_indices", "get_shuffle_matrix_sf_a_row_indices"]
-    if "def _unaligned_rows_message" in utils:  # 0.7.4 only (an assert message)
-        names.insert(2, "_unaligned_rows_message")
-    _lift(utils, names, ns, "flashinfer/utils.py")
-    _lift(read("fused_moe/core.py"), ["get_w2_permute_indices_with_cache"], ns, "flashinfer/fused_moe/core.py")
-    _lift(read("fused_moe/prepare.py"), ["interleave_moe_scales_for_sm90_mixed_gemm"], ns,
-          "flashinfer/fused_moe/prepare.py")
+    fi = dict(package="flashinfer", edit=undecorated)
+    lift(read, "utils.py", ["srcToDstBlk16RowMap", "srcToDstBlk32RowMap", "get_shuffle_block_size",
+                            "get_shuffle_matrix_a_row_indices", "get_shuffle_matrix_sf_a_row_indices"], ns,
+         optional=["_unaligned_rows_message"], **fi)  # 0.7.4 only (an assert message)
+    lift(read, "fused_moe/core.py", ["get_w2_permute_indices_with_cache"], ns, **fi)
+    lift(read, "fused_moe/prepare.py", ["interleave_moe_scales_for_sm90_mixed_gemm"], ns, **fi)
     # two pure-torch renderings of the 128x4 swizzle that FlashInfer keeps beside its CUDA op
-    _lift(read("diffusion_ops/minimax_h3_fc1_swiglu.py"), ["_SF_TILE_ROWS", "_swizzle_sf_128x4"], ns,
-          "flashinfer/diffusion_ops/minimax_h3_fc1_swiglu.py")
+    lift(read, "diffusion_ops/minimax_h3_fc1_swiglu.py", ["_SF_TILE_ROWS", "_swizzle_sf_128x4"], ns, **fi)
     unswizzle_ns: dict = {"torch": torch}
-    _lift(read("gemm/gemm_bf16_fp4.py"), ["_unswizzle_sf_128x4"], unswizzle_ns, "flashinfer/gemm/gemm_bf16_fp4.py")
+    lift(read, "gemm/gemm_bf16_fp4.py", ["_unswizzle_sf_128x4"], unswizzle_ns, **fi)
     ns["_unswizzle_sf_128x4"] = unswizzle_ns["_unswizzle_sf_128x4"]
     return types.SimpleNamespace(**ns, read=read)
 
@@ -528,17 +445,16 @@ class _MoEActivation(Enum):  # the members vLLM's conversions compare against
 
 @functools.lru_cache(maxsize=1)
 def vllm_conversions():
-    read = _reader("MOECONVERT_VLLM_SRC", "vllm")
-    if read is None:
-        pytest.skip("vLLM sources not found (set MOECONVERT_VLLM_SRC to a vllm-0.33.0 wheel or a folder holding vllm/)")
+    read = vllm_reader("vLLM sources not found (set MOECONVERT_VLLM_SRC to a vllm-0.33.0 wheel or a folder holding "
+                       "vllm/)", check_version=False)
     ns: dict = {"torch": torch, "Enum": Enum, "Union": Union, "MoEActivation": _MoEActivation,
                 "current_platform": types.SimpleNamespace(is_rocm=lambda: False, is_xpu=lambda: False)}
-    _lift(read("model_executor/layers/quantization/utils/flashinfer_utils.py"), ["swap_w13_to_w31"], ns,
-          "vllm/.../flashinfer_utils.py")
-    _lift(read("model_executor/layers/fused_moe/oracle/mxfp4.py"),
-          ["Mxfp4MoeBackend", "TRTLLM_BACKENDS", "TRITON_BACKENDS", "B12X_BACKENDS", "FLASHINFER_MOE_EP_MXFP4_BACKENDS",
-           "_interleave_gate_up_rows", "convert_gpt_oss_weight_to_mxfp4_moe_kernel_format",
-           "convert_weight_to_mxfp4_moe_kernel_format"], ns, "vllm/model_executor/layers/fused_moe/oracle/mxfp4.py")
+    lift(read, "model_executor/layers/quantization/utils/flashinfer_utils.py", ["swap_w13_to_w31"], ns,
+         edit=undecorated)
+    lift(read, "model_executor/layers/fused_moe/oracle/mxfp4.py",
+         ["Mxfp4MoeBackend", "TRTLLM_BACKENDS", "TRITON_BACKENDS", "B12X_BACKENDS", "FLASHINFER_MOE_EP_MXFP4_BACKENDS",
+          "_interleave_gate_up_rows", "convert_gpt_oss_weight_to_mxfp4_moe_kernel_format",
+          "convert_weight_to_mxfp4_moe_kernel_format"], ns, edit=undecorated)
     return types.SimpleNamespace(**ns)
 
 
@@ -563,12 +479,6 @@ def _fake_flashinfer(monkeypatch, weight_interleave):
     mods["flashinfer.fused_moe.core"].get_w2_permute_indices_with_cache = fi.get_w2_permute_indices_with_cache
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-    return (tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
-            and torch.equal(a.contiguous().view(ints[a.element_size()]), b.contiguous().view(ints[b.element_size()])))
 
 
 def _vllm_convert(backend: str, block: ExpertBlock, gpt_oss: bool, weight_interleave, monkeypatch):
@@ -613,7 +523,7 @@ def test_bytes_equal_vllm_conversion_with_flashinfer_helpers(backend, which, Hp,
     theirs = _vllm_convert(backend, block, gpt_oss, cuda_port_interleave, monkeypatch)
     assert set(ours) == set(theirs)
     for name in ours:
-        assert _same_bytes(ours[name], theirs[name]), name
+        assert same_bits(ours[name], theirs[name]), name
 
 
 def test_fold_and_rows_equal_flashinfer_helpers():
@@ -705,4 +615,4 @@ def test_bytes_equal_vllm_conversion_with_flashinfers_cuda_interleave(which, Hp,
     ours = CUTLASS.encode(block, shape)
     theirs = _vllm_convert("FLASHINFER_CUTLASS_MXFP4_BF16", block, False, run, monkeypatch)
     for name in ours:
-        assert _same_bytes(ours[name], theirs[name]), name
+        assert same_bits(ours[name], theirs[name]), name

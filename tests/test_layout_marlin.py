@@ -1,23 +1,18 @@
 """The ``marlin`` layout: what vLLM 0.33.0's Marlin MoE kernel reads (wna16-layouts.md §3).
 
 Proved four ways: the spec's reference vectors (§7.1, §7.2, copied from the spec, which took them
-from vLLM's reference code), the spec's closed forms and invariants (§7.3), decode(encode(x)) == x on
-the whole supported grid, vLLM's own Python (when vLLM is installed) and, on a GPU, vLLM's compiled
-``moe_wna16_marlin_gemm`` run on our bytes.
+from vLLM's reference code), the spec's closed forms and invariants (§7.3), vLLM's own Python (when
+vLLM is installed) and, on a GPU, vLLM's compiled ``moe_wna16_marlin_gemm`` run on our bytes.
+decode(encode(x)) == x on every config ``check`` accepts (padded I, both w13 scale permutations, bias,
+fp16), plan == what encode writes, streaming by chunks and the refusals are tests/test_layout_contract.py.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
 import hashlib
-import importlib.util
 import math
-import os
-import re
 import types
-import zipfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +30,8 @@ from moeconvert.layouts.marlin import (
     unrepack_weights,
 )
 from moeconvert.schemes import WNA16Scheme
+
+from helpers import lift, rel, same_bits, vllm_moe_ops, vllm_reader
 
 LAYOUT = get_layout("marlin")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -283,29 +280,9 @@ def test_plan_names_and_dtypes():
 
 
 # ---------------------------------------------------------------------------------------------------
-# decode(encode(x)) == x on the supported grid
+# the cast to the model dtype
 
 SCHEMES = [(4, True), (4, False), (8, True)]
-GRID = [
-    (bits, sym, g, I, H, bias)
-    for bits, sym in SCHEMES for g in (32, 64, 128, -1) for I in (64, 96, 128, 192, 256)
-    for H in (128, 256) for bias in (False, True)
-    if g == -1 or I % g == 0
-]
-
-
-@pytest.mark.parametrize("bits,sym,g,I,H,bias", GRID)
-def test_decode_inverts_encode(bits, sym, g, I, H, bias):
-    shape, block = layer(2, H, I, bias=bias), make_block(2, H, I, bits, g, sym, bias, seed=I + H + g)
-    assert LAYOUT.check(shape, block.scheme) == []
-    tensors = LAYOUT.encode(block, shape)
-    assert LAYOUT.decode(tensors, shape, block.scheme).differences(block) == []
-
-
-def test_round_trip_in_float16():
-    shape, block = layer(2, 128, 96, bias=True, dtype="float16"), make_block(2, 128, 96, 4, 32, False, True,
-                                                                             scale_dtype="float16")
-    assert LAYOUT.decode(LAYOUT.encode(block, shape), shape, block.scheme).differences(block) == []
 
 
 def test_scales_are_cast_to_the_model_dtype_with_round_to_nearest_even():
@@ -415,16 +392,6 @@ def test_check_reports_every_violated_constraint_at_once():
     assert LAYOUT.check(layer(2, 128, 64), WNA16Scheme(4, 32, True, "bfloat16")) == []
 
 
-def test_check_refuses_other_scheme_kinds_and_encode_refuses_bad_layers():
-    from moeconvert.errors import MoeConvertError
-    from moeconvert.schemes import FloatScheme
-
-    assert LAYOUT.check(layer(2, 128, 64), FloatScheme("bfloat16"))
-    block = make_block(2, 128, 64, 4, 32, True)
-    with pytest.raises(MoeConvertError, match="model dtype = float32"):
-        LAYOUT.encode(block, layer(2, 128, 64, dtype="float32"))
-
-
 def test_i_equal_group_size_deviates_from_vllm_on_purpose():
     shape, scheme = layer(4, 256, 128), WNA16Scheme(4, 128, True, "bfloat16")
     meta = LAYOUT.layer_metadata(shape, scheme)
@@ -477,35 +444,6 @@ _VLLM_FUNCTIONS = {
 }
 
 
-def _vllm_source_reader():
-    """A reader of vLLM's .py files: $MOECONVERT_VLLM_SRC (a vllm wheel, or a folder holding vllm/),
-    else an installed vllm package (found without importing it, so its CUDA deps are not needed)."""
-    src = os.environ.get("MOECONVERT_VLLM_SRC")
-    if src:
-        path = Path(src)
-        if not path.exists():
-            return None
-        if path.is_file():
-            zf = zipfile.ZipFile(path)
-            return lambda rel: zf.read(f"vllm/{rel}").decode()
-        root = path / "vllm" if (path / "vllm").is_dir() else path
-    else:
-        spec = importlib.util.find_spec("vllm")
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        root = Path(list(spec.submodule_search_locations)[0])
-    return lambda rel: (root / rel).read_text()
-
-
-def _vllm_version(read) -> str | None:
-    try:
-        text = read("_version.py")
-    except (KeyError, OSError):
-        return None
-    found = re.search(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", text, re.M)
-    return found.group(1) if found else None
-
-
 @functools.lru_cache(maxsize=1)
 def vllm_reference():
     """vLLM's own functions, lifted out of its files with ast and run with numpy/torch only.
@@ -514,25 +452,14 @@ def vllm_reference():
     none of it. The CUDA repack op is stood in by vLLM's own Python reference (``get_weight_perm`` +
     ``marlin_weights``), which the spec checked against an emulation of the CUDA kernel.
     """
-    import __future__
     import numpy
 
-    read = _vllm_source_reader()
-    if read is None:
-        pytest.skip("vLLM is not installed (pip install vllm==0.33.0 --no-deps, or set MOECONVERT_VLLM_SRC to a "
-                    "vllm-0.33.0 wheel): the oracle comparison needs its Python reference code")
-    version = _vllm_version(read)
-    if version is not None and not version.startswith("0.33.0"):
-        pytest.skip(f"vLLM {version} found; the layout is made for 0.33.0")
+    read = vllm_reader("vLLM is not installed (pip install vllm==0.33.0 --no-deps, or set MOECONVERT_VLLM_SRC to a "
+                       "vllm-0.33.0 wheel): the oracle comparison needs its Python reference code")
     ns: dict = {"torch": torch, "numpy": numpy, "np": numpy, "math": math, "GPTQ_MARLIN_TILE": 16,
                 "logger": types.SimpleNamespace(warning_once=lambda *a, **k: None, info_once=lambda *a, **k: None)}
-    for rel, names in _VLLM_FUNCTIONS.items():
-        tree = ast.parse(read(rel))
-        found = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names}
-        missing = set(names) - set(found)
-        assert not missing, f"vllm/{rel} no longer defines {sorted(missing)}"
-        module = ast.Module(body=[found[n] for n in names], type_ignores=[])
-        exec(compile(module, f"vllm/{rel}", "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True), ns)
+    for path, names in _VLLM_FUNCTIONS.items():
+        lift(read, path, names, ns)
 
     def gptq_marlin_moe_repack(b_q_weight, size_k, size_n, num_bits, is_a_8bit=False):
         perm = ns["get_weight_perm"](num_bits, is_a_8bit)
@@ -566,12 +493,6 @@ def ct_params(block: ExpertBlock, params_dtype: torch.dtype):
     return p
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.contiguous().view(ints[a.element_size()]), b.contiguous().view(ints[b.element_size()]))
-
-
 ORACLE_GRID = [
     (bits, sym, g, I, H, bias)
     for bits, sym in SCHEMES for g in (32, 64, 128, -1) for I in (64, 96, 128, 256)
@@ -590,26 +511,26 @@ def test_bytes_equal_vllm_process_weights_marlin(bits, sym, g, I, H, bias):
         types.SimpleNamespace(intermediate_size_per_partition=I), None, bits, 32 // bits, g,
         p["w13"], p["w2"], p["w13_scale"], p["w2_scale"], p["w13_zero"], p["w2_zero"], p["w13_bias"], p["w2_bias"])
     w13, w2, s13, s2, z13, z2, _, _, b13, b2 = out
-    assert _same_bits(ours["w13_weight"], w13)
-    assert _same_bits(ours["w2_weight"], w2)
-    assert _same_bits(ours["w2_weight_scale"], s2)
+    assert same_bits(ours["w13_weight"], w13)
+    assert same_bits(ours["w2_weight"], w2)
+    assert same_bits(ours["w2_weight_scale"], s2)
     if "deviation" in LAYOUT.layer_metadata(shape, block.scheme):
         # vLLM permutes w13 scales as if K were I; we permute them for the GEMM's real K = H, the way
         # vLLM's own marlin_permute_scales does for a dense layer, which is what the kernel reads.
-        assert not _same_bits(ours["w13_weight_scale"], s13)
+        assert not same_bits(ours["w13_weight_scale"], s13)
         s13_true_k = ref.marlin_moe_permute_scales(
             _pad_w13_for_reference(ref, p["w13_scale"], I, padded_intermediate(I, g)), H, s13.shape[2], g)
-        assert _same_bits(ours["w13_weight_scale"], s13_true_k)
+        assert same_bits(ours["w13_weight_scale"], s13_true_k)
     else:
-        assert _same_bits(ours["w13_weight_scale"], s13)
+        assert same_bits(ours["w13_weight_scale"], s13)
     if not sym:
-        assert _same_bits(ours["w13_weight_zero_point"], z13)
-        assert _same_bits(ours["w2_weight_zero_point"], z2)
+        assert same_bits(ours["w13_weight_zero_point"], z13)
+        assert same_bits(ours["w2_weight_zero_point"], z2)
     else:
         assert "w13_weight_zero_point" not in ours and z13 is None
     if bias:
-        assert _same_bits(ours["w13_bias"], b13)
-        assert _same_bits(ours["w2_bias"], b2)
+        assert same_bits(ours["w13_bias"], b13)
+        assert same_bits(ours["w2_bias"], b2)
 
 
 def _pad_w13_for_reference(ref, s13_nfirst, I, Ip):
@@ -652,21 +573,6 @@ GPU_CASES = [
 ]
 
 
-@functools.lru_cache(maxsize=1)
-def _moe_ops():
-    from moeconvert.runtime import vllm_marlin
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    if vllm_marlin.find_library()[0] is None:
-        pytest.skip("set MOECONVERT_VLLM_MOE_LIB to vLLM 0.33.0's _moe_C library (vllm/_moe_C_stable_libtorch.abi3.so)")
-    return vllm_marlin.ops()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
-
 def _dequant(codes, scales, zeros, bits, g):  # canonical [E, N, K] -> float32 [E, N, K]
     K = codes.shape[2]
     cols = torch.arange(K, device=codes.device) // (g if g > 0 else K)
@@ -680,7 +586,7 @@ def run_marlin_moe(tensors, shape, scheme, x, topk_w, topk_ids):
     from moeconvert.runtime import vllm_marlin
     from moeconvert.runtime.reference import silu_and_mul
 
-    _moe_ops()
+    vllm_moe_ops()
     E, H, Ip = shape.num_experts, shape.hidden_size, padded_intermediate(shape.intermediate_size, scheme.group_size)
     M, topk = topk_ids.shape
     qtype = vllm_marlin.weight_type_id("wna16", scheme.bits, scheme.symmetric)
@@ -721,13 +627,13 @@ def gpu_errors(block, shape, tensors, M=32, topk=2, seed=0, dev="cuda"):
     ref2 = (torch.einsum("rk,rnk->rn", act[:, :I].float(), w2[ids]) + b2[ids]) * topk_w.flatten()[:, None]
     a_ref = torch.nn.functional.silu(ref1[:, :I]) * ref1[:, I:]
     ref_moe = ((torch.einsum("rk,rnk->rn", a_ref, w2[ids]) + b2[ids]) * topk_w.flatten()[:, None]).view(M, topk, H)
-    return _rel(got1, ref1), _rel(c2.reshape(M * topk, H), ref2), _rel(c2.sum(1), ref_moe.sum(1))
+    return rel(got1, ref1), rel(c2.reshape(M * topk, H), ref2), rel(c2.sum(1), ref_moe.sum(1))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits,sym,g,H,I,bias,dtype", GPU_CASES)
 def test_vllm_marlin_kernel_computes_right_on_our_bytes(bits, sym, g, H, I, bias, dtype):
-    _moe_ops()
+    vllm_moe_ops()
     shape = layer(4, H, I, bias=bias, dtype=dtype)
     block = make_block(4, H, I, bits, g, sym, bias, scale_dtype=dtype, seed=5)
     errs = gpu_errors(block, shape, LAYOUT.encode(block, shape))
@@ -740,7 +646,7 @@ def test_vllm_marlin_kernel_computes_right_on_our_bytes(bits, sym, g, H, I, bias
 @pytest.mark.parametrize("bits,sym,g,H,I", [(4, True, 128, 256, 128), (4, True, 128, 128, 256)])
 def test_vllm_own_w13_scale_layout_is_wrong_where_we_deviate(bits, sym, g, H, I):
     """The evidence for the deviation: vLLM's w13 scale permutation, run through vLLM's kernel."""
-    _moe_ops()
+    vllm_moe_ops()
     shape = layer(4, H, I)
     block = make_block(4, H, I, bits, g, sym, seed=5)
     tensors = LAYOUT.encode(block, shape)

@@ -1,7 +1,8 @@
 """The ``marlin`` layout for MXFP4 experts: what vLLM 0.33.0's Marlin MoE kernel reads (mxfp4-layouts.md §6.2).
 
-Proved four ways: the spec's closed forms (§6.2), written out by hand here and read back out of our
-bytes; decode(encode(x)) == x; vLLM's own load-time Python (``prepare_moe_mxfp4_layer_for_marlin``,
+Proved three ways (decode(encode(x)) == x and the rest every layout owes: tests/test_layout_contract.py):
+the spec's closed forms (§6.2), written out by hand here and read back out of our bytes; vLLM's own
+load-time Python (``prepare_moe_mxfp4_layer_for_marlin``,
 the gpt-oss loader's ``weight_loader``, its reference repack ``marlin_weights``), run on CPU when its
 source is at hand (MOECONVERT_VLLM_SRC = a vllm-0.33.0 wheel or a folder holding ``vllm/``); and, on a
 GPU, vLLM's compiled ``moe_wna16_marlin_gemm`` run on our bytes (MOECONVERT_VLLM_MOE_LIB).
@@ -9,23 +10,16 @@ GPU, vLLM's compiled ``moe_wna16_marlin_gemm`` run on our bytes (MOECONVERT_VLLM
 
 from __future__ import annotations
 
-import __future__
 import ast
 import enum
 import functools
-import importlib.util
-import os
-import re
 import sys
 import types
-import zipfile
-from pathlib import Path
 
 import pytest
 import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
-from moeconvert.errors import MoeConvertError
 from moeconvert.layouts import get_layout
 from moeconvert.layouts.marlin import MarlinLayout
 from moeconvert.layouts.marlin_mxfp4 import (
@@ -36,7 +30,9 @@ from moeconvert.layouts.marlin_mxfp4 import (
     unrepack_fp4,
 )
 from moeconvert.mxfp4 import dequantize_mxfp4
-from moeconvert.schemes import FloatScheme, MXFP4Scheme, WNA16Scheme
+from moeconvert.schemes import MXFP4Scheme
+
+from helpers import exec_nodes, lift, rel, same_bits, top_level, vllm_moe_ops, vllm_reader
 
 LAYOUT = get_layout("marlin", "mxfp4")
 SCHEME = MXFP4Scheme()
@@ -204,23 +200,7 @@ def test_dequantized_gemm1_columns_follow_the_activation():
 
 
 # ---------------------------------------------------------------------------------------------------
-# decode(encode(x)) == x
-
-
-ROUND_TRIP = [(E, Hp, Ip, bias, act) for E in (1, 3) for Hp, Ip in ((256, 128), (256, 384), (512, 256))
-              for bias in (False, True) for act in ("silu", "swigluoai")]
-
-
-@pytest.mark.parametrize("E,Hp,Ip,bias,activation", ROUND_TRIP)
-def test_decode_inverts_encode(E, Hp, Ip, bias, activation):
-    shape, block = layer(E, Hp, Ip, bias, activation), make_block(E, Hp, Ip, bias, seed=E * Hp + Ip)
-    assert LAYOUT.check(shape, SCHEME) == []
-    tensors = LAYOUT.encode(block, shape)
-    planned = LAYOUT.plan(shape, SCHEME)
-    assert [s.suffix for s in planned] == list(tensors)
-    for spec in planned:
-        assert tuple(tensors[spec.suffix].shape) == spec.shape and tensors[spec.suffix].dtype == spec.dtype
-    assert LAYOUT.decode(tensors, shape, SCHEME).differences(block) == []
+# decode of the scale bytes, the bias cast, plans
 
 
 def test_decode_takes_scale_bytes_as_uint8_too():
@@ -278,14 +258,6 @@ def test_check_reports_every_violated_constraint_at_once():
     assert LAYOUT.check(layer(2, 512, 384, activation="swigluoai"), SCHEME) == []
 
 
-def test_check_refuses_other_scheme_kinds_and_encode_refuses_bad_layers():
-    assert LAYOUT.check(layer(2, 256, 128), FloatScheme("bfloat16"))
-    assert LAYOUT.check(layer(2, 256, 128), WNA16Scheme(4, 32, True, "bfloat16"))
-    block = make_block(2, 256, 128)
-    with pytest.raises(MoeConvertError, match="model dtype = float16"):
-        LAYOUT.encode(block, layer(2, 256, 128, dtype="float16"))
-
-
 def test_metadata_names_the_w13_row_order():
     assert LAYOUT.layer_metadata(layer(2, 256, 128), SCHEME) == {"w13_rows": "gate_up", "is_a_8bit": False}
     assert LAYOUT.layer_metadata(layer(2, 256, 128, activation="swigluoai"), SCHEME)["w13_rows"] == "interleaved"
@@ -310,41 +282,6 @@ _VLLM_DEFS = {
 ORACLE_MXFP4 = "model_executor/layers/fused_moe/oracle/mxfp4.py"
 
 
-def _vllm_source_reader():
-    """A reader of vLLM's .py files: $MOECONVERT_VLLM_SRC (a vllm wheel, or a folder holding vllm/),
-    else an installed vllm package (found without importing it, so its CUDA deps are not needed)."""
-    src = os.environ.get("MOECONVERT_VLLM_SRC")
-    if src:
-        path = Path(src)
-        if not path.exists():
-            return None
-        if path.is_file():
-            zf = zipfile.ZipFile(path)
-            return lambda rel: zf.read(f"vllm/{rel}").decode()
-        root = path / "vllm" if (path / "vllm").is_dir() else path
-    else:
-        spec = importlib.util.find_spec("vllm")
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        root = Path(list(spec.submodule_search_locations)[0])
-    return lambda rel: (root / rel).read_text()
-
-
-def _top_level(tree: ast.Module) -> dict[str, ast.stmt]:
-    out = {}
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            out[node.name] = node
-        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            out[node.targets[0].id] = node
-    return out
-
-
-def _exec(nodes: list[ast.stmt], filename: str, ns: dict) -> None:
-    module = ast.Module(body=nodes, type_ignores=[])
-    exec(compile(module, filename, "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True), ns)
-
-
 @functools.lru_cache(maxsize=1)
 def vllm_reference():
     """vLLM's functions run with torch/numpy only. The CUDA ``gptq_marlin_repack`` is stood in by vLLM's
@@ -352,32 +289,21 @@ def vllm_reference():
     holds the CUDA op to; ``VLLM_MARLIN_INPUT_DTYPE`` is unset (``get_marlin_input_dtype() -> None``)."""
     import numpy
 
-    read = _vllm_source_reader()
-    if read is None:
-        pytest.skip("vLLM is not installed (pip install vllm==0.33.0 --no-deps, or set MOECONVERT_VLLM_SRC to a "
-                    "vllm-0.33.0 wheel): the oracle comparison needs its Python reference code")
-    try:
-        version = re.search(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", read("_version.py"), re.M)
-    except (KeyError, OSError):
-        version = None
-    if version is not None and not version.group(1).startswith("0.33.0"):
-        pytest.skip(f"vLLM {version.group(1)} found; the layout is made for 0.33.0")
+    read = vllm_reader("vLLM is not installed (pip install vllm==0.33.0 --no-deps, or set MOECONVERT_VLLM_SRC to a "
+                       "vllm-0.33.0 wheel): the oracle comparison needs its Python reference code")
     ns: dict = {"torch": torch, "numpy": numpy, "np": numpy, "Enum": enum.Enum, "GPTQ_MARLIN_TILE": 16,
                 "get_marlin_input_dtype": lambda *a, **k: None,
                 "current_platform": types.SimpleNamespace(is_xpu=lambda: False, is_rocm=lambda: False)}
-    for rel, names in _VLLM_DEFS.items():
-        found = _top_level(ast.parse(read(rel)))
-        missing = set(names) - set(found)
-        assert not missing, f"vllm/{rel} no longer defines {sorted(missing)}"
-        _exec([found[n] for n in names], f"vllm/{rel}", ns)
+    for path, names in _VLLM_DEFS.items():
+        lift(read, path, names, ns)
 
     # The gpt-oss MXFP4 checkpoint goes through RoutedExperts.weight_loader (its non-overload definition).
     rel = "model_executor/layers/fused_moe/routed_experts.py"
-    cls = _top_level(ast.parse(read(rel)))["RoutedExperts"]
+    cls = top_level(read(rel))["RoutedExperts"]
     loaders = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "weight_loader"
                and not any("overload" in ast.unparse(d) for d in n.decorator_list)]
     assert len(loaders) == 1, f"vllm/{rel}: RoutedExperts.weight_loader changed"
-    _exec(loaders, f"vllm/{rel}", ns)
+    exec_nodes(loaders, f"vllm/{rel}", ns)
 
     def gptq_marlin_repack(b_q_weight, size_k, size_n, num_bits, is_a_8bit=False):
         q = ns["unpack_cols"](b_q_weight.T.contiguous(), num_bits, size_n, size_k).T.contiguous()
@@ -386,12 +312,6 @@ def vllm_reference():
 
     ns["ops"] = types.SimpleNamespace(gptq_marlin_repack=gptq_marlin_repack)
     return types.SimpleNamespace(read=read, **ns)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.contiguous().view(ints[a.element_size()]), b.contiguous().view(ints[b.element_size()]))
 
 
 def vllm_marlin(ref, w13, w2, s13, s2, b13, b2, params_dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -404,7 +324,7 @@ def vllm_marlin(ref, w13, w2, s13, s2, b13, b2, params_dtype=torch.bfloat16) -> 
 def _assert_equal_to_vllm(ours: dict, theirs: dict) -> None:
     assert set(ours) == set(theirs)
     for name in ours:
-        assert _same_bits(ours[name], theirs[name]), name
+        assert same_bits(ours[name], theirs[name]), name
 
 
 @pytest.mark.parametrize("E,Hp,Ip,bias", [(2, 256, 128, False), (3, 256, 384, True), (1, 512, 256, True)])
@@ -467,7 +387,7 @@ def test_vllm_marlin_branches_pass_the_loaded_tensors_through():
     """Both routes into Marlin (gpt-oss checkpoint, online) reorder nothing: the layout's row order is
     the loader's, i.e. interleaved for gpt-oss and [gate; up] for per-expert checkpoints."""
     ref = vllm_reference()
-    found = _top_level(ast.parse(ref.read(ORACLE_MXFP4)))
+    found = top_level(ref.read(ORACLE_MXFP4))
     for fn in ("convert_gpt_oss_weight_to_mxfp4_moe_kernel_format", "convert_weight_to_mxfp4_moe_kernel_format"):
         branches = [n for n in ast.walk(found[fn]) if isinstance(n, ast.If) and "Mxfp4MoeBackend.MARLIN" in ast.unparse(n.test)]
         assert len(branches) == 1, fn
@@ -494,7 +414,7 @@ def test_vllm_fp16_path_corrupts_scale_bytes_outside_103_142():
     block.w2_scale.view(-1)[:256] = torch.arange(256).to(torch.uint8)
     args = (block.w13, block.w2, block.w13_scale, block.w2_scale, None, None)
     bf16, fp16 = vllm_marlin(ref, *args), vllm_marlin(ref, *args, params_dtype=torch.float16)
-    assert _same_bits(LAYOUT.encode(block, layer(E, Hp, Ip))["w2_weight_scale"], bf16["w2_weight_scale"])
+    assert same_bits(LAYOUT.encode(block, layer(E, Hp, Ip))["w2_weight_scale"], bf16["w2_weight_scale"])
     src = u8(bf16["w2_weight_scale"]).flatten()
     changed = set(src[u8(fp16["w2_weight_scale"]).flatten() != src].tolist())
     assert changed == set(range(1, 103)) | set(range(143, 255))
@@ -527,21 +447,6 @@ GPU_CASES = [
 ]
 
 
-@functools.lru_cache(maxsize=1)
-def _moe_ops():
-    from moeconvert.runtime import vllm_marlin
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    if vllm_marlin.find_library()[0] is None:
-        pytest.skip("set MOECONVERT_VLLM_MOE_LIB to vLLM 0.33.0's _moe_C library (vllm/_moe_C_stable_libtorch.abi3.so)")
-    return vllm_marlin.ops()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
-
 def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """The model's gated activation: SiLU-and-mul, or gpt-oss' clamped swiglu (SwigluOAIAndMul)."""
     gate, up = gate.float(), up.float()
@@ -564,7 +469,7 @@ def run_marlin_moe(tensors, shape, x, topk_w, topk_ids):
     act, gemm2 out)."""
     from moeconvert.runtime import vllm_marlin
 
-    _moe_ops()
+    vllm_moe_ops()
     E, Hp, Ip = shape.num_experts, shape.hidden_size, shape.intermediate_size
     M, topk = topk_ids.shape
     assert vllm_marlin.weight_type_id("mxfp4") == FLOAT4_E2M1F
@@ -599,13 +504,13 @@ def gpu_errors(block, shape, tensors, M=32, topk=2, seed=0, dev="cuda"):
     ref2 = (torch.einsum("rk,rnk->rn", act.float(), w2[ids]) + b2[ids]) * w
     a_ref = _glu(ref1[:, :Ip], ref1[:, Ip:], shape.activation)  # the model: gate rows first, then up
     ref_moe = ((torch.einsum("rk,rnk->rn", a_ref, w2[ids]) + b2[ids]) * w).view(M, topk, Hp)
-    return _rel(c1, ref1[:, rows]), _rel(c2.reshape(M * topk, Hp), ref2), _rel(c2.sum(1), ref_moe.sum(1))
+    return rel(c1, ref1[:, rows]), rel(c2.reshape(M * topk, Hp), ref2), rel(c2.sum(1), ref_moe.sum(1))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("E,Hp,Ip,bias,activation", GPU_CASES)
 def test_vllm_marlin_kernel_computes_right_on_our_mxfp4_bytes(E, Hp, Ip, bias, activation):
-    _moe_ops()
+    vllm_moe_ops()
     shape = layer(E, Hp, Ip, bias=bias, activation=activation)
     block = make_block(E, Hp, Ip, bias, seed=5, scales=(116, 122))
     errs = gpu_errors(block, shape, LAYOUT.encode(block, shape))

@@ -15,26 +15,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moeconvert.cli import main
 from moeconvert.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from moeconvert.verify import verify_output
 
+from helpers import cli, st_tensors
+
 H, I, E = 256, 80, 4  # I = 80 is padded to 96 by the plain layout's 32-multiples
-
-
-def cli(*args):
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in args])
-    return exc.value.code
-
-
-def read_all(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(f, "pt") as h:
-            for k in h.keys():
-                out[k] = h.get_tensor(k)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +55,8 @@ def expected_plain(src: dict, prefix: str, rounding: str = "vllm", tp: int = 1, 
 
 def test_plain_bytes_padding_and_manifest(qwen, tmp_path):
     out = tmp_path / "out"
-    assert cli("quantize", qwen, out, "--format", "mxfp4", "--backend", "plain") == 0
-    src, got = read_all(qwen), read_all(out)
+    cli("quantize", qwen, out, "--format", "mxfp4", "--backend", "plain", expect=0)
+    src, got = st_tensors(qwen), st_tensors(out)
     manifest = json.loads((out / "moeconvert.json").read_text())
     assert manifest["quantization"] == {"format": "mxfp4", "rounding": "vllm"}
     assert len(manifest["moe_layers"]) == 2
@@ -106,12 +92,12 @@ def test_plain_bytes_padding_and_manifest(qwen, tmp_path):
 
 def test_rounding_rules_differ_and_verify_uses_the_stored_one(qwen, tmp_path):
     a, b = tmp_path / "vllm", tmp_path / "ocp"
-    assert cli("quantize", qwen, a, "--backend", "plain") == 0
-    assert cli("quantize", qwen, b, "--backend", "plain", "--rounding", "ocp") == 0
-    src = read_all(qwen)
+    cli("quantize", qwen, a, "--backend", "plain", expect=0)
+    cli("quantize", qwen, b, "--backend", "plain", "--rounding", "ocp", expect=0)
+    src = st_tensors(qwen)
     prefix = json.loads((b / "moeconvert.json").read_text())["moe_layers"][0]["prefix"]
     (p13, s13), _, _ = expected_plain(src, prefix, "ocp")
-    got_a, got_b = read_all(a), read_all(b)
+    got_a, got_b = st_tensors(a), st_tensors(b)
     assert torch.equal(got_b[f"{prefix}.w13_weight"], p13) and torch.equal(got_b[f"{prefix}.w13_weight_scale"], s13)
     assert not torch.equal(got_a[f"{prefix}.w13_weight_scale"], got_b[f"{prefix}.w13_weight_scale"])
     assert verify_output(b, against=str(qwen)).ok
@@ -125,8 +111,8 @@ def test_rounding_rules_differ_and_verify_uses_the_stored_one(qwen, tmp_path):
 
 def test_tp_rank_cut_before_padding(qwen, tmp_path):
     out = tmp_path / "tp"
-    assert cli("quantize", qwen, out, "--backend", "plain", "--tp-size", "2", "--tp-rank", "1") == 0
-    src, got = read_all(qwen), read_all(out)
+    cli("quantize", qwen, out, "--backend", "plain", "--tp-size", "2", "--tp-rank", "1", expect=0)
+    src, got = st_tensors(qwen), st_tensors(out)
     layer = json.loads((out / "moeconvert.json").read_text())["moe_layers"][0]
     assert (layer["intermediate_size"], layer["intermediate_size_padded"]) == (40, 64)
     (p13, s13), (p2, s2), _ = expected_plain(src, layer["prefix"], tp=2, rank=1)
@@ -137,7 +123,7 @@ def test_tp_rank_cut_before_padding(qwen, tmp_path):
 
 def test_quality_tampering_is_caught(qwen, tmp_path):
     out = tmp_path / "out"
-    assert cli("quantize", qwen, out, "--backend", "plain") == 0
+    cli("quantize", qwen, out, "--backend", "plain", expect=0)
     m = json.loads((out / "moeconvert.json").read_text())
     m["moe_layers"][1]["quality"]["w2"]["rel_fro_error"] *= 0.5
     (out / "moeconvert.json").write_text(json.dumps(m))
@@ -147,7 +133,7 @@ def test_quality_tampering_is_caught(qwen, tmp_path):
     assert report.layers[0].ok
 
 
-def test_non_finite_weights_are_refused_naming_layer_and_expert(qwen, tmp_path, capsys):
+def test_non_finite_weights_are_refused_naming_layer_and_expert(qwen, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(qwen, bad)
     f = next(bad.glob("*.safetensors"))
@@ -161,27 +147,23 @@ def test_non_finite_weights_are_refused_naming_layer_and_expert(qwen, tmp_path, 
     tensors[name][7, 1] = float("nan")
     save_file(tensors, str(f), metadata=meta)
     out = tmp_path / "out"
-    assert cli("quantize", bad, out, "--backend", "plain") == 2
-    err = capsys.readouterr().err
+    err = cli("quantize", bad, out, "--backend", "plain", expect=2).err
     assert "model.layers.1.mlp.experts" in err and "expert 2: 2" in err and "non-finite" in err
     assert len(err.strip().splitlines()) == 1
     assert not out.exists() or not any(out.iterdir())
 
 
-def test_quantized_sources_are_refused_before_writing(tmp_path, capsys, example_ckpt):
+def test_quantized_sources_are_refused_before_writing(tmp_path, example_ckpt):
     src = example_ckpt("qwen3-moe", "w4a16", num_experts=E)
     out = tmp_path / "out"
-    assert cli("quantize", src, out, "--backend", "plain") == 2
-    err = capsys.readouterr().err
+    err = cli("quantize", src, out, "--backend", "plain", expect=2).err
     assert "w4a16" in err and "repack" in err
     assert not out.exists()
 
 
-def test_unknown_format_and_rounding(qwen, tmp_path, capsys):
-    assert cli("quantize", qwen, tmp_path / "a", "--backend", "plain", "--format", "nvfp4") == 2
-    assert "nvfp4" in capsys.readouterr().err
-    assert cli("quantize", qwen, tmp_path / "b", "--backend", "plain", "--rounding", "up") == 2
-    assert "rounding" in capsys.readouterr().err
+def test_unknown_format_and_rounding(qwen, tmp_path):
+    assert "nvfp4" in cli("quantize", qwen, tmp_path / "a", "--backend", "plain", "--format", "nvfp4", expect=2).err
+    assert "rounding" in cli("quantize", qwen, tmp_path / "b", "--backend", "plain", "--rounding", "up", expect=2).err
 
 
 def to_gptoss_mxfp4(src: Path, dst: Path) -> None:
@@ -221,9 +203,9 @@ def test_gptoss_mxfp4_checkpoint_is_relaid_out_without_requantizing(gptoss, tmp_
     mx = tmp_path / "mx"
     to_gptoss_mxfp4(gptoss, mx)
     a, b = tmp_path / "from-mxfp4", tmp_path / "from-bf16"
-    assert cli("quantize", mx, a, "--backend", "plain") == 0
-    assert cli("quantize", gptoss, b, "--backend", "plain") == 0
-    got_a, got_b, src = read_all(a), read_all(b), read_all(mx)
+    cli("quantize", mx, a, "--backend", "plain", expect=0)
+    cli("quantize", gptoss, b, "--backend", "plain", expect=0)
+    got_a, got_b, src = st_tensors(a), st_tensors(b), st_tensors(mx)
     ma = json.loads((a / "moeconvert.json").read_text())
     for layer in ma["moe_layers"]:
         prefix = layer["prefix"]
@@ -238,12 +220,12 @@ def test_gptoss_mxfp4_checkpoint_is_relaid_out_without_requantizing(gptoss, tmp_
 
 def test_gptoss_down_bias_only_on_tp_rank_0(gptoss, tmp_path):
     r0, r1 = tmp_path / "r0", tmp_path / "r1"
-    assert cli("quantize", gptoss, r0, "--backend", "plain", "--tp-size", "2", "--tp-rank", "0") == 0
-    assert cli("quantize", gptoss, r1, "--backend", "plain", "--tp-size", "2", "--tp-rank", "1") == 0
-    src = read_all(gptoss)
+    cli("quantize", gptoss, r0, "--backend", "plain", "--tp-size", "2", "--tp-rank", "0", expect=0)
+    cli("quantize", gptoss, r1, "--backend", "plain", "--tp-size", "2", "--tp-rank", "1", expect=0)
+    src = st_tensors(gptoss)
     prefix = json.loads((r0 / "moeconvert.json").read_text())["moe_layers"][0]["prefix"]
-    assert torch.equal(read_all(r0)[f"{prefix}.w2_bias"], src[f"{prefix}.down_proj_bias"])
-    assert not read_all(r1)[f"{prefix}.w2_bias"].any()
+    assert torch.equal(st_tensors(r0)[f"{prefix}.w2_bias"], src[f"{prefix}.down_proj_bias"])
+    assert not st_tensors(r1)[f"{prefix}.w2_bias"].any()
     assert verify_output(r1, against=str(gptoss)).ok
 
 
@@ -251,8 +233,8 @@ def test_emulation_keeps_gptoss_rows_interleaved(gptoss, qwen, tmp_path):
     """vLLM's MXFP4 EMULATION backend holds the plain bytes; gpt-oss rows stay in the checkpoint's
     gate/up interleave, which is quantizing the checkpoint's own [E, 2I, H] rows directly."""
     out = tmp_path / "emu"
-    assert cli("quantize", gptoss, out, "--backend", "emulation") == 0
-    src, got = read_all(gptoss), read_all(out)
+    cli("quantize", gptoss, out, "--backend", "emulation", expect=0)
+    src, got = st_tensors(gptoss), st_tensors(out)
     prefix = json.loads((out / "moeconvert.json").read_text())["moe_layers"][0]["prefix"]
     p13, s13 = quantize_mxfp4(src[f"{prefix}.gate_up_proj"].transpose(1, 2).contiguous())
     assert torch.equal(got[f"{prefix}.w13_weight"], p13) and torch.equal(got[f"{prefix}.w13_weight_scale"], s13)
@@ -260,9 +242,9 @@ def test_emulation_keeps_gptoss_rows_interleaved(gptoss, qwen, tmp_path):
     assert verify_output(out, against=str(gptoss)).ok
     # models without the interleave: the plain bytes
     a, b = tmp_path / "qe", tmp_path / "qp"
-    assert cli("quantize", qwen, a, "--backend", "emulation") == 0
-    assert cli("quantize", qwen, b, "--backend", "plain") == 0
-    ta, tb = read_all(a), read_all(b)
+    cli("quantize", qwen, a, "--backend", "emulation", expect=0)
+    cli("quantize", qwen, b, "--backend", "plain", expect=0)
+    ta, tb = st_tensors(a), st_tensors(b)
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
@@ -270,9 +252,9 @@ def test_emulation_keeps_gptoss_rows_interleaved(gptoss, qwen, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_cuda_writes_the_same_files(qwen, tmp_path):
     a, b = tmp_path / "cpu", tmp_path / "cuda"
-    assert cli("quantize", qwen, a, "--backend", "plain") == 0
-    assert cli("quantize", qwen, b, "--backend", "plain", "--device", "cuda") == 0
-    ta, tb = read_all(a), read_all(b)
+    cli("quantize", qwen, a, "--backend", "plain", expect=0)
+    cli("quantize", qwen, b, "--backend", "plain", "--device", "cuda", expect=0)
+    ta, tb = st_tensors(a), st_tensors(b)
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
     qa = [lay["quality"] for lay in json.loads((a / "moeconvert.json").read_text())["moe_layers"]]
     qb = [lay["quality"] for lay in json.loads((b / "moeconvert.json").read_text())["moe_layers"]]

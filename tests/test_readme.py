@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from moeconvert.cli import main  # noqa: E402
-from moeconvert.runtime import KernelFallbackWarning  # noqa: E402
+from moeconvert.runtime import KernelFallbackWarning, dispatch  # noqa: E402
 from moeconvert.example import make_example  # noqa: E402
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -38,6 +38,7 @@ def test_the_load_snippet_runs_as_written(tmp_path, capsys):
     os.chdir(tmp_path)  # the snippet names out/example-marlin relative to where the main job ran
     try:
         scope: dict = {}
+        dispatch._SAID.clear()  # said once per process: an earlier test may have loaded a marlin folder on CPU
         # without CUDA the layer says once that it runs the reference (as the README says)
         with contextlib.nullcontext() if torch.cuda.is_available() else pytest.warns(KernelFallbackWarning):
             exec(compile(blocks[0], "README.md", "exec"), scope)

@@ -16,18 +16,13 @@ import warnings
 import pytest
 import torch
 
-from moeconvert.cli import main
 from moeconvert.example import make_example
 from moeconvert.runtime import KernelFallbackWarning, load
 from moeconvert.runtime import dispatch
 
+from helpers import cli
+
 FAMILIES = ("qwen3-moe", "qwen2-moe", "mixtral", "deepseek-v2", "deepseek-v3", "glm4-moe", "gpt-oss")
-
-
-def cli(*args):
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in args])
-    assert exc.value.code == 0, args
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +39,7 @@ def made(tmp_path_factory):
         if okey not in outputs:
             out = base / f"out{len(outputs)}"
             verb = ["quantize", sources[skey], out, "--format", fmt] if fmt else ["repack", sources[skey], out]
-            cli(*verb, "--backend", backend, *cut)
+            cli(*verb, "--backend", backend, *cut, expect=0)
             outputs[okey] = out
         return outputs[okey]
 

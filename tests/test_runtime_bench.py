@@ -6,41 +6,33 @@ import json
 
 import pytest
 
-from moeconvert.cli import main
 from moeconvert.example import make_example
 
-
-def run(*args) -> int:
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in args])
-    return exc.value.code
+from helpers import cli
 
 
 @pytest.fixture(scope="module")
 def marlin_out(tmp_path_factory):
     base = tmp_path_factory.mktemp("bench")
     src = make_example(base / "src", "qwen3-moe", "w4a16", group_size=32, num_experts=4)
-    assert run("repack", src, base / "out", "--backend", "marlin") == 0
+    cli("repack", src, base / "out", "--backend", "marlin", expect=0)
     return base / "out"
 
 
-def test_bench_load_json_and_text(marlin_out, capsys):
-    capsys.readouterr()
-    assert run("bench", "load", marlin_out, "--device", "cpu", "--runs", 1, "--json") == 0
-    r = json.loads(capsys.readouterr().out)
+def test_bench_load_json_and_text(marlin_out):
+    r = json.loads(cli("bench", "load", marlin_out, "--device", "cpu", "--runs", 1, "--json", expect=0).out)
     assert set(r["median_seconds"]) == {"converted", "floor", "load_then_process"}
     assert all(len(v) == 1 and v[0] > 0 for v in r["seconds"].values())
     assert r["layers"] == 2 and r["bytes"] > 0 and r["source_note"] is None
     for key in ("ratio_converted_vs_floor", "ratio_load_then_process_vs_floor",
                 "speedup_converted_vs_load_then_process"):
         assert r[key] > 0
-    assert run("bench", "load", marlin_out, "--device", "cpu", "--runs", 1, "--layer", 1) == 0
-    text = capsys.readouterr().out
+    text = cli("bench", "load", marlin_out, "--device", "cpu", "--runs", 1, "--layer", 1, expect=0).out
     assert "(a) converted" in text and "(b) floor" in text and "(c) load-then-process" in text
     assert "a/b" in text and "c/a" in text and "stand-in" in text
 
 
-def test_bench_load_without_the_source(marlin_out, tmp_path, capsys):
+def test_bench_load_without_the_source(marlin_out, tmp_path):
     import shutil
 
     out = tmp_path / "out"
@@ -48,19 +40,16 @@ def test_bench_load_without_the_source(marlin_out, tmp_path, capsys):
     m = json.loads((out / "moeconvert.json").read_text())
     m["source"]["id"] = str(tmp_path / "gone")
     (out / "moeconvert.json").write_text(json.dumps(m))
-    capsys.readouterr()
-    assert run("bench", "load", out, "--device", "cpu", "--runs", 1, "--json") == 0
-    r = json.loads(capsys.readouterr().out)
+    r = json.loads(cli("bench", "load", out, "--device", "cpu", "--runs", 1, "--json", expect=0).out)
     assert "load_then_process" not in r["median_seconds"] and "(c) skipped" in r["source_note"]
 
 
-def test_bench_layer(marlin_out, capsys):
-    capsys.readouterr()
-    assert run("bench", "layer", marlin_out, "--device", "cpu", "--runs", 2, "--tokens", "1,8", "--json") == 0
-    r = json.loads(capsys.readouterr().out)
+def test_bench_layer(marlin_out):
+    r = json.loads(cli("bench", "layer", marlin_out, "--device", "cpu", "--runs", 2, "--tokens", "1,8", "--json",
+                       expect=0).out)
     assert r["kernel"] == "reference" and "CUDA" in r["kernel_note"]
     assert [row["tokens"] for row in r["rows"]] == [1, 8]
     assert all(row["rel_diff_vs_reference"] == 0.0 and row["kernel_seconds"] > 0 for row in r["rows"])
-    assert run("bench", "layer", marlin_out, "--device", "cpu", "--runs", 1, "--tokens", "2") == 0
-    assert "reference ms" in capsys.readouterr().out
-    assert run("bench", "layer", marlin_out, "--device", "cpu", "--tokens", "x") == 2
+    assert "reference ms" in cli("bench", "layer", marlin_out, "--device", "cpu", "--runs", 1, "--tokens", "2",
+                                 expect=0).out
+    cli("bench", "layer", marlin_out, "--device", "cpu", "--tokens", "x", expect=2)

@@ -16,8 +16,9 @@ import warnings
 import pytest
 import torch
 
-from moeconvert.cli import main
 from moeconvert.example import make_example
+
+from helpers import cli, rel
 
 pytestmark = pytest.mark.gpu
 
@@ -33,16 +34,6 @@ def _require_marlin():
     why = vllm_marlin.unavailable_reason(torch.device("cuda", torch.cuda.current_device()), {"vllm": "0.33.0"})
     if why:
         pytest.skip(f"vLLM's Marlin MoE cannot run here: {why}")
-
-
-def cli(*args):
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in args])
-    assert exc.value.code == 0, args
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
 CASES = {
@@ -70,9 +61,9 @@ def marlin_output(tmp_path_factory):
             base = tmp_path_factory.mktemp(name)
             src = make_example(base / "src", family, kw.pop("scheme"), num_experts=8, **kw)
             if fmt == "mxfp4":
-                cli("quantize", src, base / "out", "--format", "mxfp4", "--backend", "marlin")
+                cli("quantize", src, base / "out", "--format", "mxfp4", "--backend", "marlin", expect=0)
             else:
-                cli("repack", src, base / "out", "--backend", "marlin")
+                cli("repack", src, base / "out", "--backend", "marlin", expect=0)
             made[name] = base / "out"
         return made[name]
 

@@ -11,18 +11,13 @@ import warnings
 import pytest
 import torch
 
-from moeconvert.cli import main
 from moeconvert.errors import MoeConvertError
 from moeconvert.example import make_example
 from moeconvert.runtime import KernelFallbackWarning, dispatch, load
 
+from helpers import cli
+
 SHARD = "model-00001-of-00001.safetensors"
-
-
-def cli(*args):
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in args])
-    assert exc.value.code == 0, args
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +27,7 @@ def outputs(tmp_path_factory):
     made = {}
     for name, args in {"plain": ("--backend", "plain"), "marlin": ("--backend", "marlin"),
                        "tp2": ("--backend", "marlin", "--tp-size", 2, "--tp-rank", 1)}.items():
-        cli("repack", src, base / name, *args)
+        cli("repack", src, base / name, *args, expect=0)
         made[name] = base / name
     return made
 
@@ -187,7 +182,7 @@ def test_triton_layout_on_cpu_falls_back_without_the_interpreter(tmp_path, monke
     # moeconvert.kernels runs it on CUDA, or on CPU under TRITON_INTERPRET=1 (tests/test_kernels.py)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     src = make_example(tmp_path / "src", "qwen3-moe", "w4a16", num_experts=4)
-    cli("repack", src, tmp_path / "out", "--backend", "triton")
+    cli("repack", src, tmp_path / "out", "--backend", "triton", expect=0)
     dispatch._SAID.clear()
     with pytest.warns(KernelFallbackWarning, match="triton: Triton kernels need a CUDA device"):
         layer = next(iter(load(tmp_path / "out", device="cpu")))

@@ -14,6 +14,26 @@ from moeconvert.schemes import Scheme
 
 
 @dataclass(frozen=True)
+class ProjectionNames:
+    """The file names of one projection's tensors (``{prefix}.{name}``): vLLM's FusedMoE parameter
+    names (docs/format.md). Layouts' ``plan`` write them; the runtime's kernel adapters read them."""
+
+    weight: str
+    weight_scale: str
+    weight_zero_point: str
+    bias: str
+
+    @classmethod
+    def of(cls, projection: str) -> "ProjectionNames":
+        return cls(f"{projection}_weight", f"{projection}_weight_scale", f"{projection}_weight_zero_point",
+                   f"{projection}_bias")
+
+
+W13, W2 = ProjectionNames.of("w13"), ProjectionNames.of("w2")
+PROJECTIONS = {"w13": W13, "w2": W2}
+
+
+@dataclass(frozen=True)
 class TensorSpec:
     """One tensor a layout writes for a layer: ``{prefix}.{suffix}``, leading dim = local experts."""
 
@@ -36,7 +56,14 @@ class Layout(ABC):
     version: ClassVar[int]
     #: canonical scheme kinds this layout takes ("float", "wna16", "mxfp4")
     schemes: ClassVar[tuple[str, ...]]
-    #: the kernel that consumes it, and the library versions the bytes were made to match
+    #: the runtime kernels that read these bytes, by their registered names (runtime/dispatch.py), in
+    #: order of preference: ``("reference",)`` when the PyTorch reference is the layout's own kernel, ``()``
+    #: when no runtime kernel reads it yet (the runtime then runs the reference and says why). This is the
+    #: only place the link layout -> kernel is declared; every layout class states it itself (``register``
+    #: refuses one that would inherit it).
+    runtime_kernels: ClassVar[tuple[str, ...]]
+    #: the engine kernel the bytes were made for, in words (the manifest's and ``inspect``'s ``kernel``),
+    #: and the library versions they were made to match
     kernel: ClassVar[str]
     made_for: ClassVar[dict[str, str]] = {}
     #: for layouts of quantized-at-conversion experts (``quantize``): the multiples the engine rounds

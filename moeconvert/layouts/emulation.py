@@ -69,6 +69,7 @@ class EmulationLayout(PlainLayout):
     name = "emulation"
     version = 1
     schemes = ("wna16",)
+    runtime_kernels = ()  # vLLM's emulation is not called by the runtime (yet)
     kernel = "vllm fused_moe_kernel, bf16 (Int4EmulationTritonExperts)"
     made_for = {"vllm": "0.33.0"}
 
@@ -111,7 +112,7 @@ class EmulationLayout(PlainLayout):
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
         self.require(shape, block.scheme)
-        return super().encode(dequantize(block, shape), shape)
+        return self.lay_out(dequantize(block, shape))
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:
         """The dequantized bfloat16 block (the codes are not recoverable)."""

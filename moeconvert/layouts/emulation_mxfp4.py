@@ -24,11 +24,12 @@ import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.layouts import register
+from moeconvert.layouts.base import W13
 from moeconvert.layouts.plain import PlainLayout
 from moeconvert.schemes import Scheme
 
 INTERLEAVED_ACTIVATIONS = ("swigluoai",)
-_W13_ROWS = ("w13_weight", "w13_weight_scale", "w13_bias")
+_W13_ROWS = (W13.weight, W13.weight_scale, W13.bias)
 
 
 def interleave_halves(t: torch.Tensor) -> torch.Tensor:
@@ -48,6 +49,7 @@ class EmulationMXFP4Layout(PlainLayout):
     name = "emulation"
     version = 1
     schemes = ("mxfp4",)
+    runtime_kernels = ()  # vLLM's emulation is not called by the runtime (yet)
     kernel = "vllm OCP_MXQuantizationEmulationTritonExperts (dequantize, then bf16 Triton MoE)"
     made_for = {"vllm": "0.33.0"}
     pad_multiples = (32, 32)

@@ -29,6 +29,7 @@ per (size_k, size_n, bits).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -37,7 +38,7 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError
 from moeconvert.layouts import register
-from moeconvert.layouts.base import Layout, TensorSpec
+from moeconvert.layouts.base import W2, W13, Layout, TensorSpec
 from moeconvert.packing import LITTLE_ENDIAN, pack_int32, pair_nibbles_at, split_nibbles_at, unpack_int32
 from moeconvert.schemes import Scheme, WNA16Scheme
 
@@ -254,6 +255,7 @@ class MarlinLayout(Layout):
     name = "marlin"
     version = 1
     schemes = ("wna16",)
+    runtime_kernels = ("vllm-marlin",)
     kernel = "vllm._moe_C.moe_wna16_marlin_gemm"
     made_for = {"vllm": "0.33.0"}
 
@@ -306,18 +308,18 @@ class MarlinLayout(Layout):
         H, _, Ip, _, G13, G2p = self._sizes(shape, scheme)
         b, dt = scheme.bits, PARAMS_DTYPES[shape.dtype]
         specs = [
-            TensorSpec("w13_weight", (E, H // 16, 2 * Ip * b // 2), torch.int32),
-            TensorSpec("w2_weight", (E, Ip // 16, H * b // 2), torch.int32),
-            TensorSpec("w13_weight_scale", (E, G13, 2 * Ip), dt),
-            TensorSpec("w2_weight_scale", (E, G2p, H), dt),
+            TensorSpec(W13.weight, (E, H // 16, 2 * Ip * b // 2), torch.int32),
+            TensorSpec(W2.weight, (E, Ip // 16, H * b // 2), torch.int32),
+            TensorSpec(W13.weight_scale, (E, G13, 2 * Ip), dt),
+            TensorSpec(W2.weight_scale, (E, G2p, H), dt),
         ]
         if not scheme.symmetric:
             specs += [
-                TensorSpec("w13_weight_zero_point", (E, G13, 2 * Ip // 8), torch.int32),
-                TensorSpec("w2_weight_zero_point", (E, G2p, H // 8), torch.int32),
+                TensorSpec(W13.weight_zero_point, (E, G13, 2 * Ip // 8), torch.int32),
+                TensorSpec(W2.weight_zero_point, (E, G2p, H // 8), torch.int32),
             ]
         if shape.has_bias:
-            specs += [TensorSpec("w13_bias", (E, 2 * Ip), dt), TensorSpec("w2_bias", (E, H), dt)]
+            specs += [TensorSpec(W13.bias, (E, 2 * Ip), dt), TensorSpec(W2.bias, (E, H), dt)]
         return specs
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
@@ -330,27 +332,35 @@ class MarlinLayout(Layout):
         w13_grouped, w2_grouped = w13_scales_grouped(H, g), w2_scales_grouped(Ip, g)
 
         out = {
-            "w13_weight": repack_weights(_pad_halves(block.w13, 1, I, Ip), s.bits),
-            "w2_weight": repack_weights(_pad_dim(block.w2, 2, Ip), s.bits),
+            W13.weight: repack_weights(_pad_halves(block.w13, 1, I, Ip), s.bits),
+            W2.weight: repack_weights(_pad_dim(block.w2, 2, Ip), s.bits),
         }
         # The loader's copy_ casts to params_dtype (RNE), before any padding or permutation (spec §3.4).
         s13 = _pad_halves(block.w13_scale.to(dt), 1, I, Ip).transpose(1, 2)
         s2 = block.w2_scale.to(dt).transpose(1, 2)
         if g > 0:
             s2 = _pad_dim(s2, 1, G2p)
-        out["w13_weight_scale"] = (grouped_perm if w13_grouped else single_perm)(s13)
-        out["w2_weight_scale"] = (grouped_perm if w2_grouped else single_perm)(s2)
+        out[W13.weight_scale] = (grouped_perm if w13_grouped else single_perm)(s13)
+        out[W2.weight_scale] = (grouped_perm if w2_grouped else single_perm)(s2)
         if not s.symmetric:
             z13 = _pad_halves(block.w13_zero, 1, I, Ip).transpose(1, 2)
             z2 = block.w2_zero.transpose(1, 2)
             if g > 0:
                 z2 = _pad_dim(z2, 1, G2p)
-            out["w13_weight_zero_point"] = pack_zero_points(z13)
-            out["w2_weight_zero_point"] = pack_zero_points(z2)
+            out[W13.weight_zero_point] = pack_zero_points(z13)
+            out[W2.weight_zero_point] = pack_zero_points(z2)
         if block.w13_bias is not None:
-            out["w13_bias"] = single_perm(_pad_halves(block.w13_bias.to(dt), 1, I, Ip))
-            out["w2_bias"] = single_perm(block.w2_bias.to(dt))
+            out[W13.bias] = single_perm(_pad_halves(block.w13_bias.to(dt), 1, I, Ip))
+            out[W2.bias] = single_perm(block.w2_bias.to(dt))
         return out
+
+    def expected_block(self, block: ExpertBlock, shape: LayerShape) -> ExpertBlock:
+        """The source block with its scales and biases in the model dtype: the loader's ``copy_`` casts
+        them (round to nearest even, spec §3.4), so that is what decode gives back."""
+        dt = PARAMS_DTYPES[shape.dtype]
+        cast = {name: getattr(block, name).to(dt) for name in ("w13_scale", "w2_scale", "w13_bias", "w2_bias")
+                if getattr(block, name) is not None}
+        return dataclasses.replace(block, **cast)
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:
         """Back to the canonical block, unpadded; scales and biases stay in the file's (model) dtype."""
@@ -361,21 +371,21 @@ class MarlinLayout(Layout):
         w13_grouped, w2_grouped = w13_scales_grouped(H, g), w2_scales_grouped(Ip, g)
 
         kw: dict[str, torch.Tensor | None] = {
-            "w13": _unpad_halves(unrepack_weights(tensors["w13_weight"], b, 2 * Ip, H), 1, I, Ip),
-            "w2": unrepack_weights(tensors["w2_weight"], b, H, Ip)[:, :, :I].contiguous(),
+            "w13": _unpad_halves(unrepack_weights(tensors[W13.weight], b, 2 * Ip, H), 1, I, Ip),
+            "w2": unrepack_weights(tensors[W2.weight], b, H, Ip)[:, :, :I].contiguous(),
         }
-        s13 = (grouped_perm if w13_grouped else single_perm)(tensors["w13_weight_scale"])
+        s13 = (grouped_perm if w13_grouped else single_perm)(tensors[W13.weight_scale])
         kw["w13_scale"] = _unpad_halves(s13.transpose(1, 2), 1, I, Ip)
-        s2 = (grouped_perm if w2_grouped else single_perm)(tensors["w2_weight_scale"])
+        s2 = (grouped_perm if w2_grouped else single_perm)(tensors[W2.weight_scale])
         kw["w2_scale"] = s2[:, :G2].transpose(1, 2).contiguous()
         if not scheme.symmetric:
-            z13 = unpack_zero_points(tensors["w13_weight_zero_point"])
+            z13 = unpack_zero_points(tensors[W13.weight_zero_point])
             kw["w13_zero"] = _unpad_halves(z13.transpose(1, 2), 1, I, Ip)
-            z2 = unpack_zero_points(tensors["w2_weight_zero_point"])
+            z2 = unpack_zero_points(tensors[W2.weight_zero_point])
             kw["w2_zero"] = z2[:, :G2].transpose(1, 2).contiguous()
-        if "w13_bias" in tensors:
-            kw["w13_bias"] = _unpad_halves(single_perm(tensors["w13_bias"]), 1, I, Ip)
-            kw["w2_bias"] = single_perm(tensors["w2_bias"])
+        if W13.bias in tensors:
+            kw["w13_bias"] = _unpad_halves(single_perm(tensors[W13.bias]), 1, I, Ip)
+            kw["w2_bias"] = single_perm(tensors[W2.bias])
         return ExpertBlock(scheme=scheme, **kw)
 
     def _deviation(self, shape: LayerShape, scheme: WNA16Scheme) -> str | None:

@@ -40,7 +40,7 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError
 from moeconvert.layouts import register
-from moeconvert.layouts.base import Layout, TensorSpec
+from moeconvert.layouts.base import W2, W13, Layout, TensorSpec
 from moeconvert.layouts.marlin import grouped_perm, repack_weights, single_perm, unrepack_weights
 from moeconvert.mxfp4 import MXFP4_BLOCK_SIZE
 from moeconvert.schemes import MXFP4Scheme, Scheme
@@ -130,6 +130,7 @@ class MarlinMXFP4Layout(Layout):
     name = "marlin"
     version = 1
     schemes = ("mxfp4",)
+    runtime_kernels = ("vllm-marlin",)
     kernel = "vllm._moe_C.moe_wna16_marlin_gemm (float4_e2m1f, e8m0 scales)"
     made_for = {"vllm": "0.33.0"}
     pad_multiples = PAD_MULTIPLES
@@ -166,13 +167,13 @@ class MarlinMXFP4Layout(Layout):
         E, Hp, Ip = shape.num_experts, shape.hidden_size, shape.intermediate_size
         e8m0 = torch.float8_e8m0fnu
         specs = [
-            TensorSpec("w13_weight", (E, Hp // 16, 4 * Ip), torch.int32),
-            TensorSpec("w2_weight", (E, Ip // 16, 2 * Hp), torch.int32),
-            TensorSpec("w13_weight_scale", (E, Hp // 32, 2 * Ip), e8m0),
-            TensorSpec("w2_weight_scale", (E, Ip // 32, Hp), e8m0),
+            TensorSpec(W13.weight, (E, Hp // 16, 4 * Ip), torch.int32),
+            TensorSpec(W2.weight, (E, Ip // 16, 2 * Hp), torch.int32),
+            TensorSpec(W13.weight_scale, (E, Hp // 32, 2 * Ip), e8m0),
+            TensorSpec(W2.weight_scale, (E, Ip // 32, Hp), e8m0),
         ]
         if shape.has_bias:
-            specs += [TensorSpec("w13_bias", (E, 2 * Ip), MODEL_DTYPE), TensorSpec("w2_bias", (E, Hp), MODEL_DTYPE)]
+            specs += [TensorSpec(W13.bias, (E, 2 * Ip), MODEL_DTYPE), TensorSpec(W2.bias, (E, Hp), MODEL_DTYPE)]
         return specs
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
@@ -180,15 +181,15 @@ class MarlinMXFP4Layout(Layout):
         _require_block_shapes(block, shape)
         rows = W13_ROWS[shape.activation]
         out = {
-            "w13_weight": repack_fp4(to_kernel_rows(block.w13, rows)),
-            "w2_weight": repack_fp4(block.w2),
+            W13.weight: repack_fp4(to_kernel_rows(block.w13, rows)),
+            W2.weight: repack_fp4(block.w2),
             # vLLM's e8m0 -> bf16 -> e8m0 round trip is the identity on all 256 bytes (spec §6.2)
-            "w13_weight_scale": _as_e8m0(permute_scales(to_kernel_rows(block.w13_scale, rows).transpose(1, 2))),
-            "w2_weight_scale": _as_e8m0(permute_scales(block.w2_scale.transpose(1, 2))),
+            W13.weight_scale: _as_e8m0(permute_scales(to_kernel_rows(block.w13_scale, rows).transpose(1, 2))),
+            W2.weight_scale: _as_e8m0(permute_scales(block.w2_scale.transpose(1, 2))),
         }
         if block.w13_bias is not None:
-            out["w13_bias"] = single_perm(to_kernel_rows(block.w13_bias.to(MODEL_DTYPE), rows))
-            out["w2_bias"] = single_perm(block.w2_bias.to(MODEL_DTYPE))
+            out[W13.bias] = single_perm(to_kernel_rows(block.w13_bias.to(MODEL_DTYPE), rows))
+            out[W2.bias] = single_perm(block.w2_bias.to(MODEL_DTYPE))
         return out
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:
@@ -196,15 +197,15 @@ class MarlinMXFP4Layout(Layout):
         Hp, Ip = shape.hidden_size, shape.intermediate_size
         rows = W13_ROWS[shape.activation]
         kw: dict[str, torch.Tensor] = {
-            "w13": from_kernel_rows(unrepack_fp4(tensors["w13_weight"], 2 * Ip, Hp), rows),
-            "w2": unrepack_fp4(tensors["w2_weight"], Hp, Ip),
+            "w13": from_kernel_rows(unrepack_fp4(tensors[W13.weight], 2 * Ip, Hp), rows),
+            "w2": unrepack_fp4(tensors[W2.weight], Hp, Ip),
             "w13_scale": from_kernel_rows(
-                unpermute_scales(_as_bytes(tensors["w13_weight_scale"])).transpose(1, 2), rows).contiguous(),
-            "w2_scale": unpermute_scales(_as_bytes(tensors["w2_weight_scale"])).transpose(1, 2).contiguous(),
+                unpermute_scales(_as_bytes(tensors[W13.weight_scale])).transpose(1, 2), rows).contiguous(),
+            "w2_scale": unpermute_scales(_as_bytes(tensors[W2.weight_scale])).transpose(1, 2).contiguous(),
         }
-        if "w13_bias" in tensors:
-            kw["w13_bias"] = from_kernel_rows(single_perm(tensors["w13_bias"]), rows)
-            kw["w2_bias"] = single_perm(tensors["w2_bias"])
+        if W13.bias in tensors:
+            kw["w13_bias"] = from_kernel_rows(single_perm(tensors[W13.bias]), rows)
+            kw["w2_bias"] = single_perm(tensors[W2.bias])
         return ExpertBlock(scheme=scheme, **kw)
 
     def expected_block(self, block: ExpertBlock, shape: LayerShape) -> ExpertBlock:

@@ -26,7 +26,7 @@ import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.layouts import register
-from moeconvert.layouts.base import Layout, TensorSpec
+from moeconvert.layouts.base import W2, W13, Layout, TensorSpec
 from moeconvert.packing import pack_int32, unpack_int32
 from moeconvert.schemes import MXFP4Scheme, Scheme, WNA16Scheme
 
@@ -42,6 +42,7 @@ class PlainLayout(Layout):
     name = "plain"
     version = 1
     schemes = ("float", "wna16", "mxfp4")
+    runtime_kernels = ("reference",)  # the reference decodes this layout itself
     kernel = "reference"
     pad_multiples = (32, 32)  # MXFP4 output: whole blocks only (vLLM's EMULATION rounding, §5.3)
 
@@ -66,69 +67,75 @@ class PlainLayout(Layout):
         specs: list[TensorSpec] = []
         if scheme.kind == "float":
             dt = torch_dtype(scheme.dtype)
-            specs += [TensorSpec("w13_weight", (E, 2 * I, H), dt), TensorSpec("w2_weight", (E, H, I), dt)]
+            specs += [TensorSpec(W13.weight, (E, 2 * I, H), dt), TensorSpec(W2.weight, (E, H, I), dt)]
             bias_dt = dt
         elif isinstance(scheme, WNA16Scheme):
             pf, sdt = scheme.pack_factor, torch_dtype(scheme.scale_dtype)
             specs += [
-                TensorSpec("w13_weight", (E, 2 * I, H // pf), torch.int32),
-                TensorSpec("w2_weight", (E, H, I // pf), torch.int32),
-                TensorSpec("w13_weight_scale", (E, 2 * I, scheme.groups(H)), sdt),
-                TensorSpec("w2_weight_scale", (E, H, scheme.groups(I)), sdt),
+                TensorSpec(W13.weight, (E, 2 * I, H // pf), torch.int32),
+                TensorSpec(W2.weight, (E, H, I // pf), torch.int32),
+                TensorSpec(W13.weight_scale, (E, 2 * I, scheme.groups(H)), sdt),
+                TensorSpec(W2.weight_scale, (E, H, scheme.groups(I)), sdt),
             ]
             if not scheme.symmetric:
                 specs += [
-                    TensorSpec("w13_weight_zero_point", (E, 2 * I // pf, scheme.groups(H)), torch.int32),
-                    TensorSpec("w2_weight_zero_point", (E, H // pf, scheme.groups(I)), torch.int32),
+                    TensorSpec(W13.weight_zero_point, (E, 2 * I // pf, scheme.groups(H)), torch.int32),
+                    TensorSpec(W2.weight_zero_point, (E, H // pf, scheme.groups(I)), torch.int32),
                 ]
             bias_dt = torch_dtype(shape.bias_dtype or shape.dtype)
         else:
             specs += [
-                TensorSpec("w13_weight", (E, 2 * I, H // 2), torch.uint8),
-                TensorSpec("w2_weight", (E, H, I // 2), torch.uint8),
-                TensorSpec("w13_weight_scale", (E, 2 * I, H // 32), torch.uint8),
-                TensorSpec("w2_weight_scale", (E, H, I // 32), torch.uint8),
+                TensorSpec(W13.weight, (E, 2 * I, H // 2), torch.uint8),
+                TensorSpec(W2.weight, (E, H, I // 2), torch.uint8),
+                TensorSpec(W13.weight_scale, (E, 2 * I, H // 32), torch.uint8),
+                TensorSpec(W2.weight_scale, (E, H, I // 32), torch.uint8),
             ]
             bias_dt = torch_dtype(shape.bias_dtype or shape.dtype)
         if shape.has_bias:
-            specs += [TensorSpec("w13_bias", (E, 2 * I), bias_dt), TensorSpec("w2_bias", (E, H), bias_dt)]
+            specs += [TensorSpec(W13.bias, (E, 2 * I), bias_dt), TensorSpec(W2.bias, (E, H), bias_dt)]
         return specs
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
+        self.require(shape, block.scheme)
+        return self.lay_out(block)
+
+    @staticmethod
+    def lay_out(block: ExpertBlock) -> dict[str, torch.Tensor]:
+        """The block's tensors as the plain layout stores them (layouts built on it, once checked)."""
         s = block.scheme
         out: dict[str, torch.Tensor] = {}
         if isinstance(s, WNA16Scheme):
-            out["w13_weight"] = pack_int32(block.w13, s.bits, dim=2)
-            out["w2_weight"] = pack_int32(block.w2, s.bits, dim=2)
-            out["w13_weight_scale"] = block.w13_scale
-            out["w2_weight_scale"] = block.w2_scale
+            out[W13.weight] = pack_int32(block.w13, s.bits, dim=2)
+            out[W2.weight] = pack_int32(block.w2, s.bits, dim=2)
+            out[W13.weight_scale] = block.w13_scale
+            out[W2.weight_scale] = block.w2_scale
             if not s.symmetric:
-                out["w13_weight_zero_point"] = pack_int32(block.w13_zero, s.bits, dim=1)
-                out["w2_weight_zero_point"] = pack_int32(block.w2_zero, s.bits, dim=1)
+                out[W13.weight_zero_point] = pack_int32(block.w13_zero, s.bits, dim=1)
+                out[W2.weight_zero_point] = pack_int32(block.w2_zero, s.bits, dim=1)
         else:
-            out["w13_weight"], out["w2_weight"] = block.w13, block.w2
+            out[W13.weight], out[W2.weight] = block.w13, block.w2
             if block.w13_scale is not None:
-                out["w13_weight_scale"], out["w2_weight_scale"] = block.w13_scale, block.w2_scale
+                out[W13.weight_scale], out[W2.weight_scale] = block.w13_scale, block.w2_scale
         if block.w13_bias is not None:
-            out["w13_bias"], out["w2_bias"] = block.w13_bias, block.w2_bias
+            out[W13.bias], out[W2.bias] = block.w13_bias, block.w2_bias
         return out
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:
         H, I = shape.hidden_size, shape.intermediate_size
-        kw = {"w13_bias": tensors.get("w13_bias"), "w2_bias": tensors.get("w2_bias")}
+        kw = {"w13_bias": tensors.get(W13.bias), "w2_bias": tensors.get(W2.bias)}
         if isinstance(scheme, WNA16Scheme):
             b = scheme.bits
             kw.update(
-                w13=unpack_int32(tensors["w13_weight"], b, H, dim=2),
-                w2=unpack_int32(tensors["w2_weight"], b, I, dim=2),
-                w13_scale=tensors["w13_weight_scale"],
-                w2_scale=tensors["w2_weight_scale"],
+                w13=unpack_int32(tensors[W13.weight], b, H, dim=2),
+                w2=unpack_int32(tensors[W2.weight], b, I, dim=2),
+                w13_scale=tensors[W13.weight_scale],
+                w2_scale=tensors[W2.weight_scale],
             )
             if not scheme.symmetric:
-                kw["w13_zero"] = unpack_int32(tensors["w13_weight_zero_point"], b, 2 * I, dim=1)
-                kw["w2_zero"] = unpack_int32(tensors["w2_weight_zero_point"], b, H, dim=1)
+                kw["w13_zero"] = unpack_int32(tensors[W13.weight_zero_point], b, 2 * I, dim=1)
+                kw["w2_zero"] = unpack_int32(tensors[W2.weight_zero_point], b, H, dim=1)
         else:
-            kw.update(w13=tensors["w13_weight"], w2=tensors["w2_weight"])
-            if "w13_weight_scale" in tensors:
-                kw.update(w13_scale=tensors["w13_weight_scale"], w2_scale=tensors["w2_weight_scale"])
+            kw.update(w13=tensors[W13.weight], w2=tensors[W2.weight])
+            if W13.weight_scale in tensors:
+                kw.update(w13_scale=tensors[W13.weight_scale], w2_scale=tensors[W2.weight_scale])
         return ExpertBlock(scheme=scheme, **kw)

@@ -35,7 +35,7 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError
 from moeconvert.layouts import register
-from moeconvert.layouts.base import Layout, TensorSpec
+from moeconvert.layouts.base import W2, W13, Layout, TensorSpec
 from moeconvert.schemes import Scheme, WNA16Scheme
 
 NAME = "triton-fast"
@@ -109,6 +109,7 @@ class TritonFastWNA16Layout(Layout):
     name = NAME
     version = 2
     schemes = ("wna16",)
+    runtime_kernels = ("triton",)
     kernel = KERNEL
 
     def _check(self, shape: LayerShape, scheme: Scheme) -> list[str]:
@@ -132,20 +133,20 @@ class TritonFastWNA16Layout(Layout):
         E, H, I, b = shape.num_experts, shape.hidden_size, shape.intermediate_size, scheme.bits
         dt = DTYPES[shape.dtype]
         if b == 4:
-            weights = [TensorSpec("w13_weight", (E, 2 * I // ATOM_N, 8 * H), torch.uint8),
-                       TensorSpec("w2_weight", (E, H // ATOM_N, 8 * I), torch.uint8)]
+            weights = [TensorSpec(W13.weight, (E, 2 * I // ATOM_N, 8 * H), torch.uint8),
+                       TensorSpec(W2.weight, (E, H // ATOM_N, 8 * I), torch.uint8)]
         else:
-            weights = [TensorSpec("w13_weight", (E, H, 2 * I), torch.uint8),
-                       TensorSpec("w2_weight", (E, I, H), torch.uint8)]
+            weights = [TensorSpec(W13.weight, (E, H, 2 * I), torch.uint8),
+                       TensorSpec(W2.weight, (E, I, H), torch.uint8)]
         specs = weights + [
-            TensorSpec("w13_weight_scale", (E, scheme.groups(H), 2 * I), dt),
-            TensorSpec("w2_weight_scale", (E, scheme.groups(I), H), dt),
+            TensorSpec(W13.weight_scale, (E, scheme.groups(H), 2 * I), dt),
+            TensorSpec(W2.weight_scale, (E, scheme.groups(I), H), dt),
         ]
         if not scheme.symmetric:
-            specs += [TensorSpec("w13_weight_zero_point", (E, scheme.groups(H), 2 * I), torch.uint8),
-                      TensorSpec("w2_weight_zero_point", (E, scheme.groups(I), H), torch.uint8)]
+            specs += [TensorSpec(W13.weight_zero_point, (E, scheme.groups(H), 2 * I), torch.uint8),
+                      TensorSpec(W2.weight_zero_point, (E, scheme.groups(I), H), torch.uint8)]
         if shape.has_bias:
-            specs += [TensorSpec("w13_bias", (E, 2 * I), dt), TensorSpec("w2_bias", (E, H), dt)]
+            specs += [TensorSpec(W13.bias, (E, 2 * I), dt), TensorSpec(W2.bias, (E, H), dt)]
         return specs
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
@@ -155,17 +156,17 @@ class TritonFastWNA16Layout(Layout):
         dt = DTYPES[shape.dtype]
         weights = pack_fragments if s.bits == 4 else _swap_kn
         out = {
-            "w13_weight": weights(block.w13),
-            "w2_weight": weights(block.w2),
-            "w13_weight_scale": _swap_kn(block.w13_scale.to(dt)),
-            "w2_weight_scale": _swap_kn(block.w2_scale.to(dt)),
+            W13.weight: weights(block.w13),
+            W2.weight: weights(block.w2),
+            W13.weight_scale: _swap_kn(block.w13_scale.to(dt)),
+            W2.weight_scale: _swap_kn(block.w2_scale.to(dt)),
         }
         if not s.symmetric:
-            out["w13_weight_zero_point"] = _swap_kn(block.w13_zero.to(torch.uint8))
-            out["w2_weight_zero_point"] = _swap_kn(block.w2_zero.to(torch.uint8))
+            out[W13.weight_zero_point] = _swap_kn(block.w13_zero.to(torch.uint8))
+            out[W2.weight_zero_point] = _swap_kn(block.w2_zero.to(torch.uint8))
         if block.w13_bias is not None:
-            out["w13_bias"] = block.w13_bias.to(dt).contiguous()
-            out["w2_bias"] = block.w2_bias.to(dt).contiguous()
+            out[W13.bias] = block.w13_bias.to(dt).contiguous()
+            out[W2.bias] = block.w2_bias.to(dt).contiguous()
         return out
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:
@@ -173,16 +174,16 @@ class TritonFastWNA16Layout(Layout):
         assert isinstance(scheme, WNA16Scheme)
         weights = unpack_fragments if scheme.bits == 4 else _swap_kn
         kw = {
-            "w13": weights(tensors["w13_weight"]),
-            "w2": weights(tensors["w2_weight"]),
-            "w13_scale": _swap_kn(tensors["w13_weight_scale"]),
-            "w2_scale": _swap_kn(tensors["w2_weight_scale"]),
+            "w13": weights(tensors[W13.weight]),
+            "w2": weights(tensors[W2.weight]),
+            "w13_scale": _swap_kn(tensors[W13.weight_scale]),
+            "w2_scale": _swap_kn(tensors[W2.weight_scale]),
         }
         if not scheme.symmetric:
-            kw["w13_zero"] = _swap_kn(tensors["w13_weight_zero_point"])
-            kw["w2_zero"] = _swap_kn(tensors["w2_weight_zero_point"])
-        if "w13_bias" in tensors:
-            kw["w13_bias"], kw["w2_bias"] = tensors["w13_bias"], tensors["w2_bias"]
+            kw["w13_zero"] = _swap_kn(tensors[W13.weight_zero_point])
+            kw["w2_zero"] = _swap_kn(tensors[W2.weight_zero_point])
+        if W13.bias in tensors:
+            kw["w13_bias"], kw["w2_bias"] = tensors[W13.bias], tensors[W2.bias]
         return ExpertBlock(scheme=scheme, **kw)
 
     def expected_block(self, block: ExpertBlock, shape: LayerShape) -> ExpertBlock:
@@ -209,6 +210,7 @@ class TritonFastMXFP4Layout(Layout):
     name = NAME
     version = 2
     schemes = ("mxfp4",)
+    runtime_kernels = ("triton",)
     kernel = KERNEL
     # whole fragment atoms for both GEMMs: H and I rounded up to 64 (zeros), as quantize pads
     pad_multiples = (64, 64)
@@ -229,14 +231,14 @@ class TritonFastMXFP4Layout(Layout):
     def plan(self, shape: LayerShape, scheme: Scheme) -> list[TensorSpec]:
         E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size
         specs = [
-            TensorSpec("w13_weight", (E, 2 * I // ATOM_N, 8 * H), torch.uint8),
-            TensorSpec("w2_weight", (E, H // ATOM_N, 8 * I), torch.uint8),
-            TensorSpec("w13_weight_scale", (E, H // 32, 2 * I), torch.uint8),
-            TensorSpec("w2_weight_scale", (E, I // 32, H), torch.uint8),
+            TensorSpec(W13.weight, (E, 2 * I // ATOM_N, 8 * H), torch.uint8),
+            TensorSpec(W2.weight, (E, H // ATOM_N, 8 * I), torch.uint8),
+            TensorSpec(W13.weight_scale, (E, H // 32, 2 * I), torch.uint8),
+            TensorSpec(W2.weight_scale, (E, I // 32, H), torch.uint8),
         ]
         if shape.has_bias:
             dt = DTYPES[shape.dtype]
-            specs += [TensorSpec("w13_bias", (E, 2 * I), dt), TensorSpec("w2_bias", (E, H), dt)]
+            specs += [TensorSpec(W13.bias, (E, 2 * I), dt), TensorSpec(W2.bias, (E, H), dt)]
         return specs
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
@@ -251,26 +253,26 @@ class TritonFastMXFP4Layout(Layout):
                                     f"H={H} I={I} needs {dims}")
         as_bytes = lambda t: t.view(torch.uint8) if t.dtype != torch.uint8 else t
         out = {
-            "w13_weight": pack_fragments(_packed_mxfp4_to_codes(block.w13)),
-            "w2_weight": pack_fragments(_packed_mxfp4_to_codes(block.w2)),
-            "w13_weight_scale": _swap_kn(as_bytes(block.w13_scale)),
-            "w2_weight_scale": _swap_kn(as_bytes(block.w2_scale)),
+            W13.weight: pack_fragments(_packed_mxfp4_to_codes(block.w13)),
+            W2.weight: pack_fragments(_packed_mxfp4_to_codes(block.w2)),
+            W13.weight_scale: _swap_kn(as_bytes(block.w13_scale)),
+            W2.weight_scale: _swap_kn(as_bytes(block.w2_scale)),
         }
         if block.w13_bias is not None:
             dt = DTYPES[shape.dtype]
-            out["w13_bias"] = block.w13_bias.to(dt).contiguous()
-            out["w2_bias"] = block.w2_bias.to(dt).contiguous()
+            out[W13.bias] = block.w13_bias.to(dt).contiguous()
+            out[W2.bias] = block.w2_bias.to(dt).contiguous()
         return out
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:
         kw = {
-            "w13": _codes_to_packed_mxfp4(unpack_fragments(tensors["w13_weight"])),
-            "w2": _codes_to_packed_mxfp4(unpack_fragments(tensors["w2_weight"])),
-            "w13_scale": _swap_kn(tensors["w13_weight_scale"]),
-            "w2_scale": _swap_kn(tensors["w2_weight_scale"]),
+            "w13": _codes_to_packed_mxfp4(unpack_fragments(tensors[W13.weight])),
+            "w2": _codes_to_packed_mxfp4(unpack_fragments(tensors[W2.weight])),
+            "w13_scale": _swap_kn(tensors[W13.weight_scale]),
+            "w2_scale": _swap_kn(tensors[W2.weight_scale]),
         }
-        if "w13_bias" in tensors:
-            kw["w13_bias"], kw["w2_bias"] = tensors["w13_bias"], tensors["w2_bias"]
+        if W13.bias in tensors:
+            kw["w13_bias"], kw["w2_bias"] = tensors[W13.bias], tensors[W2.bias]
         return ExpertBlock(scheme=scheme, **kw)
 
     def expected_block(self, block: ExpertBlock, shape: LayerShape) -> ExpertBlock:

@@ -277,6 +277,9 @@ class TritonMXFP4Layout(Layout):
     name = "triton"
     version = 1
     schemes = ("mxfp4",)
+    # not the runtime's ``triton`` (moeconvert's own kernels read other bytes); triton_kernels' matmul_ogs is
+    # not called by the runtime (yet)
+    runtime_kernels = ()
     kernel = "triton_kernels.matmul_ogs (HopperMXValueLayout / HopperMXScaleLayout), vLLM TRITON / TRITON_UNFUSED"
     made_for = {"vllm": "0.33.0", "triton_kernels": f"{TRITON_KERNELS_API} API (vendored in vLLM 0.33.0)"}
     # vLLM's round-up for TRITON (mxfp4_round_up_hidden_size_and_intermediate_size, generic branch):

@@ -33,7 +33,7 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError
 from moeconvert.layouts import register
-from moeconvert.layouts.base import Layout, TensorSpec
+from moeconvert.layouts.base import W2, W13, Layout, TensorSpec
 from moeconvert.schemes import Scheme, WNA16Scheme
 
 PARAMS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -82,6 +82,7 @@ class TritonWNA16Layout(Layout):
     name = "triton"
     version = 1
     schemes = ("wna16",)
+    runtime_kernels = ("triton",)  # our port of the kernel: kernels/moe_wna16.py
     kernel = "vllm fused_moe_kernel_gptq_awq (TritonWNA16Experts)"
     made_for = {"vllm": "0.33.0"}
 
@@ -141,15 +142,15 @@ class TritonWNA16Layout(Layout):
         dt = PARAMS_DTYPES[shape.dtype]
         G13, G2 = scheme.groups(H), scheme.groups(I)
         specs = [
-            TensorSpec("w13_weight", (E, 2 * I, H * b // 8), torch.uint8),
-            TensorSpec("w2_weight", (E, H, I * b // 8), torch.uint8),
-            TensorSpec("w13_weight_scale", (E, 2 * I, G13), dt),
-            TensorSpec("w2_weight_scale", (E, H, G2), dt),
+            TensorSpec(W13.weight, (E, 2 * I, H * b // 8), torch.uint8),
+            TensorSpec(W2.weight, (E, H, I * b // 8), torch.uint8),
+            TensorSpec(W13.weight_scale, (E, 2 * I, G13), dt),
+            TensorSpec(W2.weight_scale, (E, H, G2), dt),
         ]
         if not scheme.symmetric:
             specs += [
-                TensorSpec("w13_weight_zero_point", (E, 2 * I * b // 8, G13), torch.uint8),
-                TensorSpec("w2_weight_zero_point", (E, H * b // 8, G2), torch.uint8),
+                TensorSpec(W13.weight_zero_point, (E, 2 * I * b // 8, G13), torch.uint8),
+                TensorSpec(W2.weight_zero_point, (E, H * b // 8, G2), torch.uint8),
             ]
         return specs
 
@@ -159,16 +160,16 @@ class TritonWNA16Layout(Layout):
         self.require_block_sizes(block, shape)
         dt = PARAMS_DTYPES[shape.dtype]
         out = {
-            "w13_weight": pack_bytes(block.w13, s.bits, dim=2),
-            "w2_weight": pack_bytes(block.w2, s.bits, dim=2),
+            W13.weight: pack_bytes(block.w13, s.bits, dim=2),
+            W2.weight: pack_bytes(block.w2, s.bits, dim=2),
             # the loader's copy_ into params_dtype; the TRITON branch passes scales through untouched
-            "w13_weight_scale": block.w13_scale.to(dt).contiguous(),
-            "w2_weight_scale": block.w2_scale.to(dt).contiguous(),
+            W13.weight_scale: block.w13_scale.to(dt).contiguous(),
+            W2.weight_scale: block.w2_scale.to(dt).contiguous(),
         }
         if not s.symmetric:
             # vLLM reads each zero-point word's 4 bytes down N: bytes along N, two channels a byte
-            out["w13_weight_zero_point"] = pack_bytes(block.w13_zero, s.bits, dim=1)
-            out["w2_weight_zero_point"] = pack_bytes(block.w2_zero, s.bits, dim=1)
+            out[W13.weight_zero_point] = pack_bytes(block.w13_zero, s.bits, dim=1)
+            out[W2.weight_zero_point] = pack_bytes(block.w2_zero, s.bits, dim=1)
         return out
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:
@@ -176,14 +177,14 @@ class TritonWNA16Layout(Layout):
         assert isinstance(scheme, WNA16Scheme)
         b = scheme.bits
         kw = {
-            "w13": unpack_bytes(tensors["w13_weight"], b, dim=2),
-            "w2": unpack_bytes(tensors["w2_weight"], b, dim=2),
-            "w13_scale": tensors["w13_weight_scale"],
-            "w2_scale": tensors["w2_weight_scale"],
+            "w13": unpack_bytes(tensors[W13.weight], b, dim=2),
+            "w2": unpack_bytes(tensors[W2.weight], b, dim=2),
+            "w13_scale": tensors[W13.weight_scale],
+            "w2_scale": tensors[W2.weight_scale],
         }
         if not scheme.symmetric:
-            kw["w13_zero"] = unpack_bytes(tensors["w13_weight_zero_point"], b, dim=1)
-            kw["w2_zero"] = unpack_bytes(tensors["w2_weight_zero_point"], b, dim=1)
+            kw["w13_zero"] = unpack_bytes(tensors[W13.weight_zero_point], b, dim=1)
+            kw["w2_zero"] = unpack_bytes(tensors[W2.weight_zero_point], b, dim=1)
         return ExpertBlock(scheme=scheme, **kw)
 
     def expected_block(self, block: ExpertBlock, shape: LayerShape) -> ExpertBlock:

@@ -1,0 +1,191 @@
+"""What many test modules share, in one place: the CLI run in-process, an output folder's tensors, a
+bit-for-bit comparison, and the engines' own Python (vLLM's, FlashInfer's) read from their source for
+the oracle comparisons.
+
+The oracles never import vLLM or FlashInfer (both need their CUDA builds): the functions a layout must
+equal are lifted out of the source files with ``ast`` and run on CPU tensors. The source is a wheel or a
+folder named by an environment variable (``MOECONVERT_VLLM_SRC``, ``MOECONVERT_FLASHINFER_SRC``), else
+the installed package, found without importing it.
+"""
+
+from __future__ import annotations
+
+import __future__
+import ast
+import contextlib
+import functools
+import importlib.util
+import io
+import os
+import re
+import zipfile
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import pytest
+import torch
+from safetensors import safe_open
+
+# ---------------------------------------------------------------------------------------------------
+# the CLI, an output folder, bits, errors
+
+
+class CliRun(NamedTuple):
+    code: int
+    out: str
+    err: str
+
+
+def cli(*args, expect: int | None = None) -> CliRun:
+    """``moeconvert ARGS...`` run in this process: (exit code, stdout, stderr). With ``expect``, a
+    different exit code fails the test, showing the command and what it wrote on stderr."""
+    from moeconvert.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
+        main([str(a) for a in args])
+    run = CliRun(exc.value.code, out.getvalue(), err.getvalue())
+    if expect is not None and run.code != expect:
+        pytest.fail(f"moeconvert {' '.join(map(str, args))} exited {run.code}, not {expect}:\n{run.err}")
+    return run
+
+
+def st_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's ``*.safetensors`` files, read with safetensors' own reader."""
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(f, "pt") as h:
+            for k in h.keys():
+                out[k] = h.get_tensor(k)
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The relative error ``|a - b| / |b|`` (Frobenius norms; a zero ``b`` counts as tiny, not as zero)."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, same shape, same bytes (NaN and -0.0 compare by their bits)."""
+    as_bytes = lambda t: t.contiguous().reshape(-1).view(torch.uint8)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
+
+
+def assert_lists_exactly(problems: list[str], needles: list[str]) -> None:
+    """``check``'s golden list: as many problems as needles, and each needle in exactly one problem."""
+    assert len(problems) == len(needles), "\n".join(problems)
+    for needle in needles:
+        assert sum(needle in p for p in problems) == 1, needle
+
+
+# ---------------------------------------------------------------------------------------------------
+# an engine's source, read without importing it
+
+VLLM_SRC = "MOECONVERT_VLLM_SRC"
+FLASHINFER_SRC = "MOECONVERT_FLASHINFER_SRC"
+VLLM_VERSION = "0.33.0"  # the version every layout named after a vLLM kernel is made for
+
+
+def package_location(env: str, package: str) -> Path | None:
+    """Where ``package``'s files are: ``$env`` (a wheel, a folder holding ``package/``, or the package
+    folder itself), else the installed package, found without importing it (so its CUDA dependencies are
+    not needed). None when neither is at hand."""
+    src = os.environ.get(env)
+    if src:
+        path = Path(src)
+        if not path.exists():
+            return None
+        if path.is_file():
+            return path
+        return path / package if (path / package).is_dir() else path
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def package_reader(env: str, package: str) -> Callable[[str], str] | None:
+    """``read(rel)``: the text of ``package/rel`` (see :func:`package_location`), or None."""
+    where = package_location(env, package)
+    if where is None:
+        return None
+    if where.is_file():
+        zf = zipfile.ZipFile(where)
+        return lambda rel: zf.read(f"{package}/{rel}").decode()
+    return lambda rel: (where / rel).read_text()
+
+
+def package_version(read: Callable[[str], str], rel: str = "_version.py") -> str | None:
+    """The ``__version__`` that ``rel`` assigns, or None when the file is absent or assigns none."""
+    try:
+        text = read(rel)
+    except (KeyError, OSError):
+        return None
+    found = re.search(r"""^__version__\s*(?::\s*str\s*)?=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", text, re.M)
+    return found.group(1) if found else None
+
+
+def vllm_reader(missing: str, *, check_version: bool = True) -> Callable[[str], str]:
+    """vLLM's source reader, or skip with ``missing`` as the reason; a vLLM whose version is known and is
+    not 0.33.0 skips too (unless ``check_version`` is off)."""
+    read = package_reader(VLLM_SRC, "vllm")
+    if read is None:
+        pytest.skip(missing)
+    version = package_version(read) if check_version else None
+    if version is not None and not version.startswith(VLLM_VERSION):
+        pytest.skip(f"vLLM {version} found; the layout is made for {VLLM_VERSION}")
+    return read
+
+
+@functools.lru_cache(maxsize=1)
+def vllm_moe_ops():
+    """vLLM's compiled MoE ops (its ``_moe_C`` library, as the runtime loads it), or skip."""
+    from moeconvert.runtime import vllm_marlin
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if vllm_marlin.find_library()[0] is None:
+        pytest.skip("set MOECONVERT_VLLM_MOE_LIB to vLLM 0.33.0's _moe_C library (vllm/_moe_C_stable_libtorch.abi3.so)")
+    return vllm_marlin.ops()
+
+
+def top_level(source: str) -> dict[str, ast.stmt]:
+    """A module's top-level functions, classes and one-name assignments, by name (the last one wins)."""
+    out = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            out[node.name] = node
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            out[node.targets[0].id] = node
+    return out
+
+
+def exec_nodes(nodes: list[ast.stmt], filename: str, ns: dict) -> dict:
+    """Run ``nodes`` as a module named ``filename`` in the namespace ``ns`` (annotations left unevaluated)."""
+    module = ast.fix_missing_locations(ast.Module(body=list(nodes), type_ignores=[]))
+    exec(compile(module, filename, "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True), ns)
+    return ns
+
+
+def undecorated(name: str, node: ast.stmt) -> ast.stmt:
+    """An ``edit`` for :func:`lift`: the definition without its decorators (caches, API wrappers)."""
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        node.decorator_list = []
+    return node
+
+
+def lift(read: Callable[[str], str], rel: str, names, ns: dict, *, package: str = "vllm", optional=(),
+         edit: Callable[[str, ast.stmt], ast.stmt] | None = None) -> dict:
+    """Run the top-level definitions ``names`` of ``package/rel`` (functions, classes, one-name
+    assignments) in ``ns``, in file order, as the module would; ``optional`` ones are taken when the
+    file has them, ``edit(name, node)`` may rewrite a definition first. Fails naming what is missing."""
+    filename = f"{package}/{rel}"
+    found = top_level(read(rel))
+    missing = set(names) - set(found)
+    assert not missing, f"{filename} no longer defines {sorted(missing)}"
+    wanted = set(names) | (set(optional) & set(found))
+    nodes = sorted((found[n] for n in wanted), key=lambda node: node.lineno)
+    by_node = {id(found[n]): n for n in wanted}
+    if edit is not None:
+        nodes = [edit(by_node[id(node)], node) for node in nodes]
+    return exec_nodes(nodes, filename, ns)
