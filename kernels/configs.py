@@ -4,7 +4,7 @@
 keys ``BLOCK_M BLOCK_N BLOCK_K GROUP_M SPLIT_K num_warps num_stages`` (both GEMMs share BLOCK_M: they
 share one alignment; a split-K GEMM1's last split of a tile sums the partials and runs the epilogue).
 
-Tables are JSON files written by ``moeconvert bench kernel --tune`` (runtime/bench_kernel.py)::
+Tables are JSON files written by ``moeconvert bench kernel --tune`` (moeconvert/bench/kernel.py)::
 
     {"device": "NVIDIA H200", "triton": "3.6.0", "entries": {
         "int4/g128 E=128 k=8 H=2048 I=768": {"1": [cfg1, cfg2], "16": [...], ...}, ...}}

@@ -432,7 +432,7 @@ def bench_convert_cmd(
     json_out: bool = JSON,
 ):
     """Whole-process conversion time vs `cp -r` of the same folder, interleaved; median ratio, peak RSS."""
-    from moeconvert.bench import bench_convert
+    from moeconvert.bench.convert import bench_convert
 
     r = bench_convert(src, backend, fmt, runs, list(extra or []), workdir)
     if json_out:
@@ -479,7 +479,7 @@ def bench_load_cmd(
     json_out: bool = JSON,
 ):
     """Time to ready on the device: converted folder vs the same bytes read plainly vs source load-then-process."""
-    from moeconvert.runtime.bench import bench_io, bench_load
+    from moeconvert.bench.load import bench_io, bench_load
 
     settings = []
     for item in (sweep or "").split(","):
@@ -554,7 +554,7 @@ def bench_make_folder_cmd(
     json_out: bool = JSON,
 ):
     """A large synthetic converted folder (Qwen3-30B-A3B-shaped bf16 experts, plain layout) for bench load."""
-    from moeconvert.runtime.bench import make_folder
+    from moeconvert.bench.load import make_folder
 
     t0 = time.perf_counter()
     with _progress() as prog:
@@ -590,7 +590,7 @@ def bench_layer_cmd(
     json_out: bool = JSON,
 ):
     """Per-layer latency of the dispatched kernel vs the PyTorch reference."""
-    from moeconvert.runtime.bench import bench_layer
+    from moeconvert.bench.load import bench_layer
 
     counts = _token_counts(tokens)
     r = bench_layer(out_dir, _bench_device(device), counts, runs, layer, kernel)
@@ -630,7 +630,7 @@ def bench_kernel_cmd(
 
     if importlib.util.find_spec("triton") is None:
         raise MoeConvertError("bench kernel needs Triton (pip install triton, on Linux with a CUDA GPU)")
-    from moeconvert.runtime.bench_kernel import bench_kernel
+    from moeconvert.bench.kernel import bench_kernel
 
     counts = _token_counts(tokens)
     log = (lambda *a: print(*a, file=sys.stderr)) if json_out else (lambda m: out.print(escape(str(m))))

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from moeconvert import FORMAT_VERSION, __version__
+from moeconvert import __version__
+from moeconvert.format import FORMAT_VERSION
 from moeconvert.canonical import ExpertBlock, LayerShape, Partition
 from moeconvert.decode import decode_chunk, partition_sizes
 from moeconvert.errors import InternalError, MoeConvertError

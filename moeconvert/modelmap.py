@@ -20,7 +20,8 @@ from typing import Iterator
 
 from moeconvert.errors import MoeConvertError
 from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme, WNA16Scheme, float_dtype_name, parse_quantization_config
-from moeconvert.sources import CONFIG_NAME, Source, config_int, config_number, config_value, show_value
+from moeconvert.format import CONFIG_NAME, MODEL_TYPES, config_int, config_number, config_value, family_name, show_value
+from moeconvert.sources import Source
 
 # Per-expert tensors: {prefix}.{e}.{proj}.{suffix}; prefix ends in "<layers>.<L>.<mlp>.experts".
 _PER_EXPERT = re.compile(
@@ -97,34 +98,27 @@ class SparseLayers:
 
 
 FAMILIES = [
-    Family("mixtral", ("mixtral",), {"w1": "gate", "w3": "up", "w2": "down"},
+    Family("mixtral", MODEL_TYPES["mixtral"], {"w1": "gate", "w3": "up", "w2": "down"},
            ("num_local_experts",), ("intermediate_size",)),
-    Family("qwen2-moe", ("qwen2_moe",), {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
+    Family("qwen2-moe", MODEL_TYPES["qwen2-moe"], {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
            ("num_experts", "num_local_experts"), ("moe_intermediate_size",), shared=("shared_expert", "shared_expert_gate")),
-    Family("qwen3-moe", ("qwen3_moe",), {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
+    Family("qwen3-moe", MODEL_TYPES["qwen3-moe"], {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
            ("num_experts", "num_local_experts"), ("moe_intermediate_size",)),
-    Family("deepseek-v2", ("deepseek_v2",), {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
+    Family("deepseek-v2", MODEL_TYPES["deepseek-v2"], {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
            ("n_routed_experts", "num_local_experts"), ("moe_intermediate_size",), shared=("shared_experts",)),
-    Family("deepseek-v3", ("deepseek_v3", "kimi_k2"), {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
+    Family("deepseek-v3", MODEL_TYPES["deepseek-v3"], {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
            ("n_routed_experts", "num_local_experts"), ("moe_intermediate_size",), shared=("shared_experts",)),
-    Family("glm4-moe", ("glm4_moe",), {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
+    Family("glm4-moe", MODEL_TYPES["glm4-moe"], {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
            ("n_routed_experts", "num_local_experts"), ("moe_intermediate_size",), shared=("shared_experts",)),
-    Family("gpt-oss", ("gpt_oss",), {"gate_up_proj": "gate_up", "down_proj": "down"},
+    Family("gpt-oss", MODEL_TYPES["gpt-oss"], {"gate_up_proj": "gate_up", "down_proj": "down"},
            ("num_local_experts",), ("intermediate_size",), fused=True, activation="swigluoai", router=("router",)),
 ]
+_BY_NAME = {f.name: f for f in FAMILIES}
+assert list(_BY_NAME) == list(MODEL_TYPES), "one Family row per format.config.MODEL_TYPES entry, in its order"
 
 
 def family_for(cfg: dict) -> Family:
-    mt = config_value(cfg, "model_type", str, default=None)
-    text = config_value(cfg, "text_config", dict, default=None)
-    if text is not None and not any(mt in f.model_types for f in FAMILIES):
-        mt = config_value(text, "model_type", str, default=mt, section="text_config.")
-    for f in FAMILIES:
-        if mt in f.model_types:
-            return f
-    known = ", ".join(t for f in FAMILIES for t in f.model_types)
-    raise MoeConvertError("unknown model family", file="config.json", tensor="model_type",
-                          expected=f"one of {known}", found=mt)
+    return _BY_NAME[family_name(cfg)]
 
 
 @dataclass

@@ -27,6 +27,7 @@ import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError, MoeConvertError
+from moeconvert.layouts.base import padded_sizes, round_up
 from moeconvert.mxfp4 import MXFP4_BLOCK_SIZE, ROUNDINGS, mxfp4_error_sums, quantize_mxfp4, require_finite
 from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme
 
@@ -62,15 +63,6 @@ def resolve_model_dtype(checkpoint_dtype: str, requested: str | None) -> str:
         raise MoeConvertError("unsupported model dtype for MXFP4 experts", tensor="--dtype",
                               expected="auto | " + " | ".join(MODEL_DTYPES), found=requested)
     return requested
-
-
-def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def padded_sizes(hidden_size: int, intermediate_size: int, multiples: tuple[int, int]) -> tuple[int, int]:
-    """(Hp, Ip) for one TP rank's I (mxfp4-layouts.md §5.3)."""
-    return round_up(hidden_size, multiples[0]), round_up(intermediate_size, multiples[1])
 
 
 def output_problems(source_scheme: Scheme, shape: LayerShape, quant: Quantization | None) -> list[str]:

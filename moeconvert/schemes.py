@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Union
 
 from moeconvert.errors import MoeConvertError
-from moeconvert.sources import config_value
+from moeconvert.format import config_value
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 

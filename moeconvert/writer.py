@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from moeconvert.errors import InternalError, MoeConvertError
-from moeconvert.sources import INDEX_NAME, MANIFEST_NAME, TORCH_TO_CODE
+from moeconvert.format import INDEX_NAME, MANIFEST_NAME, TORCH_TO_CODE
 
 
 @dataclass

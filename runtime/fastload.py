@@ -41,7 +41,7 @@ import torch
 
 from moeconvert.errors import MoeConvertError
 from moeconvert.runtime.loader import Reader, check_digest
-from moeconvert.sources import TensorInfo
+from moeconvert.format import TensorInfo
 
 _ALIGN = 4096
 #: tensors not asked for, up to this many bytes between two that are, are read rather than skipped

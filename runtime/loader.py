@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from moeconvert.errors import MoeConvertError
-from moeconvert.sources import TensorInfo
+from moeconvert.format import TensorInfo
 
 READERS = ("direct", "pinned", "threaded")
 #: bytes hashed and copied at a time: small enough to stay in cache between the two

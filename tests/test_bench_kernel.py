@@ -16,8 +16,8 @@ import torch
 from moeconvert.kernels import configs
 from moeconvert.kernels.moe_fast import check_config
 from moeconvert.layouts import get_layout
-from moeconvert.runtime.bench_kernel import SHAPES, _candidates, _fmt, problems, write_table
-from moeconvert.runtime.contenders import Problem, padded_shape, random_layout_tensors
+from moeconvert.bench.kernel import SHAPES, _candidates, _fmt, problems, write_table
+from moeconvert.bench.contenders import Problem, padded_shape, random_layout_tensors
 
 from helpers import cli
 from interpreted import REPO, run_child
@@ -140,7 +140,7 @@ def test_shipped_h200_table_covers_the_bench_shapes_with_valid_configs():
 
 
 def _tune_child(out: Path) -> None:
-    import moeconvert.runtime.bench_kernel as bk
+    import moeconvert.bench.kernel as bk
 
     calls = []
 

@@ -20,10 +20,10 @@ import torch
 from moeconvert.errors import MoeConvertError
 from moeconvert.runtime import KernelFallbackWarning, load
 from moeconvert.runtime import fastload
-from moeconvert.runtime.bench import make_folder
+from moeconvert.bench.load import make_folder
 from moeconvert.runtime.fastload import ThreadedReader, _Segment, plan_chunks
 from moeconvert.runtime.loader import make_reader
-from moeconvert.sources import TensorInfo
+from moeconvert.format import TensorInfo
 
 from helpers import cli
 
@@ -311,7 +311,7 @@ def test_bench_load_io(plain_out):
 
 
 def test_eviction_falls_back_and_says_so(plain_out, tmp_path, monkeypatch):
-    from moeconvert.runtime import bench
+    from moeconvert.bench import load as bench
 
     files = sorted(plain_out.glob("*.safetensors"))
     bench.sequential_read(files)

@@ -484,7 +484,7 @@ def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, variant)
 
 
 def _shipped_h200_runs() -> list[tuple[str, str]]:
-    from moeconvert.runtime.bench_kernel import SHAPES
+    from moeconvert.bench.kernel import SHAPES
 
     return [(name, M) for name in SHAPES for M in ("1", "16", "64", "256", "4096")]
 
@@ -492,7 +492,7 @@ def _shipped_h200_runs() -> list[tuple[str, str]]:
 @functools.lru_cache(maxsize=1)
 def _shipped_shape_weights(name: str):
     """8 experts of a bench shape (its H, I, format), encoded, on the GPU, with the reference's weights."""
-    from moeconvert.runtime.bench_kernel import SHAPES
+    from moeconvert.bench.kernel import SHAPES
 
     _, _, H, I, f = SHAPES[name]
     quant = "mxfp4" if f == "mxfp4" else "int4-sym-g128"
@@ -515,7 +515,7 @@ def test_every_shipped_h200_config_matches_the_reference_gpu(name, M):
     from moeconvert.kernels import configs
     from moeconvert.runtime.moeconvert_triton import weights_from_tensors
     from moeconvert.kernels.moe_fast import fused_moe_fast
-    from moeconvert.runtime.bench_kernel import SHAPES
+    from moeconvert.bench.kernel import SHAPES
     from moeconvert.runtime.reference import activation_fn, reference_moe
 
     E, k, H, I, f = SHAPES[name]

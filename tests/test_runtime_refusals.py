@@ -84,7 +84,7 @@ def test_checksum_mismatch_with_verify(copy):
     out = copy()
     manifest = json.loads((out / "moeconvert.json").read_text())
     name = manifest["moe_layers"][0]["tensors"]["w13_weight"]["name"]
-    from moeconvert.sources import read_header
+    from moeconvert.format import read_header
 
     info = read_header(out / SHARD)[name]
     with open(out / SHARD, "r+b") as f:

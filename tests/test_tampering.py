@@ -25,7 +25,7 @@ from moeconvert.errors import MoeConvertError
 from moeconvert.example import make_example
 from moeconvert.runtime import KernelFallbackWarning, load
 from moeconvert.runtime import fastload
-from moeconvert.sources import read_header
+from moeconvert.format import read_header
 from moeconvert.verify import verify_output
 
 MANIFEST = "moeconvert.json"

@@ -33,6 +33,15 @@ W13, W2 = ProjectionNames.of("w13"), ProjectionNames.of("w2")
 PROJECTIONS = {"w13": W13, "w2": W2}
 
 
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def padded_sizes(hidden_size: int, intermediate_size: int, multiples: tuple[int, int]) -> tuple[int, int]:
+    """(Hp, Ip) for one TP rank's I (mxfp4-layouts.md §5.3), ``multiples`` a layout's ``pad_multiples``."""
+    return round_up(hidden_size, multiples[0]), round_up(intermediate_size, multiples[1])
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One tensor a layout writes for a layer: ``{prefix}.{suffix}``, leading dim = local experts."""

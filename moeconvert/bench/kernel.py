@@ -4,7 +4,7 @@ Per layer shape and token count M: the whole-layer time under a CUDA graph (``tr
 on the graph's replay, L2 flushed between replays) of
 
 * ``ours``: kernels/moe_fast.py on random ``triton-fast`` tensors (align, GEMM1 + activation, GEMM2, sum);
-* the contenders of runtime/contenders.py where they can run (vLLM Marlin, humming, triton_kernels),
+* the contenders of moeconvert/bench/contenders.py where they can run (vLLM Marlin, humming, triton_kernels),
 
 all from the same ``x``, routing and (for triton_kernels) router logits, with uniform random routing
 (top-k of the softmax of Gaussian logits). Next to them, measured in the same run:
@@ -32,7 +32,7 @@ import torch
 import triton
 
 from moeconvert.errors import MoeConvertError
-from moeconvert.runtime.contenders import Problem, Unavailable, random_layout_tensors
+from moeconvert.bench.contenders import Problem, Unavailable, random_layout_tensors
 
 SHAPES = {  # E, top_k, H, I, format
     "mixtral": (8, 2, 4096, 14336, "int4-g128"),
@@ -314,7 +314,7 @@ def write_table(path, device_name: str, entries: dict) -> None:
 def bench_kernel(shapes: list[str], ms: list[int], contenders: list[str], *, device="cuda", fmt: str | None = None,
                  do_tune: bool = False, table: str | None = None, breakdown: bool = False, log=print) -> dict:
     from moeconvert.kernels import configs
-    from moeconvert.runtime import contenders as C
+    from moeconvert.bench import contenders as C
 
     for c in contenders:
         if c not in CONTENDERS:

@@ -28,17 +28,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from moeconvert import FORMAT_VERSION
 from moeconvert.canonical import LayerShape, Partition
 from moeconvert.errors import MoeConvertError
+from moeconvert.format.config import CONFIG_NAME, family_name
+from moeconvert.format.safetensors import DTYPES, TORCH_TO_CODE, TensorInfo, read_header
 from moeconvert.layouts import Layout, get_layout
+from moeconvert.layouts.base import padded_sizes
 from moeconvert.mxfp4 import ROUNDINGS
 from moeconvert.schemes import FLOAT_DTYPES, FloatScheme, MXFP4Scheme, Scheme, WNA16Scheme
-from moeconvert.sources import DTYPES, MANIFEST_NAME, TORCH_TO_CODE, TensorInfo, read_header
 
+MANIFEST_NAME = "moeconvert.json"
+#: Version of the output format (the layout of ``moeconvert.json`` and the tensor naming contract).
+FORMAT_VERSION = 2
 #: the first format version whose manifest records a sha256 of every shard header (``shards[].header_sha256``)
 HEADER_CHECKSUMS_SINCE = 2
-CONFIG_NAME = "config.json"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 _QUANT_FORMATS = ("mxfp4",)
@@ -450,8 +453,6 @@ def check_layer(manifest: dict, i: int, made_for: bool = True) -> CheckedLayer:
         raise field_error("backend", f"expected the layout's name {_show(layout.name)}, found {_show(manifest['backend'])}")
     if scheme.kind == "mxfp4":
         # MXFP4 outputs hold H and I zero-padded to the layout's multiples (convert.layer_shape)
-        from moeconvert.quantize import padded_sizes
-
         want = padded_sizes(raw["hidden_size"], I, layout.pad_multiples)
         for key, size in zip(("hidden_size_padded", "intermediate_size_padded"), want):
             if raw[key] != size:
@@ -576,9 +577,7 @@ def check_output(root: Path, *, hash_headers: bool = True, made_for: bool = True
                                                    "null (the layers' schemes differ)")
                           + f", found {_show(manifest['scheme'])}")
     config = read_output_config(root, manifest["copied_files"][CONFIG_NAME] if hash_headers else None)
-    from moeconvert.modelmap import family_for  # the conversion's own reading of the config
-
-    family = family_for(config).name
+    family = family_name(config)  # the conversion's own reading of the config
     if family != manifest["family"]:
         raise field_error("family", f"expected {_show(family)} (what config.json describes), "
                           f"found {_show(manifest['family'])}")
