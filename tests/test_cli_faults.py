@@ -149,12 +149,12 @@ def test_no_arguments_show_the_help(args, capsys):
 
 
 def test_a_bug_is_an_internal_error(src, tmp_path, capsys, monkeypatch):
-    import moeconvert.cli
+    import moeconvert.cli.convert
 
     def broken(*a, **k):
         raise ValueError("a bug\nover two lines")
 
-    monkeypatch.setattr(moeconvert.cli, "_convert", broken)
+    monkeypatch.setattr(moeconvert.cli.convert, "_convert", broken)
     code, _, err = cli(*["repack", src, tmp_path / "out", "-b", "plain"])
     assert code == 1 and err.splitlines() == ["moeconvert: internal error: ValueError: a bug over two lines "
                                               "(rerun with --debug for the traceback)"]

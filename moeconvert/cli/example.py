@@ -1,0 +1,35 @@
+"""``moeconvert example``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from moeconvert.cli.app import app
+from moeconvert.cli.options import out
+
+
+@app.command()
+def example(
+    out_dir: Path = typer.Argument(..., help="Where to write the example checkpoint."),
+    family: str = typer.Option("qwen3-moe", "--family", help="qwen3-moe | qwen2-moe | mixtral | deepseek-v2 | deepseek-v3 | glm4-moe | gpt-oss"),
+    scheme: str = typer.Option("w4a16", "--scheme", help="bf16 | fp16 | w4a16 | w8a16 (int schemes made by compressed-tensors)"),
+    group_size: int = typer.Option(128, "--group-size", help="Quantization group size; -1 = channelwise."),
+    asym: bool = typer.Option(False, "--asym", help="Asymmetric quantization (zero points)."),
+    layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Number of decoder layers."),
+    experts: int = typer.Option(8, "--experts", min=1, help="Routed experts per layer."),
+    seed: int = typer.Option(0, "--seed"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output folder."),
+):
+    """Write a small but real checkpoint (transformers + compressed-tensors) to try the tools on."""
+    from moeconvert.example import make_example
+    from moeconvert.writer import StagedOutput, check_output_target
+
+    check_output_target(out_dir, None, overwrite, make_parents=True)
+    with StagedOutput(out_dir, [], overwrite) as staged:  # the same staging, swap and cleanup as repack's
+        make_example(staged.staging, family, scheme, group_size=group_size, symmetric=not asym,
+                     num_layers=layers, num_experts=experts, seed=seed)
+        staged.publish()
+    out.print(f"wrote {family} {scheme} example to {out_dir}")
