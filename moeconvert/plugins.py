@@ -26,3 +26,25 @@ def load_entry_points(group: str, add: Callable[[object], None]) -> None:
             where = f"entry point '{ep.name} = {ep.value}' (group {group}" + (
                 f", distribution {dist.name})" if dist is not None else ")")
             raise MoeConvertError(f"cannot load the plugin {where}: {type(e).__name__}: {e}") from e
+
+
+class EntryPointGroup:
+    """One group's entry points, handed to a registry's ``add`` once, the first time it is asked.
+
+    The group counts as loaded while it loads, so a plugin that asks the registry sees it as it is;
+    a plugin that fails leaves it unloaded, so the next use says so again instead of the plugin being
+    silently missing.
+    """
+
+    def __init__(self, group: str, add: Callable[[object], None]):
+        self.group, self.add, self.loaded = group, add, False
+
+    def load(self) -> None:
+        if self.loaded:
+            return
+        self.loaded = True
+        try:
+            load_entry_points(self.group, self.add)
+        except BaseException:
+            self.loaded = False
+            raise

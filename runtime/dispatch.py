@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from moeconvert.errors import MoeConvertError
+from moeconvert.plugins import KERNELS_GROUP, EntryPointGroup
 
 ENV_KERNEL = "MOECONVERT_KERNEL"
 REFERENCE = "reference"
@@ -50,7 +51,6 @@ class Kernel:
 
 
 _KERNELS: dict[str, Kernel] = {}
-_plugins_loaded = False
 
 
 def register_kernel(kernel: Kernel) -> Kernel:
@@ -73,18 +73,12 @@ def _add_plugin(obj: object) -> None:
     register_kernel(obj)  # type: ignore[arg-type]
 
 
+_PLUGINS = EntryPointGroup(KERNELS_GROUP, _add_plugin)
+
+
 def _registry() -> dict[str, Kernel]:
     """The registry, with the ``moeconvert.kernels`` entry points loaded (once)."""
-    global _plugins_loaded
-    if not _plugins_loaded:
-        from moeconvert.plugins import KERNELS_GROUP, load_entry_points
-
-        _plugins_loaded = True  # a plugin that asks the registry while it loads sees it as it is
-        try:
-            load_entry_points(KERNELS_GROUP, _add_plugin)
-        except BaseException:
-            _plugins_loaded = False  # said again on the next use, not silently missing
-            raise
+    _PLUGINS.load()
     return _KERNELS
 
 

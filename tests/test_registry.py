@@ -79,9 +79,9 @@ def _plugin_module() -> types.ModuleType:
 def registries(monkeypatch):
     """Both registries as they are now, restored after the test; entry points not loaded yet."""
     monkeypatch.setattr(layouts, "_REGISTRY", {k: list(v) for k, v in layouts._REGISTRY.items()})
-    monkeypatch.setattr(layouts, "_plugins_loaded", False)
+    monkeypatch.setattr(layouts._PLUGINS, "loaded", False)
     monkeypatch.setattr(dispatch, "_KERNELS", dict(dispatch._KERNELS))
-    monkeypatch.setattr(dispatch, "_plugins_loaded", False)
+    monkeypatch.setattr(dispatch._PLUGINS, "loaded", False)
     monkeypatch.setattr(dispatch, "_SAID", set())
     monkeypatch.delitem(sys.modules, "toy_registry_plugin", raising=False)
     yield

@@ -12,10 +12,10 @@ from __future__ import annotations
 import types
 
 from moeconvert.errors import MoeConvertError
+from moeconvert.plugins import LAYOUTS_GROUP, EntryPointGroup
 from moeconvert.layouts.base import PROJECTIONS, W2, W13, Layout, ProjectionNames, TensorSpec
 
 _REGISTRY: dict[str, list[type[Layout]]] = {}
-_plugins_loaded = False
 
 
 def register(cls: type[Layout]) -> type[Layout]:
@@ -41,18 +41,12 @@ def _add_plugin(obj: object) -> None:
     register(obj)  # type: ignore[arg-type]
 
 
+_PLUGINS = EntryPointGroup(LAYOUTS_GROUP, _add_plugin)
+
+
 def _registry() -> dict[str, list[type[Layout]]]:
     """The registry, with the ``moeconvert.layouts`` entry points loaded (once)."""
-    global _plugins_loaded
-    if not _plugins_loaded:
-        from moeconvert.plugins import LAYOUTS_GROUP, load_entry_points
-
-        _plugins_loaded = True  # a plugin that asks the registry while it loads sees it as it is
-        try:
-            load_entry_points(LAYOUTS_GROUP, _add_plugin)
-        except BaseException:
-            _plugins_loaded = False  # said again on the next use, not silently missing
-            raise
+    _PLUGINS.load()
     return _REGISTRY
 
 
