@@ -1,3 +1,4 @@
 from moeconvert.cli import main
 
-main()
+if __name__ == "__main__":  # not when a worker process (multiprocessing spawn) imports it again
+    main()

@@ -9,7 +9,6 @@ MoE layers are decoded and encoded a chunk of experts at a time.
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -19,14 +18,14 @@ from moeconvert.format import FORMAT_VERSION
 from moeconvert.canonical import ExpertBlock, LayerShape, Partition
 from moeconvert.decode import decode_chunk, partition_sizes
 from moeconvert.errors import InternalError, MoeConvertError
+from moeconvert.jobs import (DEFAULT_CHUNK_BYTES, DEFAULT_JOB_BYTES, Request, attempts, plan_jobs, plan_key,
+                             read_records, source_stat, still_good)
 from moeconvert.layouts import Layout, TensorSpec, get_layout
 from moeconvert.modelmap import ModelMap, MoELayerMap, map_model
 from moeconvert.quantize import Quality, Quantization, output_block, output_problems, padded_sizes
 from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme, WNA16Scheme
 from moeconvert.sources import Source
-from moeconvert.writer import PlannedTensor, Shard, StagedOutput, dtype_code, layout_shards, tensor_bytes
-
-DEFAULT_CHUNK_BYTES = 256 << 20
+from moeconvert.writer import PlannedTensor, Shard, StagedOutput, dtype_code, layout_shards
 
 
 @dataclass
@@ -40,7 +39,7 @@ class LayerPlan:
     tensors: dict[str, PlannedTensor]  # suffix -> planned output tensor
     scheme: Scheme  # of the output (MXFP4 for quantize), the source's otherwise
     unpadded: tuple[int, int]  # this rank's real (H, I); shape holds the padded ones for MXFP4 output
-    quality: Quality | None = None  # filled while quantizing
+    quantized: bool = False  # float experts quantized here (the manifest gets a quality report)
 
 
 @dataclass
@@ -168,7 +167,7 @@ def plan_conversion(source: Source, backend: str, part: Partition = Partition(),
                         shape.extra.get("intermediate_size_unpadded", shape.intermediate_size))
             layers.append(LayerPlan(layer, shape, e0, specs, layout.layer_metadata(shape, scheme),
                                     layout.warnings(shape, scheme), planned, scheme, unpadded,
-                                    Quality() if quant is not None and isinstance(layer.scheme, FloatScheme) else None))
+                                    quant is not None and isinstance(layer.scheme, FloatScheme)))
         elif name not in moe_names:
             tensors.append(PlannedTensor(name, info.dtype, info.shape, info.nbytes, source=name))
     taken = {}
@@ -180,14 +179,6 @@ def plan_conversion(source: Source, backend: str, part: Partition = Partition(),
                           dtype, quant)
 
 
-def experts_per_chunk(lp: LayerPlan, chunk_bytes: int) -> int:
-    per_expert = sum(s.nbytes for s in lp.specs) // max(lp.shape.num_experts, 1)
-    # decoding holds unpacked codes and the source words beside the encoded chunk: about 4x the output;
-    # quantizing holds the float chunk and temporaries of ~6x it (mxfp4.py; the error report's fp64)
-    factor = 4 if lp.quality is None else 6 * 4
-    return max(1, min(lp.shape.num_experts, chunk_bytes // max(factor * per_expert, 1)))
-
-
 def layer_output_block(plan: ConversionPlan, lp: LayerPlan, a: int, b: int, quality: Quality | None) -> ExpertBlock:
     """Local experts [a, b) of a layer as the canonical block its layout encodes."""
     block = decode_chunk(plan.source, lp.map, plan.partition, lp.expert_start + a, lp.expert_start + b)
@@ -197,59 +188,90 @@ def layer_output_block(plan: ConversionPlan, lp: LayerPlan, a: int, b: int, qual
     return block
 
 
+@dataclass
+class Conversion:
+    """What :func:`run_conversion` did: the manifest written, and how many jobs ran (``kept``: done
+    by an interrupted run and taken over by ``--resume``; ``retried``: extra attempts after a worker
+    was lost)."""
+
+    manifest: dict
+    jobs: int
+    kept: int
+    ran: int
+    retried: int
+
+
 def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
-                   chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Callable[[int], None] | None = None) -> dict:
-    """Write the planned output to ``out``; returns the manifest."""
+                   chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Callable[[int], None] | None = None,
+                   request: "Request | None" = None, executor: "Executor | None" = None,
+                   resume: bool = False, job_bytes: int = DEFAULT_JOB_BYTES,
+                   report: Callable[[str], None] | None = None) -> "Conversion":
+    """Write the planned output to ``out`` as jobs (:mod:`moeconvert.jobs`) run by ``executor`` (in
+    this process by default), then finalize: index, copied files, the manifest last, one rename.
+    ``request`` says how to plan it again (needed by executors that run jobs
+    in other processes); ``resume`` takes over the staging folder a killed run of the same plan left.
+    ``report(line)`` hears what the run decided (jobs kept by ``--resume``, retries)."""
+    from moeconvert.executors import InProcess
+
     progress = progress or (lambda n: None)
-    source = plan.source
-    with ThreadPoolExecutor(max_workers=2) as pool, StagedOutput(out, plan.shards, overwrite) as staged:
-        digests = {f: pool.submit(source.file_digest, f) for f in source.files}
-        for t in plan.tensors:
-            if t.source is None:
-                continue
-            at = 0
-            for buf in source.read_raw(t.source):
-                staged.write(t, at, buf)
-                at += len(buf)
-                progress(len(buf))
-        for lp in plan.layers:
-            step = experts_per_chunk(lp, chunk_bytes)
-            n = lp.shape.num_experts
-            for a in range(0, n, step):
-                b = min(n, a + step)
-                block = layer_output_block(plan, lp, a, b, lp.quality)
-                encoded = plan.layout.encode(block, lp.shape)
-                _write_layer_chunk(staged, lp, encoded, a, b)
-                progress(sum(lp.tensors[s.suffix].nbytes * (b - a) // n for s in lp.specs))
-                del block, encoded
-        copies = source.other_files()  # listed once: the manifest's checksums are of exactly these
-        manifest = build_manifest(plan, staged, {f: fut.result() for f, fut in digests.items()}, copies)
+    report = report or (lambda line: None)
+    request = request or Request(plan.source.ident, plan.layout.name, chunk_bytes=chunk_bytes, job_bytes=job_bytes)
+    jobs = plan_jobs(plan, request.chunk_bytes, request.job_bytes)
+    key = plan_key(plan, jobs, request)
+    executor = executor or InProcess()
+    record = {"key": key, "tool_version": __version__, "request": request.to_json(), "jobs": len(jobs),
+              "source_stat": source_stat(plan)}
+    with StagedOutput(out, plan.shards, overwrite, plan=record, resume=resume) as staged:
+        done: dict[int, dict] = {}
+        if staged.resumed_from is not None:
+            found = read_records(staged.staging, key, jobs)
+            done = {i: r for i, r in found.items() if still_good(plan, jobs[i], r, staged.staging)}
+            report(f"resuming {staged.resumed_from.name}: {len(done)} of {len(jobs)} jobs done and checked, "
+                   f"{len(jobs) - len(done)} to run" + (f" ({len(found) - len(done)} redone: their bytes no "
+                                                         "longer match their record)" if len(found) > len(done) else ""))
+            for i in done:
+                progress(jobs[i].work_bytes)
+        todo = [j for j in jobs if j.index not in done]
+        started = attempts(staged.staging)
+        done.update(executor.run(plan, request, key, staged.staging, todo, progress))
+        missing = [j.index for j in jobs if j.index not in done]
+        if missing:
+            raise InternalError(f"jobs {missing[:5]} ended without a record")
+        runs = attempts(staged.staging)
+        retried = {i: runs.get(i, 0) - started.get(i, 0) - 1 for i in (j.index for j in todo)}
+        retried = {i: n for i, n in retried.items() if n > 0}
+        if retried:
+            report(f"{len(retried)} job(s) ran again after a worker was lost: "
+                   + ", ".join(f"{jobs[i].what} ({n + 1} attempts)" for i, n in sorted(retried.items())[:5]))
+        stats = {"jobs": len(jobs), "kept": len(jobs) - len(todo), "ran": len(todo),
+                 "retried": sum(retried.values())}
+        copies = plan.source.other_files()  # listed once: the manifest's checksums are of exactly these
+        digests = {}
+        quality = {}
+        source_digests = {}
+        for j in jobs:
+            rec = done[j.index]
+            digests.update(rec.get("tensors", {}))
+            if "quality" in rec:
+                quality[plan.layers[j.layer].map.prefix] = rec["quality"]
+            if j.kind == "digest":
+                source_digests[plan.source.files[j.file]] = rec["digest"]
+        manifest = build_manifest(plan, digests, quality, source_digests, copies)
         index = {"metadata": {"total_size": sum(t.nbytes for t in plan.tensors)},
                  "weight_map": {t.name: plan.shards[t.shard].filename for t in plan.tensors}}
         staged.finish(index, copies, manifest)
-    return manifest
+    return Conversion(manifest, **stats)
 
 
-def _write_layer_chunk(staged: StagedOutput, lp: LayerPlan, encoded: dict, a: int, b: int) -> None:
-    if set(encoded) != {s.suffix for s in lp.specs}:
-        raise InternalError(f"{lp.map.prefix}: layout wrote {sorted(encoded)}, planned {[s.suffix for s in lp.specs]}")
-    for spec in lp.specs:
-        t = encoded[spec.suffix]
-        want = (b - a, *spec.shape[1:])
-        if tuple(t.shape) != want or t.dtype != spec.dtype:
-            raise InternalError(f"{lp.map.prefix}.{spec.suffix}: encoded {tuple(t.shape)} {t.dtype}, "
-                                f"planned {want} {spec.dtype}")
-        planned = lp.tensors[spec.suffix]
-        staged.write(planned, a * (planned.nbytes // lp.shape.num_experts), tensor_bytes(t))
-
-
-def build_manifest(plan: ConversionPlan, staged: StagedOutput, source_digests: dict, copies: list[Path]) -> dict:
+def build_manifest(plan: ConversionPlan, digests: dict[str, str], quality: dict[str, dict], source_digests: dict,
+                   copies: list[Path]) -> dict:
     """The manifest (docs/format.md): every tensor's sha256 as written, every shard header's, and those
     of the files copied through (``copies``), so that ``verify`` and ``load(verify=True)`` can check
-    every byte of the output without its source."""
+    every byte of the output without its source. ``digests``: each written tensor's sha256 (from the
+    jobs' records); ``quality``: each quantized layer's report, by prefix."""
     src = plan.source
     entry = lambda t: {"name": t.name, "file": plan.shards[t.shard].filename, "shape": list(t.shape),
-                       "dtype": t.dtype, "sha256": staged.digest(t)}
+                       "dtype": t.dtype, "sha256": digests[t.name]}
     layouts = plan.layout
     schemes = {lp.scheme for lp in plan.layers}
     layers = []
@@ -278,7 +300,7 @@ def build_manifest(plan: ConversionPlan, staged: StagedOutput, source_digests: d
             "layout_metadata": lp.metadata,
             "warnings": lp.warnings,
             "tensors": {suffix: entry(t) for suffix, t in lp.tensors.items()},
-            **({"quality": lp.quality.to_json()} if lp.quality is not None else {}),
+            **({"quality": quality[m.prefix]} if lp.quantized else {}),
         })
     return {
         "format": "moeconvert",

@@ -32,6 +32,8 @@ of experts at a time. Speed: ~13 G elements/s on an H200, ~0.1 G/s on 2 CPU core
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moeconvert.errors import MoeConvertError
@@ -146,10 +148,23 @@ def mxfp4_error_sums(w: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     ref = w.float()
     err = ref - dequantize_mxfp4(packed, scales).view(ref.shape)
     max_abs = float(err.abs().max()) if err.numel() else 0.0
-    e, r = err.reshape(-1).double(), ref.reshape(-1).double()
-    sq_err, sq_ref = float(torch.dot(e, e)), float(torch.dot(r, r))  # sums of squares, one pass each
+    sq_err, sq_ref = _sum_of_squares(err), _sum_of_squares(ref)
     del err, ref
     return sq_err, sq_ref, max_abs, saturated_blocks(w, scales)
+
+
+def _sum_of_squares(x: torch.Tensor) -> float:
+    """The sum of squares of a float32 tensor, the same whatever the number of threads.
+
+    Each row (along K) is summed in float32 by one thread in a fixed order, and the row sums are added
+    exactly rounded (``math.fsum``): the report does not change with the machine's cores or a worker's
+    thread count, as a whole-tensor sum would (it splits by thread). A row's sum does depend on the
+    CPU's vector width (torch sums in lanes of its SIMD registers), so machines with and without
+    AVX-512 can differ in the last digits of the report, never in a tensor byte."""
+    if x.numel() == 0:
+        return 0.0
+    rows = x.reshape(-1, x.shape[-1])
+    return math.fsum((rows * rows).sum(dim=1).tolist())
 
 
 def mxfp4_error_stats(w: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> dict:

@@ -226,12 +226,15 @@ class Source:
         finally:
             os.close(fd)
 
-    def file_digest(self, path: Path) -> dict:
+    def file_digest(self, path: Path, progress=None) -> dict:
+        """``{"sha256", "size"}`` of one file; ``progress(n)`` after each piece hashed."""
         h = hashlib.sha256()
         buf = bytearray(8 << 20)  # one buffer, reused: no allocator churn beside the conversion
         with open(path, "rb", buffering=0) as f:
             while n := f.readinto(buf):
                 h.update(memoryview(buf)[:n])
+                if progress is not None:
+                    progress(n)
         return {"sha256": h.hexdigest(), "size": path.stat().st_size}
 
 

@@ -24,6 +24,7 @@ import torch
 
 from moeconvert.errors import InternalError, MoeConvertError
 from moeconvert.format import INDEX_NAME, MANIFEST_NAME, TORCH_TO_CODE
+from moeconvert.jobs import JOBS_DIR, PLAN_FILE
 
 
 @dataclass
@@ -116,7 +117,7 @@ def _pid_gone(pid: int) -> bool:
         return False
 
 
-def clear_leftovers(out: Path) -> None:
+def clear_leftovers(out: Path, keep_partial: bool = False) -> None:
     """Tidy what runs on ``out`` that were killed (``kill -9``, a crash, power loss) left beside it.
 
     Only names of exactly our pattern whose process no longer runs are touched; a live run's folders
@@ -133,6 +134,8 @@ def clear_leftovers(out: Path) -> None:
         m = re.fullmatch(r"(partial|old)-([1-9][0-9]{0,9})", name[len(prefix):])
         if not m or int(m[2]) == os.getpid() or not _pid_gone(int(m[2])):
             continue
+        if keep_partial and m[1] == "partial":
+            continue  # --resume may take it over
         path = out.parent / name
         try:
             if path.is_symlink():
@@ -145,6 +148,74 @@ def clear_leftovers(out: Path) -> None:
                 shutil.rmtree(path)
         except OSError:
             pass  # a concurrent run got there first, or we may not: it stays, harmlessly hidden
+
+
+def _write_json_durably(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _dead_partials(out: Path) -> list[Path]:
+    """Staging folders beside ``out`` of runs that no longer run (newest first)."""
+    prefix = f".{out.name}.moeconvert-partial-"
+    try:
+        entries = [e for e in os.scandir(out.parent) if e.name.startswith(prefix)]
+    except OSError:
+        return []
+    found = []
+    for e in entries:
+        pid = e.name[len(prefix):]
+        if not re.fullmatch(r"[1-9][0-9]{0,9}", pid) or int(pid) == os.getpid() or not _pid_gone(int(pid)):
+            continue
+        if e.is_dir(follow_symlinks=False):
+            found.append(Path(e.path))
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def _claim_partial(out: Path, staging: Path, plan: dict) -> Path | None:
+    """Take over the staging folder a killed run of the same plan left beside ``out`` (one rename, so
+    two runs cannot both take it). None when there is none. A killed run of a different command, or of
+    this one on a source changed since, is refused: resuming it would mix two outputs."""
+    refusals = []
+    for cand in _dead_partials(out):
+        try:
+            earlier = json.loads((cand / JOBS_DIR / PLAN_FILE).read_text())
+        except (OSError, ValueError):
+            refusals.append((cand, "it has no readable job plan (made before --resume existed, or damaged)"))
+            continue
+        if not isinstance(earlier, dict):
+            refusals.append((cand, "its job plan is damaged"))
+            continue
+        if earlier.get("key") != plan["key"]:
+            refusals.append((cand, _plan_difference(earlier, plan)))
+            continue
+        changed = [name for name, st in plan["source_stat"].items() if earlier.get("source_stat", {}).get(name) != st]
+        if changed:
+            raise MoeConvertError(f"cannot resume: source file {changed[0]} changed since the interrupted run "
+                                  "(size or modification time); run without --resume to start over",
+                                  file=str(cand.name))
+        os.rename(cand, staging)
+        return cand
+    if refusals:
+        cand, why = refusals[0]
+        raise MoeConvertError(f"cannot resume the interrupted run: {why}; run without --resume to start over "
+                              "(that removes it)", file=str(cand.name))
+    return None
+
+
+def _plan_difference(earlier: dict, plan: dict) -> str:
+    """What makes an earlier job plan another conversion, in a few words."""
+    a, b = earlier.get("request") or {}, plan.get("request") or {}
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) != b.get(k):
+            return f"it was made with {k} = {json.dumps(a.get(k))}, this run has {json.dumps(b.get(k))}"
+    if earlier.get("tool_version") != plan.get("tool_version"):
+        return f"it was made by moeconvert {earlier.get('tool_version')}, this is {plan.get('tool_version')}"
+    return "it converted another source or planned other jobs"
 
 
 def _path_problem(e: OSError) -> str:
@@ -199,28 +270,34 @@ class StagedOutput:
 
     ``out`` may be a symbolic link to a folder: the folder it points to is what gets replaced. With no
     shards, the staging folder is simply made, for a caller to fill before :meth:`publish`.
+
+    ``plan``: the job plan's fingerprint and the record kept for ``--resume`` (written to
+    ``.jobs/plan.json``); with ``resume``, the staging folder a killed run of the same plan left beside
+    ``out`` is taken over (renamed to this process's name) instead of starting empty.
     """
 
-    def __init__(self, out: Path, shards: list[Shard], overwrite: bool):
+    def __init__(self, out: Path, shards: list[Shard], overwrite: bool, plan: dict | None = None,
+                 resume: bool = False):
         self.out = output_folder(Path(out))
         self.overwrite = overwrite
         self.shards = shards
+        self.plan = plan
+        self.resume = resume
+        self.resumed_from: Path | None = None  # the folder taken over by --resume
         self.staging = leftover_path(self.out, "partial")
         self._old: Path | None = None  # the replaced output, while it is moved aside
-        self._fds: list[int] = []
-        self._hash: dict[str, tuple[object, int]] = {}  # name -> (sha256, bytes hashed so far)
 
     def __enter__(self) -> "StagedOutput":
-        clear_leftovers(self.out)
+        if not self.resume:
+            clear_leftovers(self.out)
         try:
             if os.path.lexists(self.staging):  # ours, from an earlier run in this same process
                 shutil.rmtree(self.staging)
-            self.staging.mkdir(parents=True)
-            for shard in self.shards:
-                fd = os.open(self.staging / shard.filename, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-                self._fds.append(fd)
-                os.pwrite(fd, shard.header, 0)
-                os.ftruncate(fd, shard.size)
+            if self.resume and self.plan is not None:
+                self.resumed_from = _claim_partial(self.out, self.staging, self.plan)
+            clear_leftovers(self.out)  # what --resume did not take over
+            if self.resumed_from is None:
+                self._create()
         except OSError as e:
             self._cleanup()
             raise MoeConvertError(f"cannot write the output: {e.strerror}", file=str(self.out)) from e
@@ -229,18 +306,26 @@ class StagedOutput:
             raise
         return self
 
+    def _create(self) -> None:
+        self.staging.mkdir(parents=True)
+        for shard in self.shards:
+            fd = os.open(self.staging / shard.filename, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.pwrite(fd, shard.header, 0)
+                os.ftruncate(fd, shard.size)
+            finally:
+                os.close(fd)
+        if self.plan is not None:
+            jobs = self.staging / JOBS_DIR
+            jobs.mkdir()
+            _write_json_durably(jobs / PLAN_FILE, self.plan)
+
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self._cleanup()
 
     def _cleanup(self) -> None:
         """Leave things as they were: no staging folder, and the previous output (if any) in place."""
-        for fd in self._fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._fds = []
         shutil.rmtree(self.staging, ignore_errors=True)
         if self._old is not None:
             try:
@@ -252,35 +337,16 @@ class StagedOutput:
             except OSError:
                 pass  # left hidden beside the output; the next run on it puts it back or removes it
 
-    def write(self, t: PlannedTensor, at: int, data: memoryview) -> None:
-        """Write ``data`` at byte ``at`` of tensor ``t``. Pieces of one tensor must come in order."""
-        h, done = self._hash.get(t.name) or (hashlib.sha256(), 0)
-        if at != done or at + len(data) > t.nbytes:
-            raise InternalError(f"{t.name}: piece at {at}+{len(data)} after {done} of {t.nbytes} bytes")
-        h.update(data)
-        self._hash[t.name] = (h, at + len(data))
-        fd, pos, view = self._fds[t.shard], t.offset + at, memoryview(data).cast("B")
-        try:
-            while view:
-                n = os.pwrite(fd, view, pos)
-                view, pos = view[n:], pos + n
-        except OSError as e:
-            raise MoeConvertError(f"writing failed: {e.strerror}", file=self.shards[t.shard].filename,
-                                  tensor=t.name) from e
-
-    def digest(self, t: PlannedTensor) -> str:
-        h, done = self._hash.get(t.name) or (hashlib.sha256(), 0)
-        if done != t.nbytes:
-            raise InternalError(f"{t.name}: {done} of {t.nbytes} bytes written")
-        return h.hexdigest()
-
     def finish(self, index: dict, copies: list[Path], manifest: dict) -> None:
         """Index, copied files, then the manifest (last), then the one rename that makes it visible."""
         try:
-            for fd in self._fds:
-                os.fsync(fd)
-                os.close(fd)
-            self._fds = []
+            for shard in self.shards:  # each job synced its own writes; the headers are ours
+                fd = os.open(self.staging / shard.filename, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            shutil.rmtree(self.staging / JOBS_DIR, ignore_errors=True)
             (self.staging / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
             for p in copies:
                 shutil.copyfile(p, self.staging / p.name)
@@ -321,7 +387,7 @@ class StagedOutput:
 
 
 def check_output_target(out: Path, source_root: Path | None, overwrite: bool,
-                        make_parents: bool = False) -> None:
+                        make_parents: bool = False, resume: bool = False) -> None:
     """Refuse, before any work, outputs that would clobber data or that the file system cannot hold.
 
     Also tidies what killed runs left beside the output (:func:`clear_leftovers`) first, so that a
@@ -340,7 +406,7 @@ def check_output_target(out: Path, source_root: Path | None, overwrite: bool,
                                   f"{len(staging.name) - len(real.name)} characters and would be longer than "
                                   "the file system allows", file=str(out)) from e
         raise MoeConvertError(f"cannot use the output path: {_path_problem(e)}", file=str(out)) from e
-    clear_leftovers(real)
+    clear_leftovers(real, keep_partial=resume)
     out_r = real.resolve()
     if source_root is not None:
         src_r = source_root.resolve()

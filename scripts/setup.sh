@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install moeconvert (editable, with the test extras) into the current Python environment.
+# Install moeconvert (editable, with the test extras and Ray) into the current Python environment.
 # Safe to run again: it installs nothing that is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,4 +9,5 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   # where one is on local disk (the CI machine) and PyPI's default (CUDA) build on a GPU machine.
   "$PY" -m pip install -q "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[test]"
+# the test extras, and Ray (the `--executor ray` tests start a local Ray head)
+"$PY" -m pip install -q -e ".[test,ray]"

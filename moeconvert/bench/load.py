@@ -509,7 +509,7 @@ def make_folder(out: Path, gb: float = 6.0, *, hidden: int = 2048, intermediate:
         source = open_source(str(src))
         check_output_target(out, source.root, overwrite)
         plan = plan_conversion(source, "plain", Partition(), max_shard_size)
-        manifest = run_conversion(plan, out, overwrite=overwrite, progress=progress)
+        manifest = run_conversion(plan, out, overwrite=overwrite, progress=progress).manifest
     finally:
         shutil.rmtree(src, ignore_errors=True)
     return {"output": str(out), "layers": layers, "experts": experts, "hidden_size": hidden,

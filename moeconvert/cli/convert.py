@@ -15,6 +15,14 @@ from rich.table import Table
 from moeconvert.cli.app import app
 from moeconvert.cli.options import (EP_RANK, EP_SIZE, JSON, REVISION, TP_RANK, TP_SIZE, _human, _partition,
                                     _print_quality, _progress, err, out, parse_size)
+
+WORKERS = typer.Option("auto", "--workers", help="auto or 0: jobs on threads of this process, one per core (fewer if "
+                       "the memory is short); N: N worker processes; with --executor ray: at most N tasks at a time.")
+EXECUTOR = typer.Option("local", "--executor", help="local (this machine) | ray (Ray tasks; pip install 'moeconvert[ray]').")
+RAY_ADDRESS = typer.Option(None, "--ray-address", help="Ray cluster to run on (e.g. 10.0.0.1:6379; default: "
+                           "RAY_ADDRESS, else a local Ray). Source and output must be on storage every node sees.")
+RESUME = typer.Option(False, "--resume", help="Take over what a killed run of the same command finished (checked "
+                      "against its checksums) and do only the rest.")
 from moeconvert.errors import MoeConvertError
 
 
@@ -63,14 +71,18 @@ def repack(
     ep_rank: int = EP_RANK,
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard, e.g. 5GB, 500MB."),
     chunk_mb: int = typer.Option(256, "--chunk-mb", min=1, help="Working-memory budget per expert chunk (MB)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (layers, tensors, size, shards); write nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (layers, jobs, bytes, memory, estimated time); write nothing."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output folder (only once the new one is complete)."),
+    workers: str = WORKERS,
+    executor: str = EXECUTOR,
+    ray_address: Optional[str] = RAY_ADDRESS,
+    resume: bool = RESUME,
     verify: bool = typer.Option(False, "--verify", help="Run `moeconvert verify --against SRC` on the result."),
     json_out: bool = JSON,
 ):
     """Relay a checkpoint's experts out for a backend, without changing their values."""
     _convert(src, out_dir, backend, revision, _partition(tp_size, tp_rank, ep_size, ep_rank), max_shard_size,
-             chunk_mb, dry_run, overwrite, verify, json_out)
+             chunk_mb, dry_run, overwrite, verify, json_out, run=(workers, executor, ray_address, resume))
 
 
 @app.command(cls=_QuantizeBackendHelp)
@@ -89,8 +101,12 @@ def quantize(
     ep_rank: int = EP_RANK,
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard, e.g. 5GB, 500MB."),
     chunk_mb: int = typer.Option(256, "--chunk-mb", min=1, help="Working-memory budget per expert chunk (MB)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (layers, tensors, size, shards); write nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (layers, jobs, bytes, memory, estimated time); write nothing."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output folder (only once the new one is complete)."),
+    workers: str = WORKERS,
+    executor: str = EXECUTOR,
+    ray_address: Optional[str] = RAY_ADDRESS,
+    resume: bool = RESUME,
     verify: bool = typer.Option(False, "--verify", help="Run `moeconvert verify --against SRC` on the result (re-quantizes)."),
     json_out: bool = JSON,
 ):
@@ -107,17 +123,67 @@ def quantize(
                                   expected="a CUDA device", found="none")
     quant = Quantization(fmt, rounding, device)
     _convert(src, out_dir, backend, revision, _partition(tp_size, tp_rank, ep_size, ep_rank), max_shard_size,
-             chunk_mb, dry_run, overwrite, verify, json_out, quant=quant, dtype=dtype)
+             chunk_mb, dry_run, overwrite, verify, json_out, quant=quant, dtype=dtype,
+             run=(workers, executor, ray_address, resume))
+
+
+def _executor(workers: str, executor: str, ray_address, plan_jobs, peak_per_job: int):
+    """The executor the options ask for. ``auto``: threads of this process, one per core, fewer when
+    the memory would not hold that many jobs at once."""
+    from moeconvert.executors import InProcess, LocalProcesses, RayExecutor, available_cores
+
+    if executor not in ("local", "ray"):
+        raise MoeConvertError("unknown executor", tensor="--executor", expected="local | ray", found=executor)
+    if ray_address is not None and executor != "ray":
+        raise MoeConvertError("--ray-address needs --executor ray", tensor="--ray-address", found=ray_address)
+    n = None
+    if workers != "auto":
+        try:
+            n = int(workers)
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise MoeConvertError("not a number of workers", tensor="--workers", expected="auto, 0 or a positive integer",
+                                  found=workers)
+    if executor == "ray":
+        return RayExecutor(ray_address, workers=n or None)
+    if n is None or n == 0:
+        return InProcess(auto_threads(len(plan_jobs), peak_per_job, available_cores(), _available_memory()))
+    return LocalProcesses(n)
+
+
+def auto_threads(jobs: int, peak_per_job: int, cores: int, available_memory: int | None) -> int:
+    """Jobs at a time in this process: one per core, no more than there are jobs, and no more than the
+    available memory holds at the plan's peak per job (with a quarter of it left to everything else)."""
+    n = max(1, min(cores, jobs))
+    if available_memory and peak_per_job:
+        n = min(n, max(1, int(available_memory * 0.75) // peak_per_job))
+    return n
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _convert(src, out_dir, backend, revision, part, max_shard_size, chunk_mb, dry_run, overwrite, verify, json_out,
-             quant=None, dtype=None):
+             quant=None, dtype=None, run=("auto", "local", None, False)):
+    from pathlib import Path as _Path
+
     from moeconvert.convert import plan_conversion, run_conversion
+    from moeconvert.jobs import Request, plan_jobs
     from moeconvert.layouts import layout_names
     from moeconvert.modelmap import map_model
     from moeconvert.sources import open_source
     from moeconvert.writer import check_output_target
 
+    workers, executor_name, ray_address, resume = run
     choices = _backend_names(None if quant is None else (quant.format,))
     if backend not in choices:
         raise MoeConvertError("unknown backend layout" if backend not in layout_names() else
@@ -126,13 +192,20 @@ def _convert(src, out_dir, backend, revision, part, max_shard_size, chunk_mb, dr
     shard_limit = parse_size(max_shard_size)
     source = open_source(src, revision)
     if not dry_run:
-        check_output_target(out_dir, source.root, overwrite)
+        check_output_target(out_dir, source.root, overwrite, resume=resume)
     model = map_model(source)
     if quant is not None:
         from moeconvert.quantize import resolve_model_dtype
 
         dtype = resolve_model_dtype(model.dtype, dtype)
     plan = plan_conversion(source, backend, part, shard_limit, model=model, quant=quant, dtype=dtype)
+    local = _Path(src).expanduser()
+    request = Request(src, backend, src_path=str(local.resolve()) if source.revision is None else None,
+                      revision=source.revision, partition=part, max_shard_size=shard_limit, quant=quant, dtype=dtype,
+                      chunk_bytes=chunk_mb << 20)
+    jobs = plan_jobs(plan, request.chunk_bytes, request.job_bytes)
+    peak = max((j.peak_bytes for j in jobs), default=0)
+    executor = _executor(workers, executor_name, ray_address, jobs, peak)
     for w in plan.warnings():
         err.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True)  # one line each, even in a log
     layout = plan.layout
@@ -144,8 +217,13 @@ def _convert(src, out_dir, backend, revision, part, max_shard_size, chunk_mb, dr
                            "intermediate_size": lp.shape.intermediate_size,
                            "tensors": {s.suffix: {"shape": list(s.shape), "dtype": str(s.dtype).replace("torch.", "")}
                                        for s in lp.specs}} for lp in plan.layers],
-               "warnings": plan.warnings(), "dry_run": dry_run}
+               "warnings": plan.warnings(), "dry_run": dry_run, "executor": executor.describe()}
     if dry_run:
+        from moeconvert.estimate import estimate
+
+        est = estimate(plan, jobs, request.chunk_bytes, workers=_worker_counts(executor))
+        summary["jobs"] = [j.to_json() for j in jobs]
+        summary["estimate"] = est
         if json_out:
             print(json.dumps(summary, indent=1))
             return
@@ -161,15 +239,19 @@ def _convert(src, out_dir, backend, revision, part, max_shard_size, chunk_mb, dr
         out.print(t)
         for s in summary["shards"]:
             out.print(f"  {s['file']}: {s['tensors']} tensors, {_human(s['bytes'])}")
+        _print_jobs(jobs, est, executor.describe())
         return
     t0 = time.perf_counter()
     with _progress() as prog:
-        task = prog.add_task(f"repack → {layout.name}", total=sum(t.nbytes for t in plan.tensors))
-        run_conversion(plan, out_dir, overwrite=overwrite, chunk_bytes=chunk_mb << 20,
-                       progress=lambda n: prog.advance(task, n))
+        task = prog.add_task(f"{'quantize' if quant else 'repack'} → {layout.name}",
+                             total=sum(j.work_bytes for j in jobs))
+        done = run_conversion(plan, out_dir, overwrite=overwrite, request=request, executor=executor, resume=resume,
+                              progress=lambda n: prog.advance(task, n),
+                              report=lambda line: err.print(escape(line), soft_wrap=True))
     dt = time.perf_counter() - t0
     summary["seconds"] = round(dt, 3)
-    quality = {lp.map.prefix: lp.quality.to_json() for lp in plan.layers if lp.quality is not None}
+    summary["jobs"] = {"total": done.jobs, "kept": done.kept, "ran": done.ran, "retried": done.retried}
+    quality = {m["prefix"]: m["quality"] for m in done.manifest["moe_layers"] if "quality" in m}
     if quality:
         summary["quality"] = quality
         if not json_out:
@@ -187,5 +269,45 @@ def _convert(src, out_dir, backend, revision, part, max_shard_size, chunk_mb, dr
         print(json.dumps(summary, indent=1))
     else:
         out.print(f"wrote {out_dir}: {len(plan.tensors)} tensors, {_human(plan.total_bytes)} in "
-                  f"{len(plan.shards)} shard(s), {dt:.1f} s ({_human(plan.total_bytes / max(dt, 1e-9))}/s)"
+                  f"{len(plan.shards)} shard(s), {dt:.1f} s ({_human(plan.total_bytes / max(dt, 1e-9))}/s), "
+                  f"{done.ran} job(s) on {executor.describe()}"
+                  + (f", {done.kept} kept from the interrupted run" if done.kept else "")
                   + ("; verified: identical to the source" if verify else ""))
+
+
+def _worker_counts(executor) -> list[int]:
+    """The worker counts the dry-run estimates: this run's, and 1, 8 and 64 for scale."""
+    from moeconvert.executors import available_cores
+
+    mine = getattr(executor, "workers", None) or getattr(executor, "threads", None) or available_cores()
+    return sorted({1, 8, 64, mine})
+
+
+def _print_jobs(jobs, est, where: str) -> None:
+    kinds: dict[str, list] = {}
+    for j in jobs:
+        kinds.setdefault(j.kind, []).append(j)
+    out.print(f"jobs: {len(jobs)} ({', '.join(f'{len(v)} {k}' for k, v in kinds.items())}), run {where}")
+    t = Table()
+    for col in ("kind", "jobs", "read", "write", "largest job", "peak memory / job"):
+        t.add_column(col, justify="left" if col == "kind" else "right")
+    for k, v in kinds.items():
+        big = max(v, key=lambda j: j.read_bytes + j.write_bytes)
+        t.add_row(k, str(len(v)), _human(sum(j.read_bytes for j in v)), _human(sum(j.write_bytes for j in v)),
+                  f"{big.what} ({_human(big.read_bytes)})", _human(max(j.peak_bytes for j in v)))
+    out.print(t)
+    rates = est["rates"]
+    out.print("measured here: " + ", ".join(f"{k} {_human(v)}/s" for k, v in rates.items())
+              + " per worker (compute only: the source's and output's storage can be slower)")
+    for row in est["by_workers"]:
+        out.print(f"  {row['workers']:>3} worker(s): about {_duration(row['seconds'])}"
+                  + (" (bounded by the largest job)" if row["bounded_by_largest_job"] else "")
+                  + f"; peak memory {_human(row['peak_memory_bytes_per_worker'])} per worker")
+
+
+def _duration(s: float) -> str:
+    if s < 90:
+        return f"{s:.0f} s"
+    if s < 5400:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h"

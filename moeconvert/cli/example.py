@@ -9,6 +9,7 @@ import typer
 
 from moeconvert.cli.app import app
 from moeconvert.cli.options import out
+from moeconvert.errors import MoeConvertError
 
 
 @app.command()
@@ -22,12 +23,27 @@ def example(
     experts: int = typer.Option(8, "--experts", min=1, help="Routed experts per layer."),
     seed: int = typer.Option(0, "--seed"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output folder."),
+    header_only: bool = typer.Option(False, "--header-only", help="The published model at full size (deepseek-v3 | "
+                                     "kimi-k2, bf16) as sparse shards: real names, shapes and config, no data; for "
+                                     "planning with --dry-run."),
 ):
     """Write a small but real checkpoint (transformers + compressed-tensors) to try the tools on."""
-    from moeconvert.example import make_example
     from moeconvert.writer import StagedOutput, check_output_target
 
     check_output_target(out_dir, None, overwrite, make_parents=True)
+    if header_only:
+        from moeconvert.fullsize import MODELS, make_header_only
+
+        if family not in MODELS:
+            raise MoeConvertError("--header-only writes a published model at full size", tensor="--family",
+                                  expected=" | ".join(MODELS), found=family)
+        with StagedOutput(out_dir, [], overwrite) as staged:
+            make_header_only(staged.staging, family)
+            staged.publish()
+        out.print(f"wrote {family} at full size, headers only (sparse files, every weight reads as zero), to {out_dir}")
+        return
+    from moeconvert.example import make_example
+
     with StagedOutput(out_dir, [], overwrite) as staged:  # the same staging, swap and cleanup as repack's
         make_example(staged.staging, family, scheme, group_size=group_size, symmetric=not asym,
                      num_layers=layers, num_experts=experts, seed=seed)

@@ -156,7 +156,8 @@ def repack_weights(codes: torch.Tensor, bits: int) -> torch.Tensor:
         fields = codes.reshape(E, *view).permute(order).reshape(E, size_k // 16, size_n * 16)
         return pack_int32(fields, bits, dim=2)
     gather, _ = _byte_gather(size_k, size_n, bits)
-    out = _source_bytes(codes, bits).to(codes.device)[:, gather.to(codes.device)]
+    # index_select, not ``[:, gather]``: the same bytes, about twice as fast on the CPU
+    out = torch.index_select(_source_bytes(codes, bits).to(codes.device), 1, gather.to(codes.device))
     return out.reshape(E, size_k // 16, -1).view(torch.int32)
 
 
@@ -169,7 +170,7 @@ def unrepack_weights(words: torch.Tensor, bits: int, size_n: int, size_k: int) -
         fields = unpack_int32(words, bits, size_n * 16, dim=2)
         return fields.reshape(*(full[d] for d in order)).permute(inverse).reshape(E, size_n, size_k).contiguous()
     _, inverse = _byte_gather(size_k, size_n, bits)
-    src = words.contiguous().reshape(E, -1).view(torch.uint8)[:, inverse.to(words.device)]
+    src = torch.index_select(words.contiguous().reshape(E, -1).view(torch.uint8), 1, inverse.to(words.device))
     if bits == 4:
         src = split_nibbles_at(src, 8)
     return src.reshape(E, size_n, size_k)
