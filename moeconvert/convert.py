@@ -9,6 +9,7 @@ MoE layers are decoded and encoded a chunk of experts at a time.
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -203,15 +204,15 @@ class Conversion:
 
 def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
                    chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Callable[[int], None] | None = None,
-                   request: "Request | None" = None, executor: "Executor | None" = None,
+                   request: Request | None = None, executor=None,
                    resume: bool = False, job_bytes: int = DEFAULT_JOB_BYTES,
                    report: Callable[[str], None] | None = None) -> "Conversion":
-    """Write the planned output to ``out`` as jobs (:mod:`moeconvert.jobs`) run by ``executor`` (in
-    this process by default), then finalize: index, copied files, the manifest last, one rename.
-    ``request`` says how to plan it again (needed by executors that run jobs
-    in other processes); ``resume`` takes over the staging folder a killed run of the same plan left.
+    """Write the planned output to ``out`` as jobs (:mod:`moeconvert.jobs`) run by ``executor`` (one of
+    :mod:`moeconvert.executors`; threads of this process by default), then finalize: index, copied files,
+    the manifest last, one rename. ``request`` says how to plan it again (executors that run jobs in
+    other processes need it); ``resume`` takes over the staging folder a killed run of the same plan left.
     ``report(line)`` hears what the run decided (jobs kept by ``--resume``, retries)."""
-    from moeconvert.executors import InProcess
+    from moeconvert.executors import InProcess, available_cores
 
     progress = progress or (lambda n: None)
     report = report or (lambda line: None)
@@ -225,7 +226,9 @@ def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
         done: dict[int, dict] = {}
         if staged.resumed_from is not None:
             found = read_records(staged.staging, key, jobs)
-            done = {i: r for i, r in found.items() if still_good(plan, jobs[i], r, staged.staging)}
+            with ThreadPoolExecutor(available_cores()) as pool:  # re-hashing what was written: I/O and hashlib
+                good = dict(zip(found, pool.map(lambda i: still_good(plan, jobs[i], found[i], staged.staging), found)))
+            done = {i: r for i, r in found.items() if good[i]}
             report(f"resuming {staged.resumed_from.name}: {len(done)} of {len(jobs)} jobs done and checked, "
                    f"{len(jobs) - len(done)} to run" + (f" ({len(found) - len(done)} redone: their bytes no "
                                                          "longer match their record)" if len(found) > len(done) else ""))

@@ -18,7 +18,7 @@ import time
 PROCESS_BYTES = 512 << 20  # a worker process's own memory (interpreter, torch) beside its job's
 
 
-def _measure_layer(plan, chunk_bytes: int) -> float | None:
+def _measure_layer(plan) -> float | None:
     """Source bytes per second of a layer job, on the largest layer's first expert."""
     from moeconvert.convert import layer_output_block
     from moeconvert.quantize import Quality
@@ -61,14 +61,14 @@ def _measure_digest() -> float:
     return len(buf) / max(time.perf_counter() - t0, 1e-9)
 
 
-def measure_rates(plan, chunk_bytes: int) -> dict[str, float]:
+def measure_rates(plan) -> dict[str, float]:
     """Bytes per second of each job kind on one core of this machine."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rates = {"layer": _measure_layer(plan, chunk_bytes), "copy": _measure_copy(plan), "digest": _measure_digest()}
+        rates = {"layer": _measure_layer(plan), "copy": _measure_copy(plan), "digest": _measure_digest()}
     finally:
         torch.set_num_threads(threads)
     return {k: v for k, v in rates.items() if v}
@@ -88,8 +88,8 @@ def schedule(times: list[float], workers: int) -> float:
     return max(load)
 
 
-def estimate(plan, jobs, chunk_bytes: int, workers: list[int]) -> dict:
-    rates = measure_rates(plan, chunk_bytes)
+def estimate(plan, jobs, workers: list[int]) -> dict:
+    rates = measure_rates(plan)
     times = [job_seconds(j, rates) for j in jobs]
     largest = max(times, default=0.0)
     peak = max((j.peak_bytes for j in jobs), default=0) + PROCESS_BYTES

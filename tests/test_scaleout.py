@@ -344,3 +344,13 @@ def test_bad_run_options_are_one_line(cases, tmp_path, args, needle):
     run = cli(*_cmd(verb, src, tmp_path / "out", backend, *args)[3:], expect=2)
     assert len(run.err.strip().splitlines()) == 1 and needle in run.err
     assert _leftovers(tmp_path) == [] and not (tmp_path / "out").exists()
+
+
+def test_auto_threads_fit_the_cores_the_jobs_and_the_memory():
+    from moeconvert.cli.convert import auto_threads
+
+    assert auto_threads(100, 1 << 30, 16, 64 << 30) == 16  # one per core
+    assert auto_threads(3, 1 << 30, 16, 64 << 30) == 3  # no more than there are jobs
+    assert auto_threads(100, 8 << 30, 16, 32 << 30) == 3  # three quarters of 32 GiB hold three 8 GiB jobs
+    assert auto_threads(100, 64 << 30, 16, 8 << 30) == 1  # at least one, whatever the memory
+    assert auto_threads(100, 1 << 30, 16, None) == 16  # memory unknown: the cores decide

@@ -3,8 +3,8 @@
 ``bench convert`` times whole-process conversions (``python -m moeconvert repack|quantize ...``, a
 fresh interpreter each, as a user runs them) interleaved with ``cp -r`` of the same source folder, so
 that both see the same machine state; it reports per-run times, the median of the per-pair ratios, and
-each conversion's peak RSS (from ``wait4``). Each pair also times the same command with ``--dry-run``
-(interpreter start, imports, reading headers and planning, no tensor bytes): the fixed cost a
+each conversion's peak RSS (from ``wait4``). Each pair also times the same command with ``--dry-run
+--no-estimate`` (interpreter start, imports, reading headers and planning, no tensor bytes): the fixed cost a
 conversion pays whatever its size, reported so that small inputs are read right.
 """
 
@@ -61,7 +61,7 @@ def bench_convert(src: Path, backend: str, fmt: str | None, runs: int, extra: li
             verb = ["quantize", "--format", fmt] if fmt else ["repack"]
             cmd = [sys.executable, "-m", "moeconvert", verb[0], str(src), str(out), "--backend", backend,
                    *verb[1:], *extra]
-            fixed.append(_timed([*cmd, "--dry-run"]))
+            fixed.append(_timed([*cmd, "--dry-run", "--no-estimate"]))
             conv.append(_timed(cmd))
             copies.append(_timed(["cp", "-r", str(src), str(cp_out)]))
             out_bytes = _folder_bytes(out)

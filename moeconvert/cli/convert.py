@@ -21,6 +21,8 @@ WORKERS = typer.Option("auto", "--workers", help="auto or 0: jobs on threads of 
 EXECUTOR = typer.Option("local", "--executor", help="local (this machine) | ray (Ray tasks; pip install 'moeconvert[ray]').")
 RAY_ADDRESS = typer.Option(None, "--ray-address", help="Ray cluster to run on (e.g. 10.0.0.1:6379; default: "
                            "RAY_ADDRESS, else a local Ray). Source and output must be on storage every node sees.")
+ESTIMATE = typer.Option(True, "--estimate/--no-estimate", help="With --dry-run: measure this machine on one expert "
+                        "and estimate the time for 1, 8 and 64 workers (--no-estimate: the plan alone).")
 RESUME = typer.Option(False, "--resume", help="Take over what a killed run of the same command finished (checked "
                       "against its checksums) and do only the rest.")
 from moeconvert.errors import MoeConvertError
@@ -77,12 +79,13 @@ def repack(
     executor: str = EXECUTOR,
     ray_address: Optional[str] = RAY_ADDRESS,
     resume: bool = RESUME,
+    estimate: bool = ESTIMATE,
     verify: bool = typer.Option(False, "--verify", help="Run `moeconvert verify --against SRC` on the result."),
     json_out: bool = JSON,
 ):
     """Relay a checkpoint's experts out for a backend, without changing their values."""
     _convert(src, out_dir, backend, revision, _partition(tp_size, tp_rank, ep_size, ep_rank), max_shard_size,
-             chunk_mb, dry_run, overwrite, verify, json_out, run=(workers, executor, ray_address, resume))
+             chunk_mb, dry_run, overwrite, verify, json_out, run=(workers, executor, ray_address, resume, estimate))
 
 
 @app.command(cls=_QuantizeBackendHelp)
@@ -107,6 +110,7 @@ def quantize(
     executor: str = EXECUTOR,
     ray_address: Optional[str] = RAY_ADDRESS,
     resume: bool = RESUME,
+    estimate: bool = ESTIMATE,
     verify: bool = typer.Option(False, "--verify", help="Run `moeconvert verify --against SRC` on the result (re-quantizes)."),
     json_out: bool = JSON,
 ):
@@ -124,7 +128,7 @@ def quantize(
     quant = Quantization(fmt, rounding, device)
     _convert(src, out_dir, backend, revision, _partition(tp_size, tp_rank, ep_size, ep_rank), max_shard_size,
              chunk_mb, dry_run, overwrite, verify, json_out, quant=quant, dtype=dtype,
-             run=(workers, executor, ray_address, resume))
+             run=(workers, executor, ray_address, resume, estimate))
 
 
 def _executor(workers: str, executor: str, ray_address, plan_jobs, peak_per_job: int):
@@ -173,7 +177,7 @@ def _available_memory() -> int | None:
 
 
 def _convert(src, out_dir, backend, revision, part, max_shard_size, chunk_mb, dry_run, overwrite, verify, json_out,
-             quant=None, dtype=None, run=("auto", "local", None, False)):
+             quant=None, dtype=None, run=("auto", "local", None, False, True)):
     from pathlib import Path as _Path
 
     from moeconvert.convert import plan_conversion, run_conversion
@@ -183,7 +187,7 @@ def _convert(src, out_dir, backend, revision, part, max_shard_size, chunk_mb, dr
     from moeconvert.sources import open_source
     from moeconvert.writer import check_output_target
 
-    workers, executor_name, ray_address, resume = run
+    workers, executor_name, ray_address, resume, with_estimate = run
     choices = _backend_names(None if quant is None else (quant.format,))
     if backend not in choices:
         raise MoeConvertError("unknown backend layout" if backend not in layout_names() else
@@ -221,7 +225,7 @@ def _convert(src, out_dir, backend, revision, part, max_shard_size, chunk_mb, dr
     if dry_run:
         from moeconvert.estimate import estimate
 
-        est = estimate(plan, jobs, request.chunk_bytes, workers=_worker_counts(executor))
+        est = estimate(plan, jobs, workers=_worker_counts(executor)) if with_estimate else None
         summary["jobs"] = [j.to_json() for j in jobs]
         summary["estimate"] = est
         if json_out:
@@ -296,6 +300,8 @@ def _print_jobs(jobs, est, where: str) -> None:
         t.add_row(k, str(len(v)), _human(sum(j.read_bytes for j in v)), _human(sum(j.write_bytes for j in v)),
                   f"{big.what} ({_human(big.read_bytes)})", _human(max(j.peak_bytes for j in v)))
     out.print(t)
+    if est is None:
+        return
     rates = est["rates"]
     out.print("measured here: " + ", ".join(f"{k} {_human(v)}/s" for k, v in rates.items())
               + " per worker (compute only: the source's and output's storage can be slower)")

@@ -61,7 +61,7 @@ class InProcess:
         self.threads = max(1, threads or available_cores())
 
     def describe(self) -> str:
-        return f"in this process, {self.threads} thread(s)"
+        return f"{self.threads} thread(s) of this process"
 
     def run(self, plan, request, key: str, staging: Path, jobs: list[Job], progress) -> dict[int, dict]:
         stop = Event()

@@ -31,7 +31,7 @@ class LocalProcesses:
         self.retries = retries
 
     def describe(self) -> str:
-        return f"{self.workers} local worker process(es)"
+        return f"{self.workers} local worker process(es)"  # the tests look for this wording
 
     def run(self, plan, request, key: str, staging: Path, jobs: list[Job], progress) -> dict[int, dict]:
         from moeconvert.executors import by_cost
