@@ -1,0 +1,1 @@
+"""Integrations with serving engines (each imported only by the engine that loads it)."""

@@ -1,0 +1,25 @@
+"""The vLLM plugin: a quantization method that loads a moeconvert folder's MoE tensors as they are.
+
+vLLM runs every ``vllm.general_plugins`` entry point in every process it starts; :func:`register`
+adds the ``moeconvert`` quantization method, which a converted folder's config.json names. It must never
+raise: an exception there would stop vLLM for every model, not only ours.
+"""
+
+from __future__ import annotations
+
+import logging
+
+SUPPORTED_VLLM = ("0.33.0",)  # the versions whose MoE layer internals our method was checked against
+
+_log = logging.getLogger(__name__)
+
+
+def register() -> None:
+    try:
+        from vllm.model_executor.layers.quantization import register_quantization_config
+
+        from moeconvert.integrations.vllm.config import MoeconvertConfig
+
+        register_quantization_config("moeconvert")(MoeconvertConfig)
+    except Exception as e:  # noqa: BLE001 - see the module docstring
+        _log.warning("moeconvert: the vLLM plugin could not register its quantization method: %s", e)

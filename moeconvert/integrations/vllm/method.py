@@ -1,0 +1,113 @@
+"""Our MoE method: vLLM's expert parameters in the folder's final Marlin layout, loaded unchanged.
+
+``create_weights`` makes each parameter with the shape and dtype the manifest records; each parameter's
+loader copies the file's tensor into it as it is (same shape, same dtype, or an error naming both);
+``process_weights_after_loading`` checks every tensor arrived and builds vLLM's Marlin kernel over the
+parameters as they are: no repack, no permutation, no second copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+from moeconvert.format import DTYPES
+
+
+class MarlinWNA16Method(FusedMoEMethodBase):
+    def __init__(self, moe, entry: dict, manifest: dict):
+        super().__init__(moe)
+        from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExperts
+
+        self.experts_cls = MarlinExperts
+        self.entry = entry
+        self.partition = manifest["partition"]
+        scheme = entry["scheme"]
+        self.num_bits = scheme["bits"]
+        self.group_size = scheme["group_size"]
+        self.symmetric = scheme["symmetric"]
+        self.loaded: dict[str, int] = {}
+
+    def _refuse(self, what: str) -> ValueError:
+        return ValueError(f"moeconvert: {self.entry['prefix']}: {what}")
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs):
+        e = self.entry
+        want = {"experts on this rank": (num_experts, e["num_experts"]),
+                "hidden size": (hidden_size, e["hidden_size"]),
+                "intermediate size per partition": (intermediate_size_per_partition, e["intermediate_size"])}
+        for what, (vllm_has, folder_has) in want.items():
+            if vllm_has != folder_has:
+                raise self._refuse(f"vLLM builds this layer with {what} {vllm_has}; the folder was converted for "
+                                   f"{folder_has} (TP {self.partition['tp_size']}, EP {self.partition['ep_size']})")
+        for suffix, t in e["tensors"].items():
+            dtype = DTYPES[t["dtype"]][1]
+            param = torch.nn.Parameter(torch.empty(t["shape"], dtype=dtype), requires_grad=False)
+            param.weight_loader = self._loader(suffix, tuple(t["shape"]), dtype)
+            layer.register_parameter(suffix, param)
+        layer.load_weights = self._load_weights(layer)
+
+    def _load_weights(self, layer):
+        """This layer's ``load_weights``: vLLM's own (``RoutedExperts.load_weights``) matches only
+        per-expert and fused checkpoint names and drops a stacked ``w13_weight`` without a word, so our
+        tensors (names relative to the layer, or to its runner) go to their parameters here and anything
+        else to vLLM's."""
+        ours = set(self.entry["tensors"])
+        theirs = type(layer).load_weights
+
+        def load_weights(weights):
+            rest = []
+            for name, tensor in weights:
+                suffix = name.removeprefix("routed_experts.")
+                if suffix in ours:
+                    param = getattr(layer, suffix)
+                    param.weight_loader(param, tensor)
+                    yield suffix
+                else:
+                    rest.append((name, tensor))
+            if rest:
+                yield from theirs(layer, rest)
+
+        return load_weights
+
+    def _loader(self, suffix: str, shape: tuple, dtype: torch.dtype):
+        def load(param, loaded_weight: torch.Tensor, *args, **kwargs):
+            if tuple(loaded_weight.shape) != shape or loaded_weight.dtype != dtype:
+                raise self._refuse(f"{suffix}: the file holds {tuple(loaded_weight.shape)} {loaded_weight.dtype}, "
+                                   f"the layout {shape} {dtype}")
+            param.data.copy_(loaded_weight)
+            self.loaded[suffix] = self.loaded.get(suffix, 0) + 1
+            return True if kwargs.get("return_success") else None
+
+        return load
+
+    def process_weights_after_loading(self, layer) -> None:
+        from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend, make_wna16_moe_kernel
+
+        missing = [s for s in self.entry["tensors"] if s not in self.loaded]
+        if missing:
+            raise self._refuse(f"{', '.join(missing)} never loaded (is the checkpoint the converted folder?)")
+        twice = [s for s, n in self.loaded.items() if n > 1]
+        if twice:
+            raise self._refuse(f"{', '.join(twice)} loaded more than once")
+        self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+        self.moe_kernel = make_wna16_moe_kernel(moe_quant_config=self.moe_quant_config, moe_config=self.moe,
+                                                experts_cls=self.experts_cls, backend=WNA16MoEBackend.MARLIN,
+                                                routing_tables=layer._expert_routing_tables())
+
+    def get_fused_moe_quant_config(self, layer):
+        from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import make_wna16_moe_quant_config
+
+        return make_wna16_moe_quant_config(
+            w1_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale, group_size=self.group_size,
+            num_bits=self.num_bits, w1_zp=getattr(layer, "w13_weight_zero_point", None),
+            w2_zp=getattr(layer, "w2_weight_zero_point", None), w1_bias=getattr(layer, "w13_bias", None),
+            w2_bias=getattr(layer, "w2_bias", None), gemm1_clamp_limit=None, gemm1_alpha=None, gemm1_beta=None)
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        return self.moe_kernel.apply(
+            x, layer.w13_weight, layer.w2_weight, topk_weights=topk_weights, topk_ids=topk_ids,
+            activation=layer.activation, global_num_experts=layer.global_num_experts, expert_map=layer.expert_map,
+            apply_router_weight_on_input=layer.apply_router_weight_on_input, shared_experts=shared_experts,
+            shared_experts_input=shared_experts_input)
