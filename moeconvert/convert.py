@@ -9,13 +9,14 @@ MoE layers are decoded and encoded a chunk of experts at a time.
 from __future__ import annotations
 
 import hashlib
+import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from moeconvert import __version__
-from moeconvert.format import FORMAT_VERSION
+from moeconvert.format import CONFIG_NAME, FORMAT_VERSION
 from moeconvert.canonical import ExpertBlock, LayerShape, Partition
 from moeconvert.decode import decode_chunk, partition_sizes
 from moeconvert.errors import InternalError, MoeConvertError
@@ -259,15 +260,46 @@ def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
                 quality[plan.layers[j.layer].map.prefix] = rec["quality"]
             if j.kind == "digest":
                 source_digests[plan.source.files[j.file]] = rec["digest"]
-        manifest = build_manifest(plan, digests, quality, source_digests, copies)
+        rewritten = {CONFIG_NAME: served} if (served := served_config(plan)) is not None else {}
+        manifest = build_manifest(plan, digests, quality, source_digests, copies, rewritten)
         index = {"metadata": {"total_size": sum(t.nbytes for t in plan.tensors)},
                  "weight_map": {t.name: plan.shards[t.shard].filename for t in plan.tensors}}
-        staged.finish(index, copies, manifest)
+        staged.finish(index, copies, manifest, rewritten)
     return Conversion(manifest, **stats)
 
 
+def served_config(plan: ConversionPlan) -> bytes | None:
+    """The config.json of an output vLLM serves through moeconvert's plugin (layouts that say
+    ``serves_vllm``), else None (config.json is copied as it is).
+
+    Only ``quantization_config`` changes: it names the plugin's method and keeps the source's own (for
+    every layer that is not an MoE expert, e.g. compressed-tensors linear layers) under
+    ``source_quantization_config``. The dtype is there too: vLLM checks it before the plugin reads the
+    manifest. docs/vllm.md says more.
+    """
+    layout = plan.layout
+    if not layout.serves_vllm:
+        return None
+    config = dict(plan.source.config)
+    source_qc = None
+    for key in ("quantization_config", "compression_config"):  # where transformers reads it, in that order
+        if config.get(key) is not None and source_qc is None:
+            source_qc = config[key]
+        config.pop(key, None)
+    config["quantization_config"] = {
+        "quant_method": "moeconvert",
+        "format_version": FORMAT_VERSION,
+        "layout": {"name": layout.name, "version": layout.version},
+        "made_for": dict(layout.made_for),
+        "dtype": plan.dtype,
+        "partition": plan.partition.to_json(),
+        "source_quantization_config": source_qc,
+    }
+    return (json.dumps(config, indent=2) + "\n").encode()
+
+
 def build_manifest(plan: ConversionPlan, digests: dict[str, str], quality: dict[str, dict], source_digests: dict,
-                   copies: list[Path]) -> dict:
+                   copies: list[Path], rewritten: dict[str, bytes] | None = None) -> dict:
     """The manifest (docs/format.md): every tensor's sha256 as written, every shard header's, and those
     of the files copied through (``copies``), so that ``verify`` and ``load(verify=True)`` can check
     every byte of the output without its source. ``digests``: each written tensor's sha256 (from the
@@ -328,5 +360,8 @@ def build_manifest(plan: ConversionPlan, digests: dict[str, str], quality: dict[
         # ``__metadata__`` and padding included); the tensors' digests cover the rest
         "shards": [{"file": s.filename, "size": s.size, "header_sha256": hashlib.sha256(s.header).hexdigest()}
                    for s in plan.shards],
-        "copied_files": {p.name: src.file_digest(p) for p in copies},
+        # the digests of the files as written: copied byte for byte, or rewritten (config.json for vLLM)
+        "copied_files": {p.name: ({"sha256": hashlib.sha256(rewritten[p.name]).hexdigest(),
+                                   "size": len(rewritten[p.name])} if p.name in (rewritten or {})
+                                  else src.file_digest(p)) for p in copies},
     }

@@ -465,6 +465,9 @@ def parse_quantization_config(config: dict, config_file: str) -> CompressedTenso
         return CompressedTensorsConfig(qc, config_file)
     if method == "mxfp4":
         return None  # gpt-oss MXFP4: recognised by its tensor names (`*_blocks` / `*_scales`)
+    if method == "moeconvert":  # a folder written for vLLM: the source's own config covers the other layers
+        inner = config_value(qc, "source_quantization_config", dict, default=None, section=f"{key}.")
+        return parse_quantization_config({"quantization_config": inner}, config_file) if inner else None
     raise MoeConvertError(
         "unsupported quantization_config.quant_method", file=_where(config_file),
         expected="compressed-tensors (pack-quantized) or none", found=method or "no quant_method",

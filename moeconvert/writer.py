@@ -337,8 +337,9 @@ class StagedOutput:
             except OSError:
                 pass  # left hidden beside the output; the next run on it puts it back or removes it
 
-    def finish(self, index: dict, copies: list[Path], manifest: dict) -> None:
-        """Index, copied files, then the manifest (last), then the one rename that makes it visible."""
+    def finish(self, index: dict, copies: list[Path], manifest: dict, rewritten: dict[str, bytes] | None = None) -> None:
+        """Index, copied files (``rewritten``: those written with other bytes), then the manifest (last),
+        then the one rename that makes it visible."""
         try:
             for shard in self.shards:  # each job synced its own writes; the headers are ours
                 fd = os.open(self.staging / shard.filename, os.O_RDONLY)
@@ -349,7 +350,10 @@ class StagedOutput:
             shutil.rmtree(self.staging / JOBS_DIR, ignore_errors=True)
             (self.staging / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
             for p in copies:
-                shutil.copyfile(p, self.staging / p.name)
+                if p.name in (rewritten or {}):
+                    (self.staging / p.name).write_bytes(rewritten[p.name])
+                else:
+                    shutil.copyfile(p, self.staging / p.name)
             tmp = self.staging / (MANIFEST_NAME + ".tmp")
             with open(tmp, "w") as f:
                 f.write(json.dumps(manifest, indent=1, allow_nan=False) + "\n")

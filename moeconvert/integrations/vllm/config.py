@@ -23,7 +23,17 @@ _STACKED = re.compile(r"\.experts\.((?:w13|w2)_(?:weight|weight_scale|weight_zer
 class MoeconvertConfig(QuantizationConfig):
     def __init__(self, raw: dict):
         super().__init__()
+        import vllm
+
+        if vllm.__version__ not in SUPPORTED_VLLM:
+            raise ValueError(f"moeconvert: this vLLM is {vllm.__version__}; the moeconvert plugin serves its folders on "
+                             f"vLLM {', '.join(SUPPORTED_VLLM)} only (the MoE layer's internals change between releases)")
         self.raw = raw
+        made_for = (raw.get("made_for") or {}).get("vllm")
+        if made_for not in SUPPORTED_VLLM:
+            raise ValueError(f"moeconvert: this folder's layout was made for vLLM {made_for}; the plugin serves "
+                             f"{', '.join(SUPPORTED_VLLM)}")
+        self.partition = raw.get("partition") or {}
         dtype = raw.get("dtype")
         if dtype not in _DTYPES:
             raise ValueError(f"moeconvert: quantization_config.dtype must be one of {sorted(_DTYPES)}, found {dtype!r}")
@@ -87,10 +97,9 @@ class MoeconvertConfig(QuantizationConfig):
         self.use_manifest(check_output(root).manifest)
 
     def use_manifest(self, manifest: dict) -> None:
-        made_for = manifest["layout"]["made_for"].get("vllm")
-        if made_for not in SUPPORTED_VLLM:
-            raise ValueError(f"moeconvert: this folder's layout was made for vLLM {made_for}; the plugin supports "
-                             f"{', '.join(SUPPORTED_VLLM)}")
+        if manifest["layout"]["made_for"] != self.raw.get("made_for") or manifest["partition"] != self.partition:
+            raise ValueError("moeconvert: config.json's quantization_config and moeconvert.json disagree (layout "
+                             "versions or partition): the folder was edited after conversion")
         if manifest["layout"]["name"] != "marlin" or manifest["scheme"] is None or manifest["scheme"]["kind"] != "wna16":
             raise ValueError(f"moeconvert: the vLLM plugin serves Marlin WNA16 folders; this one is "
                              f"{manifest['layout']['name']} {manifest['scheme']}")
@@ -100,6 +109,20 @@ class MoeconvertConfig(QuantizationConfig):
         self.layers = {m["prefix"]: m for m in manifest["moe_layers"]}
 
     # -- per layer -------------------------------------------------------------------------------------
+
+    def _check_parallel(self, prefix: str, pc) -> None:
+        """The folder holds one TP/EP rank's slice: refuse a vLLM that builds this layer for another,
+        before any byte is read (each worker builds its own layers, so each checks its own rank)."""
+        want = {k: self.partition.get(k) for k in ("tp_size", "tp_rank", "ep_size", "ep_rank")}
+        have = {"tp_size": pc.tp_size, "tp_rank": pc.tp_rank, "ep_size": pc.ep_size if pc.use_ep else 1,
+                "ep_rank": pc.ep_rank if pc.use_ep else 0}
+        if have != want or pc.dp_size != 1 or pc.pcp_size != 1 or pc.enable_eplb:
+            raise ValueError(
+                f"moeconvert: {prefix}: this folder was converted for TP {want['tp_size']} rank {want['tp_rank']}, "
+                f"EP {want['ep_size']} rank {want['ep_rank']}; this vLLM builds the layer for TP {have['tp_size']} rank "
+                f"{have['tp_rank']}, EP {have['ep_size']} rank {have['ep_rank']}"
+                + (f", DP {pc.dp_size}" if pc.dp_size != 1 else "") + (", with EPLB" if pc.enable_eplb else "")
+                + ": convert the checkpoint for this shape (moeconvert repack --tp-size / --ep-size)")
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -113,6 +136,7 @@ class MoeconvertConfig(QuantizationConfig):
             entry = self.layers.get(owner)
             if entry is None:
                 raise ValueError(f"moeconvert: {owner} is an MoE layer the folder's manifest does not hold")
+            self._check_parallel(owner, layer.moe_config.moe_parallel_config)
             return MarlinWNA16Method(layer.moe_config, entry, self.manifest)
         if self.inner is not None:
             return self.inner.get_quant_method(layer, prefix)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# A virtual environment with vLLM 0.33.0's Python on the CPU, for the vLLM plugin tests:
+#   ./scripts/setup-vllm-cpu.sh VENV && MOECONVERT_VLLM_PYTHON=VENV/bin/python python3 -m pytest tests/test_vllm_plugin.py
+# vLLM's wheel is a CUDA build pinned to torch 2.14; its Python modules import and build MoE layers on the
+# CPU platform (VLLM_TARGET_DEVICE=cpu) with torch 2.13's CPU build, so the wheel goes in without its
+# dependencies and these are installed beside it: the modules `import vllm.model_executor.layers.fused_moe`
+# and vLLM's compressed-tensors config import, at the versions vLLM 0.33.0 asks for where it pins one.
+set -euo pipefail
+venv=${1:?usage: setup-vllm-cpu.sh VENV}
+cd "$(dirname "$0")/.."
+python3 -m venv "$venv"
+py="$venv/bin/python"
+"$py" -m pip install -q "torch==2.13.0"
+"$py" -m pip install -q --no-deps "vllm==0.33.0"
+echo "torch==2.13.0" > "$venv/constraints.txt"
+"$py" -m pip install -q -c "$venv/constraints.txt" numpy regex "pydantic>=2.12" typing_extensions \
+  "transformers>=5.16.1,<5.21.0" "huggingface_hub>=1.31.0" "safetensors>=0.6.2" "compressed-tensors==0.17.0" \
+  packaging filelock tqdm psutil requests pyyaml pyzmq cbor2 aiohttp cachetools cloudpickle msgspec pybase64 \
+  pillow einops py-cpuinfo uvloop prometheus_client partial_json_parser "openai>=2.25.0" "oss-harmony>=0.0.11" \
+  "xgrammar==0.2.8" "llguidance>=1.7.0,<1.8.0" "fastapi[standard]>=0.133.0,<0.137.0" "triton==3.6.0"
+"$py" -m pip install -q --no-deps -e .
+VLLM_TARGET_DEVICE=cpu "$py" -c "import vllm, vllm.model_executor.layers.fused_moe; print('vLLM', vllm.__version__, 'imports on the CPU')"

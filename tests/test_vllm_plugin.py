@@ -1,0 +1,141 @@
+"""The vLLM plugin: a folder written for vLLM, and vLLM's own MoE layer loading it as it is.
+
+The first tests need no vLLM: the config.json a Marlin folder gets, and that the rest of moeconvert
+still reads that folder. The others run vLLM 0.33.0's Python (its CPU platform) in a child process,
+``MOECONVERT_VLLM_PYTHON`` (made by ``scripts/setup-vllm-cpu.sh``): vLLM's ``FusedMoEFactory`` builds
+each layer with the quantization config vLLM's registry makes from the folder's config.json, the
+tensors go through vLLM's own ``load_weights``, and after ``process_weights_after_loading`` every
+parameter must hold the file's bytes in the storage it was given, with vLLM's Marlin kernel built over it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from helpers import cli
+
+VLLM_PYTHON = os.environ.get("MOECONVERT_VLLM_PYTHON")
+needs_vllm = pytest.mark.skipif(not VLLM_PYTHON, reason="needs a Python with vLLM 0.33.0: MOECONVERT_VLLM_PYTHON "
+                                "(scripts/setup-vllm-cpu.sh makes one)")
+CHILD = Path(__file__).with_name("vllm_plugin_child.py")
+
+SCHEMES = {
+    "w4a16-g128": dict(scheme="w4a16"),
+    "w4a16-g128-asym": dict(scheme="w4a16", symmetric=False),
+    "w4a16-channel": dict(scheme="w4a16", group_size=-1),
+    "w8a16-g128": dict(scheme="w8a16"),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(example_ckpt, tmp_path_factory):
+    base = tmp_path_factory.mktemp("vllm-folders")
+    made = {}
+    for name, kw in SCHEMES.items():
+        src = example_ckpt("qwen3-moe", **kw)
+        out = base / name
+        cli("repack", src, out, "--backend", "marlin", expect=0)
+        made[name] = (src, out)
+    return made
+
+
+def test_a_marlin_folder_names_the_plugin_and_keeps_the_sources_config(folders):
+    src, out = folders["w4a16-g128"]
+    source_cfg = json.loads((src / "config.json").read_text())
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg.pop("quantization_config")
+    assert qc == {"quant_method": "moeconvert", "format_version": 2, "layout": {"name": "marlin", "version": 1},
+                  "made_for": {"vllm": "0.33.0"}, "dtype": "bfloat16",
+                  "partition": {"tp_size": 1, "tp_rank": 0, "ep_size": 1, "ep_rank": 0},
+                  "source_quantization_config": source_cfg.pop("quantization_config")}
+    assert cfg == source_cfg  # nothing else changes
+    manifest = json.loads((out / "moeconvert.json").read_text())
+    assert manifest["copied_files"]["config.json"]["sha256"] == hashlib.sha256((out / "config.json").read_bytes()).hexdigest()
+    assert cli("verify", out, "--against", src).code == 0
+
+
+def test_other_layouts_copy_config_json_as_it_is(example_ckpt, tmp_path):
+    src = example_ckpt("qwen3-moe", scheme="w4a16")
+    cli("repack", src, tmp_path / "out", "--backend", "triton", expect=0)
+    assert (tmp_path / "out" / "config.json").read_bytes() == (src / "config.json").read_bytes()
+
+
+def test_the_runtime_still_reads_a_folder_written_for_vllm(example_ckpt, tmp_path):
+    """Qwen2-MoE's shared expert is pack-quantized: the runtime finds its scheme through the plugin's
+    ``source_quantization_config``."""
+    from moeconvert.runtime import load
+
+    src = example_ckpt("qwen2-moe", scheme="w4a16")
+    cli("repack", src, tmp_path / "out", "--backend", "marlin", expect=0)
+    model = load(tmp_path / "out", device="cpu", verify=True)
+    layer = next(iter(model.moe_layers.values()))
+    shared = layer.shared  # dequantized on first use, with the scheme the source config gives
+    assert shared is not None and shared.w_gate.dtype == torch.float32
+
+
+def _child(folder: Path, *args) -> dict:
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    p = subprocess.run([VLLM_PYTHON, str(CHILD), str(folder), *args], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _file_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(f, "pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+@needs_vllm
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_vllms_moe_layer_holds_the_files_bytes_after_processing(folders, scheme):
+    _, out = folders[scheme]
+    got = _child(out)
+    assert "error" not in got, got["error"]
+    manifest = json.loads((out / "moeconvert.json").read_text())
+    files = _file_tensors(out)
+    assert sorted(got["layers"]) == sorted(m["prefix"] for m in manifest["moe_layers"])
+    for m in manifest["moe_layers"]:
+        layer = got["layers"][m["prefix"]]
+        assert layer["method"] == "MarlinWNA16Method" and layer["experts_class"] == "MarlinExperts"
+        assert layer["scale_is_param"]  # the kernel reads the parameter itself, not a copy
+        assert layer["loaded"] == sorted(f"routed_experts.{s}" for s in m["tensors"])
+        assert set(layer["params"]) == {f"routed_experts.{s}" for s in m["tensors"]}
+        for suffix, entry in m["tensors"].items():
+            param = layer["params"][f"routed_experts.{suffix}"]
+            want = hashlib.sha256(files[entry["name"]].contiguous().view(torch.uint8).numpy()).hexdigest()
+            assert param["sha256"] == want and not param["moved"], suffix
+            assert param["shape"] == entry["shape"]
+
+
+@needs_vllm
+def test_a_vllm_started_for_another_tp_size_is_refused_before_loading(folders):
+    _, out = folders["w4a16-g128"]
+    got = _child(out, "--tp-size", "2")
+    assert "this folder was converted for TP 1 rank 0, EP 1 rank 0; this vLLM builds the layer for TP 2" in got["error"]
+    assert got["layers"] == {}
+
+
+@needs_vllm
+def test_another_vllm_version_is_refused_naming_it(folders):
+    _, out = folders["w4a16-g128"]
+    got = _child(out, "--pretend-vllm", "0.34.0")
+    assert "this vLLM is 0.34.0; the moeconvert plugin serves its folders on vLLM 0.33.0 only" in got["error"]
+
+
+def test_the_plugin_is_a_vllm_entry_point():
+    from importlib.metadata import entry_points
+
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "moeconvert"]
+    assert len(eps) == 1 and eps[0].value == "moeconvert.integrations.vllm:register"

@@ -1,0 +1,81 @@
+"""Run by tests/test_vllm_plugin.py under a Python that has vLLM 0.33.0 (``MOECONVERT_VLLM_PYTHON``).
+
+``python vllm_plugin_child.py FOLDER [--tp-size N] [--pretend-vllm VERSION]``: builds every MoE layer the folder's manifest holds
+with vLLM's own ``FusedMoEFactory`` on the CPU platform (one-process gloo group), the quantization config
+taken from the folder's config.json through vLLM's registry (after the plugin's ``register``), loads the
+folder's tensors through vLLM's own ``MoERunner.load_weights`` with the config's checkpoint name mapper,
+runs ``process_weights_after_loading`` and prints, as JSON, what vLLM then holds: each parameter's sha256,
+whether its storage moved, the kernel it built. Errors are printed as ``{"error": "..."}``.
+"""
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+def main() -> None:
+    folder = Path(sys.argv[1])
+    tp_size = int(sys.argv[sys.argv.index("--tp-size") + 1]) if "--tp-size" in sys.argv else 1
+    import torch
+    import vllm
+
+    if "--pretend-vllm" in sys.argv:  # the version refusal, without a second vLLM
+        vllm.__version__ = sys.argv[sys.argv.index("--pretend-vllm") + 1]
+    from safetensors import safe_open
+    from vllm.config import DeviceConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    from moeconvert.integrations.vllm import register
+
+    register()  # what vLLM's plugin loader does with our entry point
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    out: dict = {"layers": {}}
+    try:
+        cfg = get_quantization_config(qc["quant_method"]).from_config(qc)
+        cfg.maybe_update_config(str(folder))
+        files = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            with safe_open(f, "pt") as h:
+                files.update({k: h.get_tensor(k) for k in h.keys()})
+        vc = VllmConfig(device_config=DeviceConfig(device="cpu"))
+        with set_current_vllm_config(vc):
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"file://{tempfile.mkdtemp()}/init")
+            initialize_model_parallel(1, 1)
+            mapper = cfg.get_checkpoint_weight_mapper()
+            for m in cfg.manifest["moe_layers"]:
+                prefix = m["prefix"]
+                runner = FusedMoEFactory(num_experts=m["num_experts_global"], top_k=m["top_k"],
+                                         hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size_total"],
+                                         params_dtype=torch.bfloat16, quant_config=cfg, prefix=prefix,
+                                         tp_size=tp_size, has_bias=m["has_bias"])
+                experts = runner.routed_experts
+                before = {n: p.data_ptr() for n, p in runner.named_parameters()}
+                ours = [n for n in files if n.startswith(prefix + ".") and n.count(".") == prefix.count(".") + 1]
+                named = [(mapper._map_name(n)[len(prefix) + 1:], files[n]) for n in ours]
+                loaded = sorted(runner.load_weights(named))
+                experts.quant_method.process_weights_after_loading(experts)
+                kernel = experts.quant_method.moe_kernel
+                out["layers"][prefix] = {
+                    "method": type(experts.quant_method).__name__,
+                    "loaded": loaded,
+                    "params": {n: {"sha256": hashlib.sha256(p.data.contiguous().view(torch.uint8).numpy()).hexdigest(),
+                                   "shape": list(p.shape), "moved": p.data_ptr() != before[n]}
+                               for n, p in runner.named_parameters()},
+                    "experts_class": type(kernel.fused_experts).__name__,
+                    "scale_is_param": kernel.fused_experts.quant_config.w1_scale is experts.w13_weight_scale,
+                }
+    except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
+        out["error"] = f"{type(e).__name__}: {e}"
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
