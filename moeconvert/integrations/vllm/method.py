@@ -1,4 +1,4 @@
-"""Our MoE method: vLLM's expert parameters in the folder's final Marlin layout, loaded unchanged.
+"""Our MoE methods: vLLM's expert parameters in the folder's final Marlin layout, loaded unchanged.
 
 ``create_weights`` makes each parameter with the shape and dtype the manifest records; each parameter's
 loader copies the file's tensor into it as it is (same shape, same dtype, or an error naming both);
@@ -14,7 +14,9 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from moeconvert.format import DTYPES
 
 
-class MarlinWNA16Method(FusedMoEMethodBase):
+class _FinalLayoutMethod(FusedMoEMethodBase):
+    """What both Marlin methods share: parameters from the manifest, exact loading, the kernel over them."""
+
     def __init__(self, moe, entry: dict, manifest: dict):
         super().__init__(moe)
         from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExperts
@@ -22,11 +24,11 @@ class MarlinWNA16Method(FusedMoEMethodBase):
         self.experts_cls = MarlinExperts
         self.entry = entry
         self.partition = manifest["partition"]
-        scheme = entry["scheme"]
-        self.num_bits = scheme["bits"]
-        self.group_size = scheme["group_size"]
-        self.symmetric = scheme["symmetric"]
         self.loaded: dict[str, int] = {}
+
+    def _sizes(self) -> tuple[int, int]:
+        """(H, I per partition) the layer's parameters are made for."""
+        return self.entry["hidden_size"], self.entry["intermediate_size"]
 
     def _refuse(self, what: str) -> ValueError:
         return ValueError(f"moeconvert: {self.entry['prefix']}: {what}")
@@ -34,9 +36,9 @@ class MarlinWNA16Method(FusedMoEMethodBase):
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
         e = self.entry
-        want = {"experts on this rank": (num_experts, e["num_experts"]),
-                "hidden size": (hidden_size, e["hidden_size"]),
-                "intermediate size per partition": (intermediate_size_per_partition, e["intermediate_size"])}
+        H, I = self._sizes()
+        want = {"experts on this rank": (num_experts, e["num_experts"]), "hidden size": (hidden_size, H),
+                "intermediate size per partition": (intermediate_size_per_partition, I)}
         for what, (vllm_has, folder_has) in want.items():
             if vllm_has != folder_has:
                 raise self._refuse(f"vLLM builds this layer with {what} {vllm_has}; the folder was converted for "
@@ -83,8 +85,6 @@ class MarlinWNA16Method(FusedMoEMethodBase):
         return load
 
     def process_weights_after_loading(self, layer) -> None:
-        from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend, make_wna16_moe_kernel
-
         missing = [s for s in self.entry["tensors"] if s not in self.loaded]
         if missing:
             raise self._refuse(f"{', '.join(missing)} never loaded (is the checkpoint the converted folder?)")
@@ -92,9 +92,26 @@ class MarlinWNA16Method(FusedMoEMethodBase):
         if twice:
             raise self._refuse(f"{', '.join(twice)} loaded more than once")
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)
-        self.moe_kernel = make_wna16_moe_kernel(moe_quant_config=self.moe_quant_config, moe_config=self.moe,
-                                                experts_cls=self.experts_cls, backend=WNA16MoEBackend.MARLIN,
-                                                routing_tables=layer._expert_routing_tables())
+        self.moe_kernel = self._make_kernel(layer)
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        return self.moe_kernel.apply(
+            x, layer.w13_weight, layer.w2_weight, topk_weights=topk_weights, topk_ids=topk_ids,
+            activation=layer.activation, global_num_experts=layer.global_num_experts, expert_map=layer.expert_map,
+            apply_router_weight_on_input=layer.apply_router_weight_on_input, shared_experts=shared_experts,
+            shared_experts_input=shared_experts_input)
+
+
+class MarlinWNA16Method(_FinalLayoutMethod):
+    """``marlin`` WNA16 (int4 / int8, group or channel, sym or asym): vLLM's ``MarlinExperts`` over
+    ``moe_wna16_marlin_gemm``, built the way vLLM's compressed-tensors WNA16 method builds it after its
+    own repack."""
+
+    def __init__(self, moe, entry: dict, manifest: dict):
+        super().__init__(moe, entry, manifest)
+        scheme = entry["scheme"]
+        self.num_bits = scheme["bits"]
+        self.group_size = scheme["group_size"]
 
     def get_fused_moe_quant_config(self, layer):
         from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import make_wna16_moe_quant_config
@@ -105,9 +122,39 @@ class MarlinWNA16Method(FusedMoEMethodBase):
             w2_zp=getattr(layer, "w2_weight_zero_point", None), w1_bias=getattr(layer, "w13_bias", None),
             w2_bias=getattr(layer, "w2_bias", None), gemm1_clamp_limit=None, gemm1_alpha=None, gemm1_beta=None)
 
-    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-        return self.moe_kernel.apply(
-            x, layer.w13_weight, layer.w2_weight, topk_weights=topk_weights, topk_ids=topk_ids,
-            activation=layer.activation, global_num_experts=layer.global_num_experts, expert_map=layer.expert_map,
-            apply_router_weight_on_input=layer.apply_router_weight_on_input, shared_experts=shared_experts,
-            shared_experts_input=shared_experts_input)
+    def _make_kernel(self, layer):
+        from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend, make_wna16_moe_kernel
+
+        return make_wna16_moe_kernel(moe_quant_config=self.moe_quant_config, moe_config=self.moe,
+                                     experts_cls=self.experts_cls, backend=WNA16MoEBackend.MARLIN,
+                                     routing_tables=layer._expert_routing_tables())
+
+
+class MarlinMXFP4Method(_FinalLayoutMethod):
+    """``marlin`` MXFP4 (``moeconvert quantize --format mxfp4``): vLLM's ``MarlinExperts`` with e2m1 weights
+    and e8m0 scales, over H and I zero-padded as vLLM pads them for Marlin (the folder holds them padded)."""
+
+    def maybe_roundup_sizes(self, hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config):
+        from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import (
+            Mxfp4MoeBackend, mxfp4_round_up_hidden_size_and_intermediate_size)
+
+        H, I = super().maybe_roundup_sizes(hidden_size, intermediate_size_per_partition, act_dtype,
+                                           moe_parallel_config)
+        return mxfp4_round_up_hidden_size_and_intermediate_size(Mxfp4MoeBackend.MARLIN, H, I)
+
+    def _sizes(self) -> tuple[int, int]:
+        return self.entry["hidden_size_padded"], self.entry["intermediate_size_padded"]
+
+    def get_fused_moe_quant_config(self, layer):
+        from vllm.model_executor.layers.fused_moe.config import mxfp4_w4a16_moe_quant_config
+
+        return mxfp4_w4a16_moe_quant_config(w1_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale,
+                                            w1_bias=getattr(layer, "w13_bias", None),
+                                            w2_bias=getattr(layer, "w2_bias", None))
+
+    def _make_kernel(self, layer):
+        from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend, make_mxfp4_moe_kernel
+
+        return make_mxfp4_moe_kernel(moe_quant_config=self.moe_quant_config, moe_config=self.moe,
+                                     experts_cls=self.experts_cls, mxfp4_backend=Mxfp4MoeBackend.MARLIN,
+                                     routing_tables=layer._expert_routing_tables())
