@@ -122,6 +122,25 @@ def test_vllms_moe_layer_holds_the_files_bytes_after_processing(folders, scheme)
 
 
 @needs_vllm
+def test_deepseek_v3_loads_through_each_parameters_own_loader(example_ckpt, tmp_path):
+    """DeepSeek-V2/V3 and Kimi-K2's vLLM loader looks the (mapped) name up and calls the parameter's
+    ``weight_loader(param, tensor)`` itself."""
+    src = example_ckpt("deepseek-v3", scheme="w4a16")
+    out = tmp_path / "out"
+    cli("repack", src, out, "--backend", "marlin", expect=0)
+    got = _child(out, "--direct")
+    assert "error" not in got, got["error"]
+    files = _file_tensors(out)
+    manifest = json.loads((out / "moeconvert.json").read_text())
+    assert sorted(got["layers"]) == sorted(m["prefix"] for m in manifest["moe_layers"])
+    for m in manifest["moe_layers"]:
+        for suffix, entry in m["tensors"].items():
+            param = got["layers"][m["prefix"]]["params"][f"routed_experts.{suffix}"]
+            want = hashlib.sha256(files[entry["name"]].contiguous().view(torch.uint8).numpy()).hexdigest()
+            assert param["sha256"] == want and not param["moved"]
+
+
+@needs_vllm
 def test_a_vllm_started_for_another_tp_size_is_refused_before_loading(folders):
     _, out = folders["w4a16-g128"]
     got = _child(out, "--tp-size", "2")

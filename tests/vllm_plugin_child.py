@@ -1,6 +1,6 @@
 """Run by tests/test_vllm_plugin.py under a Python that has vLLM 0.33.0 (``MOECONVERT_VLLM_PYTHON``).
 
-``python vllm_plugin_child.py FOLDER [--tp-size N] [--pretend-vllm VERSION] [--skip SUFFIX]``: builds every MoE layer the folder's manifest holds
+``python vllm_plugin_child.py FOLDER [--tp-size N] [--pretend-vllm VERSION] [--skip SUFFIX] [--direct]``: builds every MoE layer the folder's manifest holds
 with vLLM's own ``FusedMoEFactory`` on the CPU platform (one-process gloo group), the quantization config
 taken from the folder's config.json through vLLM's registry (after the plugin's ``register``), loads the
 folder's tensors through vLLM's own ``MoERunner.load_weights`` with the config's checkpoint name mapper,
@@ -34,13 +34,14 @@ def main() -> None:
 
     from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExpertsBase
 
-    from moeconvert.integrations.vllm import register
 
     # Marlin needs CUDA to run, not to be built: vLLM's MXFP4 kernel factory checks the device (its WNA16
     # one does not), so on the CPU the check is answered here. Nothing runs the kernel in this process.
     MarlinExpertsBase._supports_current_device = staticmethod(lambda: True)
 
-    register()  # what vLLM's plugin loader does with our entry point
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # vLLM's own plugin loader: it finds our entry point and runs register()
     qc = json.loads((folder / "config.json").read_text())["quantization_config"]
     out: dict = {"layers": {}}
     try:
@@ -67,7 +68,13 @@ def main() -> None:
                 ours = [n for n in files if n.startswith(prefix + ".") and n.count(".") == prefix.count(".") + 1
                         and not ("--skip" in sys.argv and n.endswith("." + sys.argv[sys.argv.index("--skip") + 1]))]
                 named = [(mapper._map_name(n)[len(prefix) + 1:], files[n]) for n in ours]
-                loaded = sorted(runner.load_weights(named))
+                if "--direct" in sys.argv:  # as DeepSeek's loader does: the parameter's own weight_loader
+                    params = dict(runner.named_parameters())
+                    for name, tensor in named:
+                        params[name].weight_loader(params[name], tensor)
+                    loaded = sorted(name for name, _ in named)
+                else:  # as AutoWeightsLoader does for Qwen / Mixtral / GLM: the runner's load_weights
+                    loaded = sorted(runner.load_weights(named))
                 experts.quant_method.process_weights_after_loading(experts)
                 kernel = experts.quant_method.moe_kernel
                 out["layers"][prefix] = {
