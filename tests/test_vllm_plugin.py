@@ -124,6 +124,28 @@ def test_vllms_moe_layer_holds_the_files_bytes_after_processing(folders, scheme)
 
 
 @needs_vllm
+@pytest.mark.parametrize("scheme", ["w4a16-g128", "bf16-mxfp4"])
+def test_vllm_loads_the_whole_model_from_the_folder(folders, scheme):
+    """What ``vllm serve`` does up to its first forward, on the CPU platform: vLLM's ModelConfig picks the
+    plugin's method from config.json, vLLM's default loader builds the model and feeds it every tensor of
+    the folder (the name mapping included), then processes every module."""
+    _, out = folders[scheme]
+    got = _child(out, "--whole-model")
+    assert "error" not in got, got["error"]
+    assert got["quantization"] == "moeconvert"
+    files = _file_tensors(out)
+    manifest = json.loads((out / "moeconvert.json").read_text())
+    assert sorted(got["layers"]) == sorted(m["prefix"] for m in manifest["moe_layers"])
+    for m in manifest["moe_layers"]:
+        layer = got["layers"][m["prefix"]]
+        assert layer["experts_class"] == "MarlinExperts" and layer["scale_is_param"]
+        assert layer["loaded"] == sorted(f"routed_experts.{s}" for s in m["tensors"])
+        for suffix, entry in m["tensors"].items():
+            want = hashlib.sha256(files[entry["name"]].contiguous().view(torch.uint8).numpy()).hexdigest()
+            assert layer["params"][f"routed_experts.{suffix}"]["sha256"] == want, suffix
+
+
+@needs_vllm
 def test_deepseek_v3_loads_through_each_parameters_own_loader(example_ckpt, tmp_path):
     """DeepSeek-V2/V3 and Kimi-K2's vLLM loader looks the (mapped) name up and calls the parameter's
     ``weight_loader(param, tensor)`` itself."""

@@ -1,6 +1,6 @@
 """Run by tests/test_vllm_plugin.py under a Python that has vLLM 0.33.0 (``MOECONVERT_VLLM_PYTHON``).
 
-``python vllm_plugin_child.py FOLDER [--tp-size N] [--pretend-vllm VERSION] [--skip SUFFIX] [--direct]``: builds every MoE layer the folder's manifest holds
+``python vllm_plugin_child.py FOLDER [--tp-size N] [--pretend-vllm VERSION] [--skip SUFFIX] [--direct] [--whole-model]``: builds every MoE layer the folder's manifest holds
 with vLLM's own ``FusedMoEFactory`` on the CPU platform (one-process gloo group), the quantization config
 taken from the folder's config.json through vLLM's registry (after the plugin's ``register``), loads the
 folder's tensors through vLLM's own ``MoERunner.load_weights`` with the config's checkpoint name mapper,
@@ -44,6 +44,8 @@ def main() -> None:
     load_general_plugins()  # vLLM's own plugin loader: it finds our entry point and runs register()
     qc = json.loads((folder / "config.json").read_text())["quantization_config"]
     out: dict = {"layers": {}}
+    if "--whole-model" in sys.argv:
+        return _whole_model(folder, out)
     try:
         cfg = get_quantization_config(qc["quant_method"]).from_config(qc)
         cfg.maybe_update_config(str(folder))
@@ -76,16 +78,53 @@ def main() -> None:
                 else:  # as AutoWeightsLoader does for Qwen / Mixtral / GLM: the runner's load_weights
                     loaded = sorted(runner.load_weights(named))
                 experts.quant_method.process_weights_after_loading(experts)
-                kernel = experts.quant_method.moe_kernel
-                out["layers"][prefix] = {
-                    "method": type(experts.quant_method).__name__,
-                    "loaded": loaded,
-                    "params": {n: {"sha256": hashlib.sha256(p.data.contiguous().view(torch.uint8).numpy()).hexdigest(),
-                                   "shape": list(p.shape), "moved": p.data_ptr() != before[n]}
-                               for n, p in runner.named_parameters()},
-                    "experts_class": type(kernel.fused_experts).__name__,
-                    "scale_is_param": kernel.fused_experts.quant_config.w1_scale is experts.w13_weight_scale,
-                }
+                out["layers"][prefix] = _report(experts, loaded, before)
+    except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
+        out["error"] = f"{type(e).__name__}: {e}"
+    print(json.dumps(out))
+
+
+def _report(experts, loaded: list[str], before: dict | None = None) -> dict:
+    """What vLLM holds for one MoE layer after processing (parameter names relative to the runner)."""
+    import torch
+
+    kernel = experts.quant_method.moe_kernel
+    params = {}
+    for n, p in experts.named_parameters():
+        name = f"routed_experts.{n}"
+        params[name] = {"sha256": hashlib.sha256(p.data.contiguous().view(torch.uint8).numpy()).hexdigest(),
+                        "shape": list(p.shape)}
+        if before is not None:
+            params[name]["moved"] = p.data_ptr() != before[name]
+    return {"method": type(experts.quant_method).__name__, "loaded": loaded, "params": params,
+            "experts_class": type(kernel.fused_experts).__name__,
+            "scale_is_param": kernel.fused_experts.quant_config.w1_scale is experts.w13_weight_scale}
+
+
+def _whole_model(folder: Path, out: dict) -> None:
+    """What ``vllm serve FOLDER`` does up to its first forward: vLLM's ModelConfig reads config.json (and
+    picks the plugin's method from it), vLLM's default loader builds the whole model and loads every
+    tensor of the folder through the model's own ``load_weights``, then processes every module."""
+    import torch
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.model_loader import get_model
+
+    torch.accelerator.empty_cache = lambda: None  # the loader empties the accelerator's cache; a CPU build has none
+    try:
+        mc = ModelConfig(model=str(folder), dtype="bfloat16", enforce_eager=True, max_model_len=256)
+        out["quantization"] = mc.quantization
+        vc = VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu"), load_config=LoadConfig())
+        with set_current_vllm_config(vc):
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"file://{tempfile.mkdtemp()}/init")
+            initialize_model_parallel(1, 1)
+            model = get_model(vllm_config=vc)
+            for name, module in model.named_modules():
+                if isinstance(module, RoutedExperts):
+                    loaded = sorted(f"routed_experts.{s}" for s in module.quant_method.loaded)
+                    out["layers"][name.removesuffix(".routed_experts")] = _report(module, loaded)
     except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
         out["error"] = f"{type(e).__name__}: {e}"
     print(json.dumps(out))
