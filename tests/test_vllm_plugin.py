@@ -92,6 +92,17 @@ def _child(folder: Path, *args) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def _gpu_child(folder: Path, *args) -> dict:
+    """The child on vLLM's CUDA platform (the GPU tests): no VLLM_TARGET_DEVICE, vLLM finds the GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+    p = subprocess.run([VLLM_PYTHON, str(CHILD), str(folder), *args], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
+    return got
+
+
 def _file_tensors(folder: Path) -> dict[str, torch.Tensor]:
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -200,3 +211,45 @@ def test_the_plugin_is_a_vllm_entry_point():
 
     eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "moeconvert"]
     assert len(eps) == 1 and eps[0].value == "moeconvert.integrations.vllm:register"
+
+
+def gpu_vllm(test):
+    """A GPU test that runs vLLM (``MOECONVERT_VLLM_PYTHON`` with vLLM's CUDA build on a GPU machine)."""
+    for mark in (pytest.mark.gpu, needs_vllm, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")):
+        test = mark(test)
+    return test
+
+
+@gpu_vllm
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_vllms_experts_run_a_converted_layer_against_the_reference(folders, scheme):
+    """On the GPU: vLLM's experts object, built by the plugin's method over the folder's tensors (vLLM's
+    own Marlin MoE kernel), against ``reference_moe`` on the source's own weights."""
+    src, out = folders[scheme]
+    got = _gpu_child(out, "--forward", str(src))
+    manifest = json.loads((out / "moeconvert.json").read_text())
+    assert got["quant_config"] == "MoeconvertConfig"
+    assert sorted(got["layers"]) == sorted(m["prefix"] for m in manifest["moe_layers"])
+    for prefix, layer in got["layers"].items():
+        assert layer["experts_class"] == "MarlinExperts"
+        for M, r in layer["tokens"].items():
+            assert r["finite"] and r["want_norm"] > 0, (prefix, M)
+            assert r["rel"] < 2e-2, (prefix, M, r["rel"])
+
+
+
+@gpu_vllm
+@pytest.mark.parametrize("scheme", ["w4a16-g128", "w4a16-g128-asym", "w8a16-g128", "w4a16-channel"])
+def test_the_plugin_holds_what_vllms_own_processing_makes_from_the_source(folders, scheme):
+    """On the GPU, ``moeconvert bench vllm-startup``'s check: vLLM's compressed-tensors WNA16 method loads the
+    source and repacks it for Marlin on the GPU; the plugin loads the folder. Every parameter must hold the
+    same bytes and the two layers give the same output on the same routed tokens."""
+    src, out = folders[scheme]
+    got = _gpu_child(out, "--bench", str(src))
+    assert got["vllm_source_method"] == "compressed-tensors"
+    for row in got["layers"]:
+        assert row["vllm"]["experts_class"] == row["moeconvert"]["experts_class"] == "MarlinExperts"
+        assert row["same_bytes"] and all(v is True for v in row["same_bytes"].values()), row["same_bytes"]
+        assert row["outputs_identical"], row["output_rel_diff"]
+

@@ -1,5 +1,11 @@
 """Run by tests/test_vllm_plugin.py under a Python that has vLLM 0.33.0 (``MOECONVERT_VLLM_PYTHON``).
 
+On a GPU: ``python vllm_plugin_child.py FOLDER --forward SRC`` builds each MoE layer with the plugin's
+method on CUDA, loads the folder through vLLM's ``load_weights`` and runs vLLM's experts object on routed
+tokens against ``runtime/reference.py`` on the source's own weights (decoded from SRC, quantized to MXFP4
+the way the folder's manifest says for a bf16 source); ``--bench SRC`` prints ``moeconvert bench
+vllm-startup``'s result.
+
 ``python vllm_plugin_child.py FOLDER [--tp-size N] [--pretend-vllm VERSION] [--skip SUFFIX] [--direct] [--whole-model]``: builds every MoE layer the folder's manifest holds
 with vLLM's own ``FusedMoEFactory`` on the CPU platform (one-process gloo group), the quantization config
 taken from the folder's config.json through vLLM's registry (after the plugin's ``register``), loads the
@@ -15,11 +21,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+GPU_MODES = ("--forward", "--bench")
+if not any(m in sys.argv for m in GPU_MODES):
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
 def main() -> None:
     folder = Path(sys.argv[1])
+    for mode in GPU_MODES:
+        if mode in sys.argv:
+            return _gpu(mode, folder, Path(sys.argv[sys.argv.index(mode) + 1]))
     tp_size = int(sys.argv[sys.argv.index("--tp-size") + 1]) if "--tp-size" in sys.argv else 1
     import torch
     import vllm
@@ -27,7 +38,7 @@ def main() -> None:
     if "--pretend-vllm" in sys.argv:  # the version refusal, without a second vLLM
         vllm.__version__ = sys.argv[sys.argv.index("--pretend-vllm") + 1]
     from safetensors import safe_open
-    from vllm.config import DeviceConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.layers.fused_moe import FusedMoEFactory
     from vllm.model_executor.layers.quantization import get_quantization_config
@@ -127,6 +138,85 @@ def _whole_model(folder: Path, out: dict) -> None:
                     out["layers"][name.removesuffix(".routed_experts")] = _report(module, loaded)
     except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
         out["error"] = f"{type(e).__name__}: {e}"
+    print(json.dumps(out))
+
+
+def _reference_weights(src: Path, prefix: str, manifest: dict):
+    """Float32 experts of one layer from the source checkpoint itself: decoded by moeconvert's source
+    reader (checked against compressed-tensors in tests/test_decode.py), and for a float source quantized to
+    MXFP4 with the manifest's rounding rule."""
+    import torch
+
+    from moeconvert.canonical import Partition
+    from moeconvert.decode import decode_chunk
+    from moeconvert.modelmap import map_model
+    from moeconvert.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+    from moeconvert.runtime.reference import DequantizedExperts, dequantize_block
+    from moeconvert.sources import open_source
+
+    source = open_source(str(src))
+    layer = next(m for m in map_model(source).layers if m.prefix == prefix)
+    block = decode_chunk(source, layer, Partition(), 0, layer.num_experts)
+    ref = dequantize_block(block)
+    if (manifest["scheme"] or {}).get("kind") == "mxfp4" and (manifest.get("quantization") or {}):
+        rounding = manifest["quantization"]["rounding"]
+        dt = getattr(torch, manifest["dtype"])
+        q = lambda w: dequantize_mxfp4(*quantize_mxfp4(w.to(dt), rounding))
+        ref = DequantizedExperts(q(ref.w13), q(ref.w2), ref.w13_bias, ref.w2_bias)
+    return ref
+
+
+def _gpu(mode: str, folder: Path, src: Path) -> None:
+    import torch
+
+    out: dict = {"layers": {}}
+    try:
+        if mode == "--bench":
+            from moeconvert.bench.vllm_startup import bench_vllm_startup
+
+            out = bench_vllm_startup(src, folder, device="cuda", tokens=32)
+            print(json.dumps(out))
+            return
+        from moeconvert.format.manifest import check_output
+        from moeconvert.integrations.vllm import register
+        from moeconvert.integrations.vllm.harness import build_load_process, layer_tensors, one_process, quant_config_for, run_experts
+        from moeconvert.runtime.reference import activation_fn, reference_moe
+
+        register()
+        manifest = check_output(folder).manifest
+        dtype = getattr(torch, manifest["dtype"])
+        with one_process("cuda", "marlin"):
+            cfg = quant_config_for(folder)
+            out["quant_config"] = type(cfg).__name__
+            for m in manifest["moe_layers"]:
+                timed = build_load_process(
+                    cfg, layer_tensors(folder, m["prefix"], cfg), device="cuda", prefix=m["prefix"],
+                    num_experts=m["num_experts_global"], top_k=m["top_k"], hidden_size=m["hidden_size"],
+                    intermediate_size=m["intermediate_size_total"], has_bias=m["has_bias"], dtype=dtype)
+                experts = timed.experts
+                ref = _reference_weights(src, m["prefix"], manifest)
+                H = m["hidden_size"]
+                Hp = m.get("hidden_size_padded", H)  # MXFP4 Marlin: the experts take H zero-padded
+                rows = {}
+                g = torch.Generator().manual_seed(0)
+                for M in (1, 16, 100):
+                    x = (torch.randn(M, H, generator=g) * 0.5).to(dtype)
+                    logits = torch.randn(M, m["num_experts_global"], generator=g)
+                    w, ids = torch.topk(torch.softmax(logits, -1), m["top_k"], -1)
+                    w = w / w.sum(-1, keepdim=True)
+                    xin = torch.nn.functional.pad(x, (0, Hp - H)).cuda()
+                    y = run_experts(experts, xin, w.cuda(), ids.to(torch.int32).cuda())[:, :H].float().cpu()
+                    want = reference_moe(x.float(), ref, w, ids, activation_fn("silu")).float()
+                    rows[M] = {"rel": float((y - want).norm() / want.norm()), "finite": bool(y.isfinite().all()),
+                               "want_norm": float(want.norm())}
+                out["layers"][m["prefix"]] = {
+                    "experts_class": type(experts.quant_method.moe_kernel.fused_experts).__name__,
+                    "loaded": timed.loaded, "tokens": rows}
+    except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
+        import traceback
+
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()[-4000:]
     print(json.dumps(out))
 
 

@@ -248,3 +248,54 @@ def bench_kernel_cmd(
 
 
 CONTENDER_ORDER = ("marlin", "humming", "triton_kernels")
+
+
+@bench_app.command("vllm-startup")
+def bench_vllm_startup_cmd(
+    src: Path = typer.Argument(..., help="The source checkpoint folder the converted folder was made from."),
+    out_dir: Path = typer.Argument(..., help="A --backend marlin folder (WNA16 or MXFP4) converted from SRC."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda | cuda:N (default: cuda if present)."),
+    layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Time only the first N MoE layers."),
+    tokens: int = typer.Option(64, "--tokens", min=1, help="Routed tokens each layer runs once, to compare outputs."),
+    moe_backend: str = typer.Option("marlin", "--moe-backend", help="vLLM's MoE backend for its own path."),
+    json_out: bool = JSON,
+):
+    """vLLM's own load-time processing of SRC's MoE layers against the plugin's loading of OUT, per layer
+    (needs `moeconvert[vllm]` and a GPU: vLLM's Marlin repack runs there)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise MoeConvertError("bench vllm-startup needs vLLM", tensor="vllm", expected="pip install 'moeconvert[vllm]'",
+                              found=f"{type(e).__name__}: {e}") from None
+    from moeconvert.bench.vllm_startup import bench_vllm_startup
+
+    dev = _bench_device(device)
+    if dev == "cpu":
+        raise MoeConvertError("vLLM's own MoE processing (the Marlin repack) runs on a GPU only", tensor="--device",
+                              expected="cuda", found="cpu")
+    with _progress() as prog:
+        task = prog.add_task("vllm-startup", total=layers)
+        try:
+            r = bench_vllm_startup(src, out_dir, device=dev, layers=layers, tokens=tokens, moe_backend=moe_backend,
+                                   progress=lambda n: prog.advance(task, n))
+        except ValueError as e:
+            raise MoeConvertError(str(e), tensor=str(out_dir)) from None
+    if json_out:
+        print(json.dumps(r, indent=1))
+        return
+    out.print(f"vLLM {r['vllm_version']} on {r['device']}, MoE backend {r['moe_backend']}: vLLM's own "
+              f"({r['vllm_source_method']}) from {src} against moeconvert's {r['layout']} {r['scheme']} from {out_dir}")
+    t = Table()
+    for col in ("layer", "vLLM load ms", "vLLM process ms", "ours load ms", "ours process ms",
+                "vLLM extra peak", "ours extra peak", "same bytes", "same output"):
+        t.add_column(col, justify="right")
+    for row in r["layers"]:
+        v, m = row["vllm"], row["moeconvert"]
+        t.add_row(row["layer"], f"{1e3 * v['load_s']:.1f}", f"{1e3 * v['process_s']:.1f}", f"{1e3 * m['load_s']:.1f}",
+                  f"{1e3 * m['process_s']:.1f}", _human(v["peak_extra_bytes"]), _human(m["peak_extra_bytes"]),
+                  "yes" if all(x is True for x in row["same_bytes"].values()) else "NO",
+                  "yes" if row["outputs_identical"] else f"rel {row['output_rel_diff']:.1e}")
+    out.print(t)
+    s = r["summary"]
+    out.print(f"load + process, all layers: vLLM {s['vllm']['load_and_process_s']:.3f} s, moeconvert "
+              f"{s['moeconvert']['load_and_process_s']:.3f} s ({r['speedup_load_and_process']:.1f}x)")

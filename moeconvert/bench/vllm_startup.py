@@ -1,0 +1,146 @@
+"""``moeconvert bench vllm-startup SRC OUT``: vLLM's own load-time processing of the source's MoE layers
+beside the plugin's loading of the converted folder, layer by layer, in one process on one device.
+
+For each MoE layer the manifest holds, vLLM 0.33.0 builds its MoE module twice with its own
+``FusedMoEFactory``:
+
+* **vLLM's own**: the quantization config vLLM makes from the source's config.json (compressed-tensors
+  WNA16), or for a bf16 source converted to MXFP4 vLLM's online MXFP4 (``--quantization mxfp4``); the
+  source's per-expert tensors go through vLLM's ``load_weights``, then ``process_weights_after_loading``
+  repacks (or quantizes) them into the kernel's layout.
+* **moeconvert's**: the plugin's config from the converted folder's config.json; the folder's tensors load
+  as they are, and processing only builds the kernel.
+
+Both use the same MoE backend (``--moe-backend``, Marlin by default). Each step is timed with the device
+synchronised, and on a GPU the memory the layer holds and the most held beyond it during processing (the
+second copy) are read from PyTorch's allocator. The two layers' parameters are then compared byte for byte
+and both run the same routed tokens. A warm-up round on the first layer (not reported) takes the one-time
+costs (kernel loading, the allocator's first blocks) out of both.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import torch
+
+# our parameter -> the name vLLM's compressed-tensors WNA16 method gives the same tensor after processing
+_THEIR_NAME = {"w13_weight": "w13_weight_packed", "w2_weight": "w2_weight_packed"}
+
+
+def _vllm_source_config(src: Path, scheme_kind: str):
+    from moeconvert.integrations.vllm.harness import quant_config_for
+
+    cfg = quant_config_for(src)
+    if cfg is not None:
+        return cfg, cfg.get_name()
+    if scheme_kind != "mxfp4":
+        raise ValueError(f"{src}: an unquantized source and a {scheme_kind} folder: vLLM has no load-time path "
+                         "that ends in this folder's layout to compare with")
+    from vllm.config.quantization import QuantizationConfigArgs
+    from vllm.model_executor.layers.quantization.online.base import OnlineQuantizationConfig
+
+    return OnlineQuantizationConfig(QuantizationConfigArgs(moe="mxfp4")), "online mxfp4"
+
+
+def _same_bytes(ours, theirs) -> dict:
+    """Each of our parameters against vLLM's processed parameter of the same role."""
+    mine = dict(ours.named_parameters())
+    other = dict(theirs.named_parameters())
+    out = {}
+    for name, p in mine.items():
+        q = other.get(_THEIR_NAME.get(name, name))
+        if q is None:
+            out[name] = "vLLM holds no such tensor"
+        elif p.shape != q.shape or p.dtype != q.dtype:
+            out[name] = f"vLLM holds {tuple(q.shape)} {q.dtype}, ours {tuple(p.shape)} {p.dtype}"
+        else:
+            out[name] = bool(torch.equal(p.data.view(torch.uint8), q.data.view(torch.uint8)))
+    return out
+
+
+def _route(M: int, E: int, top_k: int, H: int, dtype: torch.dtype, device: str, seed: int):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = (torch.randn(M, H, generator=g) * 0.5).to(device, dtype)
+    logits = torch.randn(M, E, generator=g)
+    w, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+    return x, (w / w.sum(-1, keepdim=True)).to(device), ids.to(device, torch.int32)
+
+
+def bench_vllm_startup(src: Path, out_dir: Path, *, device: str, layers: int | None = None, tokens: int = 64,
+                       moe_backend: str = "marlin", progress=None) -> dict:
+    import vllm
+
+    from moeconvert.format.manifest import check_output
+    from moeconvert.integrations.vllm import SUPPORTED_VLLM, register
+    from moeconvert.integrations.vllm.harness import build_load_process, layer_tensors, one_process, quant_config_for, run_experts
+    from moeconvert.modelmap import map_model
+    from moeconvert.sources import open_source
+
+    if vllm.__version__ not in SUPPORTED_VLLM:
+        raise ValueError(f"this vLLM is {vllm.__version__}; the plugin serves {', '.join(SUPPORTED_VLLM)}")
+    register()
+    manifest = check_output(out_dir).manifest
+    kind = (manifest["scheme"] or {}).get("kind")
+    source_layers = {m.prefix: m for m in map_model(open_source(str(src))).layers}
+    entries = manifest["moe_layers"][: layers or None]
+    missing = [m["prefix"] for m in entries if m["prefix"] not in source_layers]
+    if missing:
+        raise ValueError(f"{src}: holds no MoE layer {missing[0]} (is it the folder's source?)")
+    dtype = getattr(torch, manifest["dtype"])
+    rows = []
+    with one_process(device, moe_backend):
+        theirs_cfg, theirs_name = _vllm_source_config(src, kind)
+        ours_cfg = quant_config_for(out_dir)
+
+        def both(m: dict) -> tuple:
+            kw = dict(prefix=m["prefix"], num_experts=m["num_experts_global"], top_k=m["top_k"],
+                      hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size_total"],
+                      has_bias=m["has_bias"], dtype=dtype, device=device)
+            names = source_layers[m["prefix"]].source_tensors()
+            theirs = build_load_process(theirs_cfg, layer_tensors(src, m["prefix"], theirs_cfg, names), **kw)
+            ours = build_load_process(ours_cfg, layer_tensors(out_dir, m["prefix"], ours_cfg), **kw)
+            return theirs, ours
+
+        warm = both(entries[0])
+        del warm
+        for i, m in enumerate(entries):
+            theirs, ours = both(m)
+            x, tw, ids = _route(tokens, m["num_experts_global"], m["top_k"], m["hidden_size"], dtype, device, i)
+            y_theirs = run_experts(theirs.experts, x, tw, ids)
+            y_ours = run_experts(ours.experts, x, tw, ids)
+            diff = (y_ours.float() - y_theirs.float()).norm() / y_theirs.float().norm().clamp_min(1e-30)
+            rows.append({
+                "layer": m["prefix"],
+                "vllm": {"build_s": theirs.build_s, "load_s": theirs.load_s, "process_s": theirs.process_s,
+                         "resident_bytes": theirs.resident_bytes, "peak_extra_bytes": theirs.peak_extra_bytes,
+                         "experts_class": type(theirs.experts.quant_method.moe_kernel.fused_experts).__name__},
+                "moeconvert": {"build_s": ours.build_s, "load_s": ours.load_s, "process_s": ours.process_s,
+                               "resident_bytes": ours.resident_bytes, "peak_extra_bytes": ours.peak_extra_bytes,
+                               "experts_class": type(ours.experts.quant_method.moe_kernel.fused_experts).__name__},
+                "same_bytes": _same_bytes(ours.experts, theirs.experts),
+                "outputs_identical": bool(torch.equal(y_ours, y_theirs)),
+                "output_rel_diff": float(diff),
+            })
+            del theirs, ours, y_theirs, y_ours
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
+            if progress:
+                progress(1)
+
+    def total(side: str, key: str) -> float:
+        return sum(r[side][key] for r in rows)
+
+    summary = {}
+    for side in ("vllm", "moeconvert"):
+        summary[side] = {k: total(side, k) for k in ("build_s", "load_s", "process_s")}
+        summary[side]["load_and_process_s"] = summary[side]["load_s"] + summary[side]["process_s"]
+        summary[side]["median_layer_load_and_process_s"] = statistics.median(
+            r[side]["load_s"] + r[side]["process_s"] for r in rows)
+        summary[side]["max_peak_extra_bytes"] = max(r[side]["peak_extra_bytes"] for r in rows)
+    ours_t = summary["moeconvert"]["load_and_process_s"]
+    return {"source": str(src), "folder": str(out_dir), "device": str(device), "vllm_version": vllm.__version__,
+            "moe_backend": moe_backend, "vllm_source_method": theirs_name, "layout": manifest["layout"]["name"],
+            "scheme": kind, "tokens": tokens, "layers": rows, "summary": summary,
+            "speedup_load_and_process": summary["vllm"]["load_and_process_s"] / ours_t if ours_t > 0 else None}
