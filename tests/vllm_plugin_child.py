@@ -223,37 +223,11 @@ def _gpu(mode: str, folder: Path, src: Path) -> None:
 
 
 def _generate(folder: Path) -> None:
-    """``vllm.LLM`` on the folder (vLLM's whole engine, in this process): greedy tokens and their logprobs
-    for a few fixed prompts, with Marlin for the MoE layers and vLLM's Triton attention. The model has no
-    tokenizer; prompts are token ids."""
-    import time
+    """``vllm.LLM`` on the folder, in this process, through ``moeconvert bench vllm-serve``'s own run."""
+    from moeconvert.bench import vllm_engine
 
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    out: dict = {}
-    try:
-        from vllm import LLM, SamplingParams
-
-        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-        t0 = time.perf_counter()
-        llm = LLM(model=str(folder), dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0,
-                  gpu_memory_utilization=0.3, skip_tokenizer_init=True, attention_backend="TRITON_ATTN",
-                  moe_backend="marlin", compilation_config={"mode": 0})
-        out["init_s"] = time.perf_counter() - t0
-        out["quantization"] = llm.llm_engine.vllm_config.model_config.quantization
-        prompts = [{"prompt_token_ids": [(7 * i + 13 * j + 1) % vocab for j in range(5 + 3 * i)]} for i in range(4)]
-        params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, detokenize=False)
-        got = llm.generate(prompts, params, use_tqdm=False)
-        out["tokens"] = [list(o.outputs[0].token_ids) for o in got]
-        out["logprobs"] = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                           for o in got]
-    except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
-        import traceback
-
-        out["error"] = f"{type(e).__name__}: {e}"
-        out["traceback"] = traceback.format_exc()[-4000:]
-    print(json.dumps(out))
-    sys.stdout.flush()
-    os._exit(0)  # the engine's threads would keep the process alive
+    sys.argv = [sys.argv[0], str(folder)]
+    vllm_engine.main()
 
 
 if __name__ == "__main__":

@@ -299,3 +299,39 @@ def bench_vllm_startup_cmd(
     s = r["summary"]
     out.print(f"load + process, all layers: vLLM {s['vllm']['load_and_process_s']:.3f} s, moeconvert "
               f"{s['moeconvert']['load_and_process_s']:.3f} s ({r['speedup_load_and_process']:.1f}x)")
+
+
+@bench_app.command("vllm-serve")
+def bench_vllm_serve_cmd(
+    src: Path = typer.Argument(..., help="The source checkpoint folder the converted folder was made from."),
+    out_dir: Path = typer.Argument(..., help="A --backend marlin folder converted from SRC."),
+    runs: int = typer.Option(2, "--runs", min=1, help="Start-ups of each, alternating."),
+    moe_backend: str = typer.Option("marlin", "--moe-backend", help="vLLM's MoE backend for both."),
+    json_out: bool = JSON,
+):
+    """vLLM's whole engine (`vllm.LLM`) started on SRC and on OUT, each in a fresh process: start-up time and
+    the greedy tokens of a few fixed prompts (needs `moeconvert[vllm]` and a GPU)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise MoeConvertError("bench vllm-serve needs vLLM", tensor="vllm", expected="pip install 'moeconvert[vllm]'",
+                              found=f"{type(e).__name__}: {e}") from None
+    from moeconvert.bench.vllm_engine import bench_vllm_serve
+
+    _bench_device("cuda")
+    with _progress() as prog:
+        task = prog.add_task("vllm-serve", total=runs)
+        try:
+            r = bench_vllm_serve(src, out_dir, runs=runs, moe_backend=moe_backend, progress=lambda n: prog.advance(task, n))
+        except ValueError as e:
+            raise MoeConvertError(str(e), tensor=str(out_dir)) from None
+    if json_out:
+        print(json.dumps(r, indent=1))
+        return
+    out.print(f"vllm.LLM start-up, MoE backend {r['moe_backend']}, {runs} run(s) each, alternating:")
+    out.print(f"  source ({r['source_quantization']}): median {r['median_source_init_s']:.2f} s, runs "
+              f"{[round(x, 2) for x in r['source_init_s']]}")
+    out.print(f"  folder ({r['folder_quantization']}): median {r['median_folder_init_s']:.2f} s, runs "
+              f"{[round(x, 2) for x in r['folder_init_s']]}")
+    out.print(f"  greedy tokens {'identical' if r['same_tokens'] else 'DIFFERENT'}, largest logprob difference "
+              f"{r['max_logprob_diff']:.2e}")
