@@ -30,12 +30,24 @@ needs_vllm = pytest.mark.skipif(not VLLM_PYTHON, reason="needs a Python with vLL
 CHILD = Path(__file__).with_name("vllm_plugin_child.py")
 
 SCHEMES = {  # name: (example arguments, the conversion)
-    "w4a16-g128": (dict(scheme="w4a16"), ["repack"]),
-    "w4a16-g128-asym": (dict(scheme="w4a16", symmetric=False), ["repack"]),
-    "w4a16-channel": (dict(scheme="w4a16", group_size=-1), ["repack"]),
-    "w8a16-g128": (dict(scheme="w8a16"), ["repack"]),
-    "bf16-mxfp4": (dict(scheme="bf16", hidden_size=320, intermediate_size=96), ["quantize", "--format", "mxfp4"]),
+    "w4a16-g128": (dict(scheme="w4a16"), ["repack", "--backend", "marlin"]),
+    "w4a16-g128-asym": (dict(scheme="w4a16", symmetric=False), ["repack", "--backend", "marlin"]),
+    "w4a16-channel": (dict(scheme="w4a16", group_size=-1), ["repack", "--backend", "marlin"]),
+    "w8a16-g128": (dict(scheme="w8a16"), ["repack", "--backend", "marlin"]),
+    "bf16-mxfp4": (dict(scheme="bf16", hidden_size=320, intermediate_size=96),
+                   ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    "triton-w4a16-g128": (dict(scheme="w4a16"), ["repack", "--backend", "triton"]),
+    "triton-w4a16-g128-asym": (dict(scheme="w4a16", symmetric=False), ["repack", "--backend", "triton"]),
+    "triton-w8a16-g128": (dict(scheme="w8a16"), ["repack", "--backend", "triton"]),
 }
+# what vLLM must build for each: (our method, vLLM's experts class)
+BUILT = {"marlin-wna16": ("MarlinWNA16Method", "MarlinExperts"), "marlin-mxfp4": ("MarlinMXFP4Method", "MarlinExperts"),
+         "triton-wna16": ("TritonWNA16Method", "TritonWNA16Experts")}
+
+
+def _built(scheme: str) -> tuple[str, str]:
+    layout = "triton" if scheme.startswith("triton-") else "marlin"
+    return BUILT[f"{layout}-{'mxfp4' if scheme.endswith('mxfp4') else 'wna16'}"]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +57,7 @@ def folders(example_ckpt, tmp_path_factory):
     for name, (kw, verb) in SCHEMES.items():
         src = example_ckpt("qwen3-moe", **kw)
         out = base / name
-        cli(verb[0], src, out, "--backend", "marlin", *verb[1:], expect=0)
+        cli(verb[0], src, out, *verb[1:], expect=0)
         made[name] = (src, out)
     return made
 
@@ -67,7 +79,7 @@ def test_a_marlin_folder_names_the_plugin_and_keeps_the_sources_config(folders):
 
 def test_other_layouts_copy_config_json_as_it_is(example_ckpt, tmp_path):
     src = example_ckpt("qwen3-moe", scheme="w4a16")
-    cli("repack", src, tmp_path / "out", "--backend", "triton", expect=0)
+    cli("repack", src, tmp_path / "out", "--backend", "triton-fast", expect=0)
     assert (tmp_path / "out" / "config.json").read_bytes() == (src / "config.json").read_bytes()
 
 
@@ -122,8 +134,8 @@ def test_vllms_moe_layer_holds_the_files_bytes_after_processing(folders, scheme)
     assert sorted(got["layers"]) == sorted(m["prefix"] for m in manifest["moe_layers"])
     for m in manifest["moe_layers"]:
         layer = got["layers"][m["prefix"]]
-        method = "MarlinMXFP4Method" if scheme.endswith("mxfp4") else "MarlinWNA16Method"
-        assert layer["method"] == method and layer["experts_class"] == "MarlinExperts"
+        method, experts_class = _built(scheme)
+        assert layer["method"] == method and layer["experts_class"] == experts_class
         assert layer["scale_is_param"]  # the kernel reads the parameter itself, not a copy
         assert layer["loaded"] == sorted(f"routed_experts.{s}" for s in m["tensors"])
         assert set(layer["params"]) == {f"routed_experts.{s}" for s in m["tensors"]}
@@ -135,7 +147,7 @@ def test_vllms_moe_layer_holds_the_files_bytes_after_processing(folders, scheme)
 
 
 @needs_vllm
-@pytest.mark.parametrize("scheme", ["w4a16-g128", "bf16-mxfp4"])
+@pytest.mark.parametrize("scheme", ["w4a16-g128", "bf16-mxfp4", "triton-w4a16-g128-asym"])
 def test_vllm_loads_the_whole_model_from_the_folder(folders, scheme):
     """What ``vllm serve`` does up to its first forward, on the CPU platform: vLLM's ModelConfig picks the
     plugin's method from config.json, vLLM's default loader builds the model and feeds it every tensor of
@@ -149,7 +161,7 @@ def test_vllm_loads_the_whole_model_from_the_folder(folders, scheme):
     assert sorted(got["layers"]) == sorted(m["prefix"] for m in manifest["moe_layers"])
     for m in manifest["moe_layers"]:
         layer = got["layers"][m["prefix"]]
-        assert layer["experts_class"] == "MarlinExperts" and layer["scale_is_param"]
+        assert layer["experts_class"] == _built(scheme)[1] and layer["scale_is_param"]
         assert layer["loaded"] == sorted(f"routed_experts.{s}" for s in m["tensors"])
         for suffix, entry in m["tensors"].items():
             want = hashlib.sha256(files[entry["name"]].contiguous().view(torch.uint8).numpy()).hexdigest()
@@ -232,7 +244,7 @@ def test_vllms_experts_run_a_converted_layer_against_the_reference(folders, sche
     assert got["quant_config"] == "MoeconvertConfig"
     assert sorted(got["layers"]) == sorted(m["prefix"] for m in manifest["moe_layers"])
     for prefix, layer in got["layers"].items():
-        assert layer["experts_class"] == "MarlinExperts"
+        assert layer["experts_class"] == _built(scheme)[1]
         for M, r in layer["tokens"].items():
             assert r["finite"] and r["want_norm"] > 0, (prefix, M)
             assert r["rel"] < 2e-2, (prefix, M, r["rel"])
@@ -240,16 +252,18 @@ def test_vllms_experts_run_a_converted_layer_against_the_reference(folders, sche
 
 
 @gpu_vllm
-@pytest.mark.parametrize("scheme", ["w4a16-g128", "w4a16-g128-asym", "w8a16-g128", "w4a16-channel"])
+@pytest.mark.parametrize("scheme", ["w4a16-g128", "w4a16-g128-asym", "w8a16-g128", "w4a16-channel",
+                                    "triton-w4a16-g128", "triton-w4a16-g128-asym", "triton-w8a16-g128"])
 def test_the_plugin_holds_what_vllms_own_processing_makes_from_the_source(folders, scheme):
     """On the GPU, ``moeconvert bench vllm-startup``'s check: vLLM's compressed-tensors WNA16 method loads the
-    source and repacks it for Marlin on the GPU; the plugin loads the folder. Every parameter must hold the
+    source and converts it for the folder's backend (Marlin's repack, or the Triton kernel's byte view) on
+    the GPU; the plugin loads the folder. Every parameter must hold the
     same bytes and the two layers give the same output on the same routed tokens."""
     src, out = folders[scheme]
     got = _gpu_child(out, "--bench", str(src))
     assert got["vllm_source_method"] == "compressed-tensors"
     for row in got["layers"]:
-        assert row["vllm"]["experts_class"] == row["moeconvert"]["experts_class"] == "MarlinExperts"
+        assert row["vllm"]["experts_class"] == row["moeconvert"]["experts_class"] == _built(scheme)[1]
         assert row["same_bytes"] and all(v is True for v in row["same_bytes"].values()), row["same_bytes"]
         assert row["outputs_identical"], row["output_rel_diff"]
 

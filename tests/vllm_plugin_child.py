@@ -46,11 +46,12 @@ def main() -> None:
     from vllm.model_executor.layers.quantization import get_quantization_config
 
     from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExpertsBase
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonWNA16Experts
 
-
-    # Marlin needs CUDA to run, not to be built: vLLM's MXFP4 kernel factory checks the device (its WNA16
-    # one does not), so on the CPU the check is answered here. Nothing runs the kernel in this process.
+    # Marlin and vLLM's Triton MoE kernel need CUDA to run, not to be built: vLLM's kernel factories check
+    # the device, so on the CPU the check is answered here. Nothing runs a kernel in this process.
     MarlinExpertsBase._supports_current_device = staticmethod(lambda: True)
+    TritonWNA16Experts._supports_current_device = staticmethod(lambda: True)
 
     from vllm.plugins import load_general_plugins
 
@@ -187,7 +188,7 @@ def _gpu(mode: str, folder: Path, src: Path) -> None:
         register()
         manifest = check_output(folder).manifest
         dtype = getattr(torch, manifest["dtype"])
-        with one_process("cuda", "marlin"):
+        with one_process("cuda", manifest["layout"]["name"]):
             cfg = quant_config_for(folder)
             out["quant_config"] = type(cfg).__name__
             for m in manifest["moe_layers"]:

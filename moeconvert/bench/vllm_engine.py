@@ -2,7 +2,7 @@
 folder, each in a fresh process, alternating; the start-up time and the greedy tokens.
 
 Each run is ``python -m moeconvert.bench.vllm_engine FOLDER``: ``vllm.LLM(FOLDER)`` in one process (no
-engine subprocess), eager mode, the same MoE backend for both (Marlin), then a few fixed prompts greedily.
+engine subprocess), eager mode, the same MoE backend for both (the folder's: Marlin or Triton), then a few fixed prompts greedily.
 The source's start-up includes vLLM's own repack (or online quantization) of every MoE layer; the
 folder's only the plugin's loading. Everything else (reading the files, building the model, profiling
 memory, the KV cache) is the same work for both.
@@ -54,8 +54,10 @@ def _child(folder: Path, moe_backend: str, timeout: float) -> dict:
     return r
 
 
-def bench_vllm_serve(src: Path, out_dir: Path, *, runs: int = 2, moe_backend: str = "marlin",
+def bench_vllm_serve(src: Path, out_dir: Path, *, runs: int = 2, moe_backend: str | None = None,
                      timeout: float = 900, progress=None) -> dict:
+    if moe_backend is None:  # the backend the folder's layout is for: marlin | triton
+        moe_backend = json.loads((out_dir / "moeconvert.json").read_text())["layout"]["name"]
     src_runs, out_runs = [], []
     for _ in range(runs):  # alternating, so drift on the machine hits both alike
         src_runs.append(_child(src, moe_backend, timeout))

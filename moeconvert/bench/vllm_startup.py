@@ -11,7 +11,7 @@ For each MoE layer the manifest holds, vLLM 0.33.0 builds its MoE module twice w
 * **moeconvert's**: the plugin's config from the converted folder's config.json; the folder's tensors load
   as they are, and processing only builds the kernel.
 
-Both use the same MoE backend (``--moe-backend``, Marlin by default). Each step is timed with the device
+Both use the same MoE backend (``--moe-backend``, by default the folder's layout: marlin or triton). Each step is timed with the device
 synchronised, and on a GPU the memory the layer holds and the most held beyond it during processing (the
 second copy) are read from PyTorch's allocator. The two layers' parameters are then compared byte for byte
 and both run the same routed tokens. A warm-up round on the first layer (not reported) takes the one-time
@@ -69,7 +69,7 @@ def _route(M: int, E: int, top_k: int, H: int, dtype: torch.dtype, device: str, 
 
 
 def bench_vllm_startup(src: Path, out_dir: Path, *, device: str, layers: int | None = None, tokens: int = 64,
-                       moe_backend: str = "marlin", progress=None) -> dict:
+                       moe_backend: str | None = None, progress=None) -> dict:
     import vllm
 
     from moeconvert.format.manifest import check_output
@@ -83,6 +83,7 @@ def bench_vllm_startup(src: Path, out_dir: Path, *, device: str, layers: int | N
     register()
     manifest = check_output(out_dir).manifest
     kind = (manifest["scheme"] or {}).get("kind")
+    moe_backend = moe_backend or manifest["layout"]["name"]  # marlin | triton: the backend the layout is for
     source_layers = {m.prefix: m for m in map_model(open_source(str(src))).layers}
     entries = manifest["moe_layers"][: layers or None]
     missing = [m["prefix"] for m in entries if m["prefix"] not in source_layers]

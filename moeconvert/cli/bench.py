@@ -253,11 +253,12 @@ CONTENDER_ORDER = ("marlin", "humming", "triton_kernels")
 @bench_app.command("vllm-startup")
 def bench_vllm_startup_cmd(
     src: Path = typer.Argument(..., help="The source checkpoint folder the converted folder was made from."),
-    out_dir: Path = typer.Argument(..., help="A --backend marlin folder (WNA16 or MXFP4) converted from SRC."),
+    out_dir: Path = typer.Argument(..., help="A folder the plugin serves (marlin WNA16 / MXFP4, triton WNA16) converted from SRC."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda | cuda:N (default: cuda if present)."),
     layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Time only the first N MoE layers."),
     tokens: int = typer.Option(64, "--tokens", min=1, help="Routed tokens each layer runs once, to compare outputs."),
-    moe_backend: str = typer.Option("marlin", "--moe-backend", help="vLLM's MoE backend for its own path."),
+    moe_backend: Optional[str] = typer.Option(None, "--moe-backend", help="vLLM's MoE backend for its own path "
+                                              "(default: the folder's layout, marlin or triton)."),
     json_out: bool = JSON,
 ):
     """vLLM's own load-time processing of SRC's MoE layers against the plugin's loading of OUT, per layer
@@ -304,9 +305,10 @@ def bench_vllm_startup_cmd(
 @bench_app.command("vllm-serve")
 def bench_vllm_serve_cmd(
     src: Path = typer.Argument(..., help="The source checkpoint folder the converted folder was made from."),
-    out_dir: Path = typer.Argument(..., help="A --backend marlin folder converted from SRC."),
+    out_dir: Path = typer.Argument(..., help="A folder the plugin serves, converted from SRC."),
     runs: int = typer.Option(2, "--runs", min=1, help="Start-ups of each, alternating."),
-    moe_backend: str = typer.Option("marlin", "--moe-backend", help="vLLM's MoE backend for both."),
+    moe_backend: Optional[str] = typer.Option(None, "--moe-backend", help="vLLM's MoE backend for both (default: "
+                                              "the folder's layout, marlin or triton)."),
     json_out: bool = JSON,
 ):
     """vLLM's whole engine (`vllm.LLM`) started on SRC and on OUT, each in a fresh process: start-up time and

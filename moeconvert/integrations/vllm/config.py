@@ -17,6 +17,9 @@ from moeconvert.integrations.vllm import SUPPORTED_VLLM
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # our stacked names under a layer's experts container -> the parameter of vLLM's RoutedExperts child
+# (layout, scheme kind) -> our method in method.py
+_METHODS = {("marlin", "wna16"): "MarlinWNA16Method", ("marlin", "mxfp4"): "MarlinMXFP4Method",
+            ("triton", "wna16"): "TritonWNA16Method"}
 _STACKED = re.compile(r"\.experts\.((?:w13|w2)_(?:weight|weight_scale|weight_zero_point|bias))$")
 
 
@@ -101,9 +104,9 @@ class MoeconvertConfig(QuantizationConfig):
             raise ValueError("moeconvert: config.json's quantization_config and moeconvert.json disagree (layout "
                              "versions or partition): the folder was edited after conversion")
         kind = (manifest["scheme"] or {}).get("kind")
-        if manifest["layout"]["name"] != "marlin" or kind not in ("wna16", "mxfp4"):
-            raise ValueError(f"moeconvert: the vLLM plugin serves Marlin WNA16 and Marlin MXFP4 folders; this one is "
-                             f"{manifest['layout']['name']} {kind or 'of mixed schemes'}")
+        if (manifest["layout"]["name"], kind) not in _METHODS:
+            raise ValueError(f"moeconvert: the vLLM plugin serves Marlin WNA16, Marlin MXFP4 and Triton WNA16 folders; "
+                             f"this one is {manifest['layout']['name']} {kind or 'of mixed schemes'}")
         if manifest["family"] == "gpt-oss":
             raise ValueError("moeconvert: gpt-oss folders are not served yet: vLLM 0.33.0's gpt-oss loader slices "
                              "and permutes every tensor named w13_weight / w2_weight itself, whatever its layout")
@@ -134,7 +137,7 @@ class MoeconvertConfig(QuantizationConfig):
         from vllm.model_executor.layers.fused_moe import RoutedExperts
 
         if isinstance(layer, RoutedExperts):
-            from moeconvert.integrations.vllm.method import MarlinMXFP4Method, MarlinWNA16Method
+            from moeconvert.integrations.vllm import method as methods
 
             owner = prefix.removesuffix(".routed_experts")
             if self.manifest is None:
@@ -143,7 +146,7 @@ class MoeconvertConfig(QuantizationConfig):
             if entry is None:
                 raise ValueError(f"moeconvert: {owner} is an MoE layer the folder's manifest does not hold")
             self._check_parallel(owner, layer.moe_config.moe_parallel_config)
-            method = MarlinMXFP4Method if entry["scheme"]["kind"] == "mxfp4" else MarlinWNA16Method
+            method = getattr(methods, _METHODS[(self.manifest["layout"]["name"], entry["scheme"]["kind"])])
             return method(layer.moe_config, entry, self.manifest)
         if self.inner is not None:
             return self.inner.get_quant_method(layer, prefix)

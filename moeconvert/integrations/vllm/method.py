@@ -15,16 +15,20 @@ from moeconvert.format import DTYPES
 
 
 class _FinalLayoutMethod(FusedMoEMethodBase):
-    """What both Marlin methods share: parameters from the manifest, exact loading, the kernel over them."""
+    """What every method shares: parameters from the manifest, exact loading, the kernel over them."""
 
     def __init__(self, moe, entry: dict, manifest: dict):
         super().__init__(moe)
-        from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExperts
-
-        self.experts_cls = MarlinExperts
+        self.experts_cls = self._experts_cls()
         self.entry = entry
         self.partition = manifest["partition"]
         self.loaded: dict[str, int] = {}
+
+    @staticmethod
+    def _experts_cls():
+        from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExperts
+
+        return MarlinExperts
 
     def _sizes(self) -> tuple[int, int]:
         """(H, I per partition) the layer's parameters are made for."""
@@ -107,6 +111,8 @@ class MarlinWNA16Method(_FinalLayoutMethod):
     ``moe_wna16_marlin_gemm``, built the way vLLM's compressed-tensors WNA16 method builds it after its
     own repack."""
 
+    backend = "MARLIN"
+
     def __init__(self, moe, entry: dict, manifest: dict):
         super().__init__(moe, entry, manifest)
         scheme = entry["scheme"]
@@ -126,8 +132,22 @@ class MarlinWNA16Method(_FinalLayoutMethod):
         from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend, make_wna16_moe_kernel
 
         return make_wna16_moe_kernel(moe_quant_config=self.moe_quant_config, moe_config=self.moe,
-                                     experts_cls=self.experts_cls, backend=WNA16MoEBackend.MARLIN,
+                                     experts_cls=self.experts_cls, backend=WNA16MoEBackend[self.backend],
                                      routing_tables=layer._expert_routing_tables())
+
+
+class TritonWNA16Method(MarlinWNA16Method):
+    """``triton`` WNA16 (int4 sym / asym, int8 sym): vLLM's ``TritonWNA16Experts`` over its Triton kernel
+    ``fused_moe_kernel_gptq_awq``, built as vLLM's compressed-tensors WNA16 method builds it after its
+    TRITON conversion (what ``--moe-backend triton`` gives)."""
+
+    backend = "TRITON"
+
+    @staticmethod
+    def _experts_cls():
+        from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonWNA16Experts
+
+        return TritonWNA16Experts
 
 
 class MarlinMXFP4Method(_FinalLayoutMethod):
