@@ -232,15 +232,33 @@ def gpu_vllm(test):
     return test
 
 
-@gpu_vllm
+FORWARD = sorted(SCHEMES)
+BENCH = ["w4a16-g128", "w4a16-g128-asym", "w8a16-g128", "w4a16-channel", "triton-w4a16-g128",
+         "triton-w4a16-g128-asym", "triton-w8a16-g128"]
 
-@pytest.mark.parametrize("scheme", sorted(SCHEMES))
-def test_vllms_experts_run_a_converted_layer_against_the_reference(folders, scheme):
+
+@pytest.fixture(scope="module")
+def gpu_checks(folders, tmp_path_factory):
+    """Every GPU check of the folders, in one vLLM process (vLLM's start-up is the slow part)."""
+    jobs = [["--forward", str(folders[s][1]), str(folders[s][0])] for s in FORWARD]
+    jobs += [["--bench", str(folders[s][1]), str(folders[s][0])] for s in BENCH]
+    path = tmp_path_factory.mktemp("gpu-jobs") / "jobs.json"
+    path.write_text(json.dumps(jobs))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+    p = subprocess.run([VLLM_PYTHON, str(CHILD), str(path)], capture_output=True, text=True, env=env, timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    results = json.loads(p.stdout.strip().splitlines()[-1])
+    return {(mode, s): r for (mode, _, _), s, r in zip(jobs, FORWARD + BENCH, results)}
+
+
+@gpu_vllm
+@pytest.mark.parametrize("scheme", FORWARD)
+def test_vllms_experts_run_a_converted_layer_against_the_reference(gpu_checks, folders, scheme):
     """On the GPU: vLLM's experts object, built by the plugin's method over the folder's tensors (vLLM's
-    own Marlin MoE kernel), against ``reference_moe`` on the source's own weights."""
-    src, out = folders[scheme]
-    got = _gpu_child(out, "--forward", str(src))
-    manifest = json.loads((out / "moeconvert.json").read_text())
+    own Marlin or Triton MoE kernel), against ``reference_moe`` on the source's own weights."""
+    got = gpu_checks[("--forward", scheme)]
+    assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
+    manifest = json.loads((folders[scheme][1] / "moeconvert.json").read_text())
     assert got["quant_config"] == "MoeconvertConfig"
     assert sorted(got["layers"]) == sorted(m["prefix"] for m in manifest["moe_layers"])
     for prefix, layer in got["layers"].items():
@@ -250,23 +268,20 @@ def test_vllms_experts_run_a_converted_layer_against_the_reference(folders, sche
             assert r["rel"] < 2e-2, (prefix, M, r["rel"])
 
 
-
 @gpu_vllm
-@pytest.mark.parametrize("scheme", ["w4a16-g128", "w4a16-g128-asym", "w8a16-g128", "w4a16-channel",
-                                    "triton-w4a16-g128", "triton-w4a16-g128-asym", "triton-w8a16-g128"])
-def test_the_plugin_holds_what_vllms_own_processing_makes_from_the_source(folders, scheme):
+@pytest.mark.parametrize("scheme", BENCH)
+def test_the_plugin_holds_what_vllms_own_processing_makes_from_the_source(gpu_checks, scheme):
     """On the GPU, ``moeconvert bench vllm-startup``'s check: vLLM's compressed-tensors WNA16 method loads the
     source and converts it for the folder's backend (Marlin's repack, or the Triton kernel's byte view) on
-    the GPU; the plugin loads the folder. Every parameter must hold the
-    same bytes and the two layers give the same output on the same routed tokens."""
-    src, out = folders[scheme]
-    got = _gpu_child(out, "--bench", str(src))
+    the GPU; the plugin loads the folder. Every parameter must hold the same bytes and the two layers give
+    the same output on the same routed tokens."""
+    got = gpu_checks[("--bench", scheme)]
+    assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
     assert got["vllm_source_method"] == "compressed-tensors"
     for row in got["layers"]:
         assert row["vllm"]["experts_class"] == row["moeconvert"]["experts_class"] == _built(scheme)[1]
         assert row["same_bytes"] and all(v is True for v in row["same_bytes"].values()), row["same_bytes"]
         assert row["outputs_identical"], row["output_rel_diff"]
-
 
 
 @gpu_vllm

@@ -1,6 +1,7 @@
 """Run by tests/test_vllm_plugin.py under a Python that has vLLM 0.33.0 (``MOECONVERT_VLLM_PYTHON``).
 
-On a GPU: ``python vllm_plugin_child.py FOLDER --forward SRC`` builds each MoE layer with the plugin's
+On a GPU: ``python vllm_plugin_child.py FOLDER --forward SRC`` (or ``JOBS.json``, a list of ``[mode,
+folder, source]``, all in one process) builds each MoE layer with the plugin's
 method on CUDA, loads the folder through vLLM's ``load_weights`` and runs vLLM's experts object on routed
 tokens against ``runtime/reference.py`` on the source's own weights (decoded from SRC, quantized to MXFP4
 the way the folder's manifest says for a bf16 source); ``--bench SRC`` prints ``moeconvert bench
@@ -22,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 GPU_MODES = ("--forward", "--bench", "--generate")
-if not any(m in sys.argv for m in GPU_MODES):
+if not any(m in sys.argv for m in GPU_MODES) and not sys.argv[1].endswith(".json"):
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
@@ -30,9 +31,13 @@ def main() -> None:
     folder = Path(sys.argv[1])
     if "--generate" in sys.argv:
         return _generate(folder)
+    if folder.suffix == ".json":  # a list of [mode, folder, source]: many GPU checks in one vLLM process
+        print(json.dumps([_gpu(mode, Path(f), Path(s)) for mode, f, s in json.loads(folder.read_text())]))
+        return
     for mode in GPU_MODES:
         if mode in sys.argv:
-            return _gpu(mode, folder, Path(sys.argv[sys.argv.index(mode) + 1]))
+            print(json.dumps(_gpu(mode, folder, Path(sys.argv[sys.argv.index(mode) + 1]))))
+            return
     tp_size = int(sys.argv[sys.argv.index("--tp-size") + 1]) if "--tp-size" in sys.argv else 1
     import torch
     import vllm
@@ -169,7 +174,7 @@ def _reference_weights(src: Path, prefix: str, manifest: dict):
     return ref
 
 
-def _gpu(mode: str, folder: Path, src: Path) -> None:
+def _gpu(mode: str, folder: Path, src: Path) -> dict:
     import torch
 
     out: dict = {"layers": {}}
@@ -177,9 +182,7 @@ def _gpu(mode: str, folder: Path, src: Path) -> None:
         if mode == "--bench":
             from moeconvert.bench.vllm_startup import bench_vllm_startup
 
-            out = bench_vllm_startup(src, folder, device="cuda", tokens=32)
-            print(json.dumps(out))
-            return
+            return bench_vllm_startup(src, folder, device="cuda", tokens=32)
         from moeconvert.format.manifest import check_output
         from moeconvert.integrations.vllm import register
         from moeconvert.integrations.vllm.harness import build_load_process, layer_tensors, one_process, quant_config_for, run_experts
@@ -220,7 +223,7 @@ def _gpu(mode: str, folder: Path, src: Path) -> None:
 
         out["error"] = f"{type(e).__name__}: {e}"
         out["traceback"] = traceback.format_exc()[-4000:]
-    print(json.dumps(out))
+    return out
 
 
 def _generate(folder: Path) -> None:
