@@ -31,6 +31,7 @@ re-drawn from one seeded generator; no timestamps are written anywhere).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import re
 import shutil
@@ -478,7 +479,8 @@ def _write_pack_quantized(float_dir: Path, out: Path, bits: int, group_size: int
     tree = _module_tree(linears)
 
     # 1. Attach schemes and (empty) weight_scale / weight_zero_point params to matching Linears.
-    apply_quantization_config(tree, quantization_config(bits, group_size, symmetric), show_progress=False)
+    quiet = {"show_progress": False} if "show_progress" in inspect.signature(apply_quantization_config).parameters else {}
+    apply_quantization_config(tree, quantization_config(bits, group_size, symmetric), **quiet)  # (0.17 has no bar)
     # 2. Calibrate: the weight-only equivalent of running llm-compressor's observers.
     with torch.no_grad():
         for module in tree.modules():
