@@ -296,3 +296,34 @@ def test_vllm_generates_from_the_folder_what_it_generates_from_the_source(folder
     assert ours["tokens"] == theirs["tokens"]
     worst = max(abs(a - b) for x, y in zip(ours["logprobs"], theirs["logprobs"]) for a, b in zip(x, y))
     assert worst < 1e-3, worst
+
+
+@pytest.mark.parametrize("bench", ["vllm-startup", "vllm-serve"])
+def test_the_vllm_benches_refuse_in_one_line_where_they_cannot_run(folders, bench):
+    """Without vLLM in this Python, or without a GPU, each says so in one line and exits 2."""
+    src, out = folders["w4a16-g128"]
+    try:
+        import vllm  # noqa: F401
+        have_vllm = True
+    except ImportError:
+        have_vllm = False
+    if have_vllm and torch.cuda.is_available():
+        pytest.skip("vLLM and a GPU are both here: the benches run (the GPU tests above)")
+    run = cli("bench", bench, src, out, expect=2)
+    assert len(run.err.strip().splitlines()) == 1, run.err
+    want = f"bench {bench} needs vLLM" if not have_vllm else "torch sees no CUDA device"
+    assert want in run.err, run.err
+
+
+@needs_vllm
+@pytest.mark.parametrize("bench", ["vllm-startup", "vllm-serve"])
+def test_the_vllm_benches_need_a_gpu_and_say_so_in_one_line(folders, bench):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the benches run (the GPU tests above)")
+    src, out = folders["w4a16-g128"]
+    p = subprocess.run([VLLM_PYTHON, "-m", "moeconvert", "bench", bench, str(src), str(out)], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 2 and p.stdout == "", (p.returncode, p.stdout)
+    assert p.stderr.strip().splitlines() == [
+        "moeconvert: error: --device: --device cuda asked for, but torch sees no CUDA device (expected a CUDA "
+        "device, found none)"], p.stderr

@@ -250,11 +250,20 @@ def bench_kernel_cmd(
 CONTENDER_ORDER = ("marlin", "humming", "triton_kernels")
 
 
+def _need_vllm(bench: str) -> None:
+    """One line, before anything imports vLLM (its import logs): these benches need it installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise MoeConvertError(f"bench {bench} needs vLLM", tensor="vllm", expected="pip install 'moeconvert[vllm]'",
+                              found="not installed")
+
+
 @bench_app.command("vllm-startup")
 def bench_vllm_startup_cmd(
     src: Path = typer.Argument(..., help="The source checkpoint folder the converted folder was made from."),
     out_dir: Path = typer.Argument(..., help="A folder the plugin serves (marlin WNA16 / MXFP4, triton WNA16) converted from SRC."),
-    device: Optional[str] = typer.Option(None, "--device", help="cuda | cuda:N (default: cuda if present)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda | cuda:N (default: cuda)."),
     layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Time only the first N MoE layers."),
     tokens: int = typer.Option(64, "--tokens", min=1, help="Routed tokens each layer runs once, to compare outputs."),
     moe_backend: Optional[str] = typer.Option(None, "--moe-backend", help="vLLM's MoE backend for its own path "
@@ -263,17 +272,13 @@ def bench_vllm_startup_cmd(
 ):
     """vLLM's own load-time processing of SRC's MoE layers against the plugin's loading of OUT, per layer
     (needs `moeconvert[vllm]` and a GPU: vLLM's Marlin repack runs there)."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:
-        raise MoeConvertError("bench vllm-startup needs vLLM", tensor="vllm", expected="pip install 'moeconvert[vllm]'",
-                              found=f"{type(e).__name__}: {e}") from None
-    from moeconvert.bench.vllm_startup import bench_vllm_startup
-
-    dev = _bench_device(device)
+    _need_vllm("vllm-startup")
+    dev = _bench_device(device or "cuda")
     if dev == "cpu":
         raise MoeConvertError("vLLM's own MoE processing (the Marlin repack) runs on a GPU only", tensor="--device",
                               expected="cuda", found="cpu")
+    from moeconvert.bench.vllm_startup import bench_vllm_startup
+
     with _progress() as prog:
         task = prog.add_task("vllm-startup", total=layers)
         try:
@@ -313,14 +318,10 @@ def bench_vllm_serve_cmd(
 ):
     """vLLM's whole engine (`vllm.LLM`) started on SRC and on OUT, each in a fresh process: start-up time and
     the greedy tokens of a few fixed prompts (needs `moeconvert[vllm]` and a GPU)."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:
-        raise MoeConvertError("bench vllm-serve needs vLLM", tensor="vllm", expected="pip install 'moeconvert[vllm]'",
-                              found=f"{type(e).__name__}: {e}") from None
+    _need_vllm("vllm-serve")
+    _bench_device("cuda")
     from moeconvert.bench.vllm_engine import bench_vllm_serve
 
-    _bench_device("cuda")
     with _progress() as prog:
         task = prog.add_task("vllm-serve", total=runs)
         try:
