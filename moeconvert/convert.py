@@ -270,7 +270,7 @@ def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
 
 def served_config(plan: ConversionPlan) -> bytes | None:
     """The config.json of an output vLLM serves through moeconvert's plugin (layouts that say
-    ``serves_vllm``), else None (config.json is copied as it is).
+    a ``vllm_method``), else None (config.json is copied as it is).
 
     Only ``quantization_config`` changes: it names the plugin's method and keeps the source's own (for
     every layer that is not an MoE expert, e.g. compressed-tensors linear layers) under
@@ -278,7 +278,7 @@ def served_config(plan: ConversionPlan) -> bytes | None:
     manifest. docs/vllm.md says more.
     """
     layout = plan.layout
-    if not layout.serves_vllm:
+    if layout.vllm_method is None:
         return None
     config = dict(plan.source.config)
     source_qc = None

@@ -75,9 +75,10 @@ class Layout(ABC):
     #: and the library versions they were made to match
     kernel: ClassVar[str]
     made_for: ClassVar[dict[str, str]] = {}
-    #: vLLM can serve these bytes through moeconvert's plugin (``moeconvert[vllm]``): the converter then
-    #: writes a config.json whose ``quantization_config`` names the plugin's method (docs/vllm.md)
-    serves_vllm: ClassVar[bool] = False
+    #: the plugin's MoE method (``moeconvert/integrations/vllm/method.py``) that serves these bytes in vLLM,
+    #: or None: the converter then writes a config.json whose ``quantization_config`` names the plugin
+    #: (``moeconvert[vllm]``, docs/vllm.md), and the plugin builds this method for the layer
+    vllm_method: ClassVar[str | None] = None
     #: for layouts of quantized-at-conversion experts (``quantize``): the multiples the engine rounds
     #: (H, I per TP rank) up to before quantizing (mxfp4-layouts.md §5.3); the canonical block the layout
     #: gets is already zero-padded to them, and ``LayerShape`` carries the padded sizes

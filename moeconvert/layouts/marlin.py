@@ -259,7 +259,7 @@ class MarlinLayout(Layout):
     runtime_kernels = ("vllm-marlin",)
     kernel = "vllm._moe_C.moe_wna16_marlin_gemm"
     made_for = {"vllm": "0.33.0"}
-    serves_vllm = True
+    vllm_method = "MarlinWNA16Method"
 
     def _check(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         assert isinstance(scheme, WNA16Scheme)

@@ -133,7 +133,7 @@ class MarlinMXFP4Layout(Layout):
     runtime_kernels = ("vllm-marlin",)
     kernel = "vllm._moe_C.moe_wna16_marlin_gemm (float4_e2m1f, e8m0 scales)"
     made_for = {"vllm": "0.33.0"}
-    serves_vllm = True
+    vllm_method = "MarlinMXFP4Method"
     pad_multiples = PAD_MULTIPLES
 
     def _check(self, shape: LayerShape, scheme: Scheme) -> list[str]:

@@ -85,7 +85,7 @@ class TritonWNA16Layout(Layout):
     runtime_kernels = ("triton",)  # our port of the kernel: kernels/moe_wna16.py
     kernel = "vllm fused_moe_kernel_gptq_awq (TritonWNA16Experts)"
     made_for = {"vllm": "0.33.0"}
-    serves_vllm = True
+    vllm_method = "TritonWNA16Method"
 
     def _check(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         assert isinstance(scheme, WNA16Scheme)

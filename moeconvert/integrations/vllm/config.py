@@ -17,10 +17,15 @@ from moeconvert.integrations.vllm import SUPPORTED_VLLM
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # our stacked names under a layer's experts container -> the parameter of vLLM's RoutedExperts child
-# (layout, scheme kind) -> our method in method.py
-_METHODS = {("marlin", "wna16"): "MarlinWNA16Method", ("marlin", "mxfp4"): "MarlinMXFP4Method",
-            ("triton", "wna16"): "TritonWNA16Method"}
 _STACKED = re.compile(r"\.experts\.((?:w13|w2)_(?:weight|weight_scale|weight_zero_point|bias))$")
+
+
+def _method_name(layout: str, kind: str | None) -> str | None:
+    """The plugin method the layout declares for experts of this scheme kind (``Layout.vllm_method``)."""
+    from moeconvert.layouts import get_layout
+
+    found = get_layout(layout, kind)
+    return found.vllm_method if kind in found.schemes else None
 
 
 class MoeconvertConfig(QuantizationConfig):
@@ -104,7 +109,7 @@ class MoeconvertConfig(QuantizationConfig):
             raise ValueError("moeconvert: config.json's quantization_config and moeconvert.json disagree (layout "
                              "versions or partition): the folder was edited after conversion")
         kind = (manifest["scheme"] or {}).get("kind")
-        if (manifest["layout"]["name"], kind) not in _METHODS:
+        if _method_name(manifest["layout"]["name"], kind) is None:
             raise ValueError(f"moeconvert: the vLLM plugin serves Marlin WNA16, Marlin MXFP4 and Triton WNA16 folders; "
                              f"this one is {manifest['layout']['name']} {kind or 'of mixed schemes'}")
         if manifest["family"] == "gpt-oss":
@@ -146,7 +151,7 @@ class MoeconvertConfig(QuantizationConfig):
             if entry is None:
                 raise ValueError(f"moeconvert: {owner} is an MoE layer the folder's manifest does not hold")
             self._check_parallel(owner, layer.moe_config.moe_parallel_config)
-            method = getattr(methods, _METHODS[(self.manifest["layout"]["name"], entry["scheme"]["kind"])])
+            method = getattr(methods, _method_name(self.manifest["layout"]["name"], entry["scheme"]["kind"]))
             return method(layer.moe_config, entry, self.manifest)
         if self.inner is not None:
             return self.inner.get_quant_method(layer, prefix)
