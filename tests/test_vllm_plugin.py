@@ -233,7 +233,7 @@ def gpu_vllm(test):
 
 
 FORWARD = sorted(SCHEMES)
-BENCH = ["w4a16-g128", "w4a16-g128-asym", "w8a16-g128", "w4a16-channel", "triton-w4a16-g128",
+BENCH = ["w4a16-g128", "w4a16-g128-asym", "w8a16-g128", "w4a16-channel", "bf16-mxfp4", "triton-w4a16-g128",
          "triton-w4a16-g128-asym", "triton-w8a16-g128"]
 
 
@@ -273,11 +273,12 @@ def test_vllms_experts_run_a_converted_layer_against_the_reference(gpu_checks, f
 def test_the_plugin_holds_what_vllms_own_processing_makes_from_the_source(gpu_checks, scheme):
     """On the GPU, ``moeconvert bench vllm-startup``'s check: vLLM's compressed-tensors WNA16 method loads the
     source and converts it for the folder's backend (Marlin's repack, or the Triton kernel's byte view) on
-    the GPU; the plugin loads the folder. Every parameter must hold the same bytes and the two layers give
-    the same output on the same routed tokens."""
+    the GPU, or for a bf16 source vLLM's online MXFP4 (``--quantization mxfp4``) quantizes it; the plugin
+    loads the folder. Every parameter must hold the same bytes (for MXFP4: the ``vllm`` rounding rule is
+    vLLM's own) and the two layers give the same output on the same routed tokens."""
     got = gpu_checks[("--bench", scheme)]
     assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
-    assert got["vllm_source_method"] == "compressed-tensors"
+    assert got["vllm_source_method"] == ("online mxfp4" if scheme.endswith("mxfp4") else "compressed-tensors")
     for row in got["layers"]:
         assert row["vllm"]["experts_class"] == row["moeconvert"]["experts_class"] == _built(scheme)[1]
         assert row["same_bytes"] and all(v is True for v in row["same_bytes"].values()), row["same_bytes"]

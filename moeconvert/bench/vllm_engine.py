@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 
-def engine_run(folder: Path, *, moe_backend: str = "marlin", attention_backend: str = "TRITON_ATTN",
-               max_tokens: int = 8) -> dict:
+def engine_run(folder: Path, *, moe_backend: str = "marlin", quantization: str | None = None,
+               attention_backend: str = "TRITON_ATTN", max_tokens: int = 8) -> dict:
     """Start ``vllm.LLM`` on ``folder`` in this process and generate; what the bench and tests compare."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
@@ -30,7 +30,8 @@ def engine_run(folder: Path, *, moe_backend: str = "marlin", attention_backend: 
     t0 = time.perf_counter()
     llm = LLM(model=str(folder), dtype=(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), enforce_eager=True,
               max_model_len=256, seed=0, gpu_memory_utilization=0.5, skip_tokenizer_init=True,
-              attention_backend=attention_backend, moe_backend=moe_backend, compilation_config={"mode": 0})
+              attention_backend=attention_backend, moe_backend=moe_backend, compilation_config={"mode": 0},
+              quantization=quantization)
     init_s = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": [(7 * i + 13 * j + 1) % vocab for j in range(5 + 3 * i)]} for i in range(4)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False)
@@ -41,8 +42,9 @@ def engine_run(folder: Path, *, moe_backend: str = "marlin", attention_backend: 
             "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in got]}
 
 
-def _child(folder: Path, moe_backend: str, timeout: float) -> dict:
-    p = subprocess.run([sys.executable, "-m", "moeconvert.bench.vllm_engine", str(folder), moe_backend],
+def _child(folder: Path, moe_backend: str, quantization: str | None, timeout: float) -> dict:
+    p = subprocess.run([sys.executable, "-m", "moeconvert.bench.vllm_engine", str(folder), moe_backend,
+                        *([quantization] if quantization else [])],
                        capture_output=True, text=True, timeout=timeout)
     lines = p.stdout.strip().splitlines()
     if p.returncode != 0 or not lines:
@@ -56,12 +58,16 @@ def _child(folder: Path, moe_backend: str, timeout: float) -> dict:
 
 def bench_vllm_serve(src: Path, out_dir: Path, *, runs: int = 2, moe_backend: str | None = None,
                      timeout: float = 900, progress=None) -> dict:
+    manifest = json.loads((out_dir / "moeconvert.json").read_text())
     if moe_backend is None:  # the backend the folder's layout is for: marlin | triton
-        moe_backend = json.loads((out_dir / "moeconvert.json").read_text())["layout"]["name"]
+        moe_backend = manifest["layout"]["name"]
+    # a bf16 source converted to MXFP4 is served by vLLM with its online MXFP4: `--quantization mxfp4`
+    unquantized = not json.loads((src / "config.json").read_text()).get("quantization_config")
+    src_quant = "mxfp4" if unquantized and (manifest["scheme"] or {}).get("kind") == "mxfp4" else None
     src_runs, out_runs = [], []
     for _ in range(runs):  # alternating, so drift on the machine hits both alike
-        src_runs.append(_child(src, moe_backend, timeout))
-        out_runs.append(_child(out_dir, moe_backend, timeout))
+        src_runs.append(_child(src, moe_backend, src_quant, timeout))
+        out_runs.append(_child(out_dir, moe_backend, None, timeout))
         if progress:
             progress(1)
     a, b = src_runs[-1], out_runs[-1]
@@ -76,8 +82,9 @@ def bench_vllm_serve(src: Path, out_dir: Path, *, runs: int = 2, moe_backend: st
 
 def main() -> None:
     folder, backend = Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "marlin"
+    quantization = sys.argv[3] if len(sys.argv) > 3 else None
     try:
-        r = engine_run(folder, moe_backend=backend)
+        r = engine_run(folder, moe_backend=backend, quantization=quantization)
     except Exception as e:  # noqa: BLE001 - reported to the parent as one line
         import traceback
 

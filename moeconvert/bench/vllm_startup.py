@@ -20,6 +20,7 @@ costs (kernel loading, the allocator's first blocks) out of both.
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
@@ -29,19 +30,29 @@ import torch
 _THEIR_NAME = {"w13_weight": "w13_weight_packed", "w2_weight": "w2_weight_packed"}
 
 
-def _vllm_source_config(src: Path, scheme_kind: str):
-    from moeconvert.integrations.vllm.harness import quant_config_for
-
-    cfg = quant_config_for(src)
-    if cfg is not None:
-        return cfg, cfg.get_name()
+def _online_mxfp4_model(src: Path, scheme_kind: str, dtype: str):
+    """For an unquantized source: vLLM's ``ModelConfig`` of ``vllm serve SRC --quantization mxfp4``, whose
+    online MXFP4 method reads it while it is built; None for a quantized source."""
+    if json.loads((src / "config.json").read_text()).get("quantization_config"):
+        return None
     if scheme_kind != "mxfp4":
         raise ValueError(f"{src}: an unquantized source and a {scheme_kind} folder: vLLM has no load-time path "
                          "that ends in this folder's layout to compare with")
-    from vllm.config.quantization import QuantizationConfigArgs
-    from vllm.model_executor.layers.quantization.online.base import OnlineQuantizationConfig
+    from vllm.config import ModelConfig
 
-    return OnlineQuantizationConfig(QuantizationConfigArgs(moe="mxfp4")), "online mxfp4"
+    return ModelConfig(model=str(src), quantization="mxfp4", dtype=dtype, max_model_len=256, enforce_eager=True)
+
+
+def _vllm_source_config(src: Path, vllm_config):
+    """The quantization config vLLM uses for the source: its own from config.json, or for
+    ``--quantization mxfp4`` the one vLLM made with the model config."""
+    from moeconvert.integrations.vllm.harness import quant_config_for
+
+    cfg = quant_config_for(src)
+    if cfg is None:
+        cfg = vllm_config.quant_config
+    name = cfg.get_name()
+    return cfg, f"{name} mxfp4" if name == "online" else name
 
 
 def _same_bytes(ours, theirs) -> dict:
@@ -60,9 +71,11 @@ def _same_bytes(ours, theirs) -> dict:
     return out
 
 
-def _route(M: int, E: int, top_k: int, H: int, dtype: torch.dtype, device: str, seed: int):
+def _route(M: int, E: int, top_k: int, H: int, Hp: int, dtype: torch.dtype, device: str, seed: int):
+    """Tokens (zero-padded to the experts' Hp, as vLLM's MoE runner pads them for MXFP4 Marlin) routed
+    top-k by softmax, renormalised."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    x = (torch.randn(M, H, generator=g) * 0.5).to(device, dtype)
+    x = torch.nn.functional.pad(torch.randn(M, H, generator=g) * 0.5, (0, Hp - H)).to(device, dtype)
     logits = torch.randn(M, E, generator=g)
     w, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
     return x, (w / w.sum(-1, keepdim=True)).to(device), ids.to(device, torch.int32)
@@ -91,8 +104,8 @@ def bench_vllm_startup(src: Path, out_dir: Path, *, device: str, layers: int | N
         raise ValueError(f"{src}: holds no MoE layer {missing[0]} (is it the folder's source?)")
     dtype = getattr(torch, manifest["dtype"])
     rows = []
-    with one_process(device, moe_backend):
-        theirs_cfg, theirs_name = _vllm_source_config(src, kind)
+    with one_process(device, moe_backend, _online_mxfp4_model(src, kind, manifest["dtype"])) as vc:
+        theirs_cfg, theirs_name = _vllm_source_config(src, vc)
         ours_cfg = quant_config_for(out_dir)
 
         def both(m: dict) -> tuple:
@@ -108,9 +121,11 @@ def bench_vllm_startup(src: Path, out_dir: Path, *, device: str, layers: int | N
         del warm
         for i, m in enumerate(entries):
             theirs, ours = both(m)
-            x, tw, ids = _route(tokens, m["num_experts_global"], m["top_k"], m["hidden_size"], dtype, device, i)
-            y_theirs = run_experts(theirs.experts, x, tw, ids)
-            y_ours = run_experts(ours.experts, x, tw, ids)
+            H = m["hidden_size"]
+            x, tw, ids = _route(tokens, m["num_experts_global"], m["top_k"], H, m["hidden_size_padded"], dtype,
+                                device, i)
+            y_theirs = run_experts(theirs.experts, x, tw, ids)[:, :H]
+            y_ours = run_experts(ours.experts, x, tw, ids)[:, :H]
             diff = (y_ours.float() - y_theirs.float()).norm() / y_theirs.float().norm().clamp_min(1e-30)
             rows.append({
                 "layer": m["prefix"],
