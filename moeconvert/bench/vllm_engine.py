@@ -56,8 +56,11 @@ def _child(folder: Path, moe_backend: str, quantization: str | None, timeout: fl
     return r
 
 
-def bench_vllm_serve(src: Path, out_dir: Path, *, runs: int = 2, moe_backend: str | None = None,
+def bench_vllm_serve(src: Path | str, out_dir: Path, *, runs: int = 2, moe_backend: str | None = None,
                      timeout: float = 900, progress=None) -> dict:
+    from moeconvert.sources import open_source
+
+    src = open_source(str(src)).root  # a folder, or a Hub repo id (its snapshot in the Hub cache)
     manifest = json.loads((out_dir / "moeconvert.json").read_text())
     if moe_backend is None:  # the backend the folder's layout is for: marlin | triton
         moe_backend = manifest["layout"]["name"]

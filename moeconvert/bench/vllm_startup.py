@@ -81,7 +81,7 @@ def _route(M: int, E: int, top_k: int, H: int, Hp: int, dtype: torch.dtype, devi
     return x, (w / w.sum(-1, keepdim=True)).to(device), ids.to(device, torch.int32)
 
 
-def bench_vllm_startup(src: Path, out_dir: Path, *, device: str, layers: int | None = None, tokens: int = 64,
+def bench_vllm_startup(src: Path | str, out_dir: Path, *, device: str, layers: int | None = None, tokens: int = 64,
                        moe_backend: str | None = None, progress=None) -> dict:
     import vllm
 
@@ -97,7 +97,9 @@ def bench_vllm_startup(src: Path, out_dir: Path, *, device: str, layers: int | N
     manifest = check_output(out_dir).manifest
     kind = (manifest["scheme"] or {}).get("kind")
     moe_backend = moe_backend or manifest["layout"]["name"]  # marlin | triton: the backend the layout is for
-    source_layers = {m.prefix: m for m in map_model(open_source(str(src))).layers}
+    source = open_source(str(src))  # a folder, or a Hub repo id (its snapshot in the Hub cache)
+    src = source.root
+    source_layers = {m.prefix: m for m in map_model(source).layers}
     entries = manifest["moe_layers"][: layers or None]
     missing = [m["prefix"] for m in entries if m["prefix"] not in source_layers]
     if missing:

@@ -261,7 +261,7 @@ def _need_vllm(bench: str) -> None:
 
 @bench_app.command("vllm-startup")
 def bench_vllm_startup_cmd(
-    src: Path = typer.Argument(..., help="The source checkpoint folder the converted folder was made from."),
+    src: str = typer.Argument(..., help="The source checkpoint the folder was made from: a folder or a Hub repo id."),
     out_dir: Path = typer.Argument(..., help="A folder the plugin serves (marlin WNA16 / MXFP4, triton WNA16) converted from SRC."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda | cuda:N (default: cuda)."),
     layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Time only the first N MoE layers."),
@@ -309,7 +309,7 @@ def bench_vllm_startup_cmd(
 
 @bench_app.command("vllm-serve")
 def bench_vllm_serve_cmd(
-    src: Path = typer.Argument(..., help="The source checkpoint folder the converted folder was made from."),
+    src: str = typer.Argument(..., help="The source checkpoint the folder was made from: a folder or a Hub repo id."),
     out_dir: Path = typer.Argument(..., help="A folder the plugin serves, converted from SRC."),
     runs: int = typer.Option(2, "--runs", min=1, help="Start-ups of each, alternating."),
     moe_backend: Optional[str] = typer.Option(None, "--moe-backend", help="vLLM's MoE backend for both (default: "
