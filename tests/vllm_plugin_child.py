@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 GPU_MODES = ("--forward", "--bench", "--generate")
@@ -44,11 +43,7 @@ def main() -> None:
 
     if "--pretend-vllm" in sys.argv:  # the version refusal, without a second vLLM
         vllm.__version__ = sys.argv[sys.argv.index("--pretend-vllm") + 1]
-    from safetensors import safe_open
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.model_executor.layers.fused_moe import FusedMoEFactory
-    from vllm.model_executor.layers.quantization import get_quantization_config
+    from moeconvert.integrations.vllm.harness import build_layer, layer_tensors, one_process, quant_config_for
 
     from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExpertsBase
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonWNA16Experts
@@ -61,34 +56,21 @@ def main() -> None:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # vLLM's own plugin loader: it finds our entry point and runs register()
-    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
     out: dict = {"layers": {}}
     if "--whole-model" in sys.argv:
         return _whole_model(folder, out)
+    skip = "." + sys.argv[sys.argv.index("--skip") + 1] if "--skip" in sys.argv else None
     try:
-        cfg = get_quantization_config(qc["quant_method"]).from_config(qc)
-        cfg.maybe_update_config(str(folder))
-        files = {}
-        for f in sorted(folder.glob("*.safetensors")):
-            with safe_open(f, "pt") as h:
-                files.update({k: h.get_tensor(k) for k in h.keys()})
-        vc = VllmConfig(device_config=DeviceConfig(device="cpu"))
-        with set_current_vllm_config(vc):
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"file://{tempfile.mkdtemp()}/init")
-            initialize_model_parallel(1, 1)
-            mapper = cfg.get_checkpoint_weight_mapper()
+        cfg = quant_config_for(folder)  # vLLM's registry, from config.json; then our manifest is read
+        with one_process("cpu"):
             for m in cfg.manifest["moe_layers"]:
                 prefix = m["prefix"]
-                runner = FusedMoEFactory(num_experts=m["num_experts_global"], top_k=m["top_k"],
-                                         hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size_total"],
-                                         params_dtype=torch.bfloat16, quant_config=cfg, prefix=prefix,
-                                         tp_size=tp_size, has_bias=m["has_bias"])
+                runner = build_layer(cfg, prefix=prefix, num_experts=m["num_experts_global"], top_k=m["top_k"],
+                                     hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size_total"],
+                                     has_bias=m["has_bias"], dtype=torch.bfloat16, device="cpu", tp_size=tp_size)
                 experts = runner.routed_experts
                 before = {n: p.data_ptr() for n, p in runner.named_parameters()}
-                ours = [n for n in files if n.startswith(prefix + ".") and n.count(".") == prefix.count(".") + 1
-                        and not ("--skip" in sys.argv and n.endswith("." + sys.argv[sys.argv.index("--skip") + 1]))]
-                named = [(mapper._map_name(n)[len(prefix) + 1:], files[n]) for n in ours]
+                named = [(n, t) for n, t in layer_tensors(folder, prefix, cfg) if not (skip and n.endswith(skip))]
                 if "--direct" in sys.argv:  # as DeepSeek's loader does: the parameter's own weight_loader
                     params = dict(runner.named_parameters())
                     for name, tensor in named:
@@ -125,20 +107,17 @@ def _whole_model(folder: Path, out: dict) -> None:
     picks the plugin's method from it), vLLM's default loader builds the whole model and loads every
     tensor of the folder through the model's own ``load_weights``, then processes every module."""
     import torch
-    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.config import ModelConfig
     from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.model_loader import get_model
+
+    from moeconvert.integrations.vllm.harness import one_process
 
     torch.accelerator.empty_cache = lambda: None  # the loader empties the accelerator's cache; a CPU build has none
     try:
         mc = ModelConfig(model=str(folder), dtype="bfloat16", enforce_eager=True, max_model_len=256)
         out["quantization"] = mc.quantization
-        vc = VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu"), load_config=LoadConfig())
-        with set_current_vllm_config(vc):
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"file://{tempfile.mkdtemp()}/init")
-            initialize_model_parallel(1, 1)
+        with one_process("cpu", model_config=mc) as vc:
             model = get_model(vllm_config=vc)
             for name, module in model.named_modules():
                 if isinstance(module, RoutedExperts):

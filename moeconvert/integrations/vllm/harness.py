@@ -83,20 +83,17 @@ def layer_tensors(folder: Path, prefix: str, cfg=None, names: list[str] | None =
     layer after ``cfg``'s checkpoint name mapper, as vLLM's loader hands them to the layer."""
     from safetensors import safe_open
 
+    from moeconvert.sources import open_source
+
     mapper = cfg.get_checkpoint_weight_mapper() if cfg is not None else None
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        where = json.loads(index.read_text())["weight_map"]
-    else:
-        with safe_open(folder / "model.safetensors", "pt") as h:
-            where = {k: "model.safetensors" for k in h.keys()}
+    where = {n: info.file for n, info in open_source(str(folder)).tensors.items()}  # shards, index or not
     wanted = sorted(names) if names is not None else sorted(n for n in where if n.startswith(prefix + "."))
-    out = []
-    by_file: dict[str, list[str]] = {}
+    by_file: dict[Path, list[str]] = {}
     for n in wanted:
         by_file.setdefault(where[n], []).append(n)
+    out = []
     for f, ns in by_file.items():
-        with safe_open(folder / f, "pt") as h:
+        with safe_open(f, "pt") as h:
             for n in ns:
                 mapped = mapper._map_name(n) if mapper is not None else n
                 if mapped is None:  # the mapper drops it (activation-order metadata)
