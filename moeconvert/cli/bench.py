@@ -266,12 +266,12 @@ def bench_vllm_startup_cmd(
     device: Optional[str] = typer.Option(None, "--device", help="cuda | cuda:N (default: cuda)."),
     layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Time only the first N MoE layers."),
     tokens: int = typer.Option(64, "--tokens", min=1, help="Routed tokens each layer runs once, to compare outputs."),
-    moe_backend: Optional[str] = typer.Option(None, "--moe-backend", help="vLLM's MoE backend for its own path "
+    moe_backend: Optional[str] = typer.Option(None, "--moe-backend", help="vLLM's MoE backend, for both sides "
                                               "(default: the folder's layout, marlin or triton)."),
     json_out: bool = JSON,
 ):
-    """vLLM's own load-time processing of SRC's MoE layers against the plugin's loading of OUT, per layer
-    (needs `moeconvert[vllm]` and a GPU: vLLM's Marlin repack runs there)."""
+    """vLLM's own load-time processing of SRC's MoE layers against the plugin's loading of OUT, per layer:
+    time, extra GPU memory, same bytes (needs `moeconvert[vllm]` and a GPU: vLLM's processing runs there)."""
     _need_vllm("vllm-startup")
     dev = _bench_device(device or "cuda")
     if dev == "cpu":
