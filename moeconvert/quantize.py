@@ -28,7 +28,8 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError, MoeConvertError
 from moeconvert.layouts.base import padded_sizes, round_up
-from moeconvert.mxfp4 import MXFP4_BLOCK_SIZE, ROUNDINGS, mxfp4_error_sums, quantize_mxfp4, require_finite
+from moeconvert.mxfp4 import (MXFP4_BLOCK_SIZE, ROUNDINGS, dequantize_mxfp4, mxfp4_error_sums, quantize_mxfp4,
+                              require_finite)
 from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme
 
 FORMATS = ("mxfp4",)
@@ -151,11 +152,44 @@ def output_block(block: ExpertBlock, shape: LayerShape, unpadded: tuple[int, int
         else:
             w = _pad_k(_pad_n(w, Hp), Ip)
         packed, scales = quantize_mxfp4(w, quant.rounding, tensor=f"{prefix} ({name})")
+        refuse_infinite_blocks(w, packed, scales, rounding=quant.rounding, prefix=prefix, what=name,
+                               expert_offset=expert_offset)
         if quality is not None:
             quality.add(name, w, packed, scales, w.shape[0] * n_real * k_real // MXFP4_BLOCK_SIZE)
         del w
         out[name], out[name + "_scale"] = packed.cpu(), scales.cpu()
     return ExpertBlock(scheme=MXFP4Scheme(), **out, **kw)
+
+
+def refuse_infinite_blocks(w: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *, rounding: str,
+                           prefix: str, what: str, expert_offset: int) -> None:
+    """Refuse a chunk whose MXFP4 encoding dequantizes to inf anywhere.
+
+    Near the top of bf16's range (|x| > about 2^127) the ``vllm`` and ``triton_kernels`` roundings pick
+    the scale 2^127 or 2^126, and a code of 4 or 6 times that is beyond every float format the kernels
+    dequantize to: the file would hold an infinite weight that no verify can tell from the source's
+    finite one. ``ocp`` takes the scale from the exponent of the block's maximum alone and never gets
+    there. Only scale bytes 253 and 254 can overflow (6 * 2^126 > float32's largest), so only those
+    blocks are dequantized.
+    """
+    hot = scales >= 253
+    if not bool(hot.any()):
+        return
+    E, N, G = scales.shape
+    blocks = dequantize_mxfp4(packed.reshape(E, N, G, MXFP4_BLOCK_SIZE // 2)[hot], scales[hot].unsqueeze(-1))
+    bad = torch.zeros_like(hot)
+    bad[hot] = torch.isinf(blocks).reshape(blocks.shape[0], -1).any(-1)
+    if not bool(bad.any()):
+        return
+    per_expert = bad.reshape(E, -1).sum(1)
+    e = int(torch.nonzero(per_expert)[0])
+    big = float(w.reshape(E, N, G, MXFP4_BLOCK_SIZE)[e][bad[e]].abs().float().max())
+    others = int((per_expert > 0).sum()) - 1
+    more = f"; {others} more expert(s) too" if others else ""
+    raise MoeConvertError(
+        f"expert {e + expert_offset} ({what}): {int(per_expert[e])} block(s) of 32 (max |x| {big:.4g}) encode under "
+        f"--rounding {rounding} to a scale whose values dequantize to inf{more}; --rounding ocp encodes them "
+        f"finitely", tensor=prefix)
 
 
 def to_model_dtype(t: torch.Tensor, *, dtype: torch.dtype, prefix: str, what: str,

@@ -23,7 +23,7 @@ from moeconvert.runtime import fastload
 from moeconvert.bench.load import make_folder
 from moeconvert.runtime.fastload import ThreadedReader, _Segment, plan_chunks
 from moeconvert.runtime.loader import make_reader
-from moeconvert.format import TensorInfo
+from moeconvert.format import TensorInfo, read_header
 
 from helpers import cli
 
@@ -336,3 +336,44 @@ def test_identical_to_direct_on_cuda(plain_out):
             for la, lb in zip(a, b):
                 for k in la.tensors:
                     assert torch.equal(la.tensors[k].view(torch.uint8), lb.tensors[k].view(torch.uint8)), k
+
+
+# -- a flipped bit on every read path ---------------------------------------------------------------
+
+_FLIP_PATHS = [("cpu", "threaded", None), ("cpu", "threaded", 0.01),
+               pytest.param("cuda", "pinned", None, marks=pytest.mark.gpu),
+               pytest.param("cuda", "pinned", 0.01, marks=pytest.mark.gpu),
+               pytest.param("cuda", "threaded", None, marks=pytest.mark.gpu),
+               pytest.param("cuda", "threaded", 0.01, marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device,reader,buffer_mb", _FLIP_PATHS)
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_flipped_bit_is_refused_on_every_read_path(plain_out, tmp_path, device, reader, buffer_mb, where):
+    """load(verify=True) hashes the bytes on the way to the device; a bit flipped anywhere in an expert
+    tensor (its first, a middle or its last byte; a buffer much smaller than the tensor puts the flip in a
+    later chunk than the first) never reaches the caller, on the CPU and through the pinned staging
+    buffers that only CUDA uses."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    out = tmp_path / "out"
+    shutil.copytree(plain_out, out)
+    kw = dict(device=device, reader=reader, buffer_mb=buffer_mb, verify=True, progress=False, kernel="reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KernelFallbackWarning)
+        assert len(load(out, **kw).moe_layers) == 2  # the untouched copy loads: the check can pass
+    manifest = json.loads((out / "moeconvert.json").read_text())
+    entry = manifest["moe_layers"][-1]["tensors"]["w13_weight"]
+    info = read_header(out / entry["file"])[entry["name"]]
+    at = {"first": info.start, "middle": (info.start + info.end) // 2, "last": info.end - 1}[where]
+    with open(out / entry["file"], "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x10]))
+    with pytest.raises(MoeConvertError) as exc:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", KernelFallbackWarning)
+            load(out, **kw)
+    line = str(exc.value)
+    assert "checksum mismatch" in line and entry["name"] in line and entry["file"] in line, line

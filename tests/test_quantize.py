@@ -153,6 +153,32 @@ def test_non_finite_weights_are_refused_naming_layer_and_expert(qwen, tmp_path):
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.parametrize("rounding", ["vllm", "triton_kernels"])
+def test_weights_at_the_top_of_bf16_are_refused_where_the_rounding_overflows(qwen, tmp_path, rounding):
+    """bf16's largest finite value gets the scale 2^127 (vllm) or 2^126 (triton_kernels) and a code whose
+    product is beyond float32: written down, that weight would dequantize to inf in every kernel."""
+    bad = tmp_path / "bad"
+    shutil.copytree(qwen, bad)
+    f = next(bad.glob("*.safetensors"))
+    with safe_open(f, "pt") as h:
+        meta = h.metadata()
+        tensors = {k: h.get_tensor(k) for k in h.keys()}
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    tensors[name][2, 40] = torch.finfo(torch.bfloat16).max
+    save_file(tensors, str(f), metadata=meta)
+    out = tmp_path / "out"
+    err = cli("quantize", bad, out, "--backend", "plain", "--rounding", rounding, expect=2).err
+    assert len(err.strip().splitlines()) == 1
+    assert "model.layers.1.mlp.experts: expert 3 (w2): 1 block(s) of 32 (max |x| 3.39e+38)" in err
+    assert f"--rounding {rounding}" in err and "dequantize to inf" in err and "--rounding ocp" in err
+    assert not out.exists()
+    # the advice holds: ocp encodes the same weights with finite values only
+    cli("quantize", bad, out, "--backend", "plain", "--rounding", "ocp", expect=0)
+    with safe_open(out / "model-00001-of-00001.safetensors", "pt") as h:
+        w2, s2 = h.get_tensor("model.layers.1.mlp.experts.w2_weight"), h.get_tensor("model.layers.1.mlp.experts.w2_weight_scale")
+    assert bool(torch.isfinite(dequantize_mxfp4(w2, s2)).all())
+
+
 def test_quantized_sources_are_refused_before_writing(tmp_path, example_ckpt):
     src = example_ckpt("qwen3-moe", "w4a16", num_experts=E)
     out = tmp_path / "out"

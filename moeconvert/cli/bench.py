@@ -183,7 +183,8 @@ def bench_layer_cmd(
         t.add_column(col, justify="right")
     for row in r["rows"]:
         t.add_row(str(row["tokens"]), f"{1e3 * row['kernel_seconds']:.3f}", f"{1e3 * row['reference_seconds']:.3f}",
-                  f"{row['speedup_vs_reference']:.2f}x", f"{row['rel_diff_vs_reference']:.2e}")
+                  f"{row['speedup_vs_reference']:.2f}x",
+                  "same call" if row["rel_diff_vs_reference"] is None else f"{row['rel_diff_vs_reference']:.2e}")
     out.print(t)
 
 
