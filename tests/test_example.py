@@ -339,3 +339,20 @@ def test_transformers_dequantizes_the_int_checkpoint_to_the_same_weights(example
         assert torch.equal(layer.mlp.experts.down_proj[e], fq[x + "down_proj.weight"]), e
     assert torch.equal(layer.self_attn.q_proj.weight, fq["model.layers.1.self_attn.q_proj.weight"])
     assert torch.equal(layer.mlp.gate.weight, ref["model.layers.1.mlp.gate.weight"])  # router: not quantized
+
+
+@pytest.mark.parametrize("args", [["--header-only", "--family", "deepseek-v3"], ["--family", "qwen3-moe"]],
+                         ids=["header-only", "example"])
+def test_a_write_that_fails_names_the_folder(tmp_path, args):
+    """A write the OS refuses (here a file size limit, as a full disk would) is one line naming the folder
+    being written, exit 2, and nothing left behind; the OS's own error names no file."""
+    out = tmp_path / "out"
+    child = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+             "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
+             "from moeconvert.cli import main; main(sys.argv[1:])")
+    run = subprocess.run([sys.executable, "-c", child, "example", str(out), *args], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(out) in lines[0] and "File too large" in lines[0], run.stderr
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -37,15 +40,34 @@ def example(
         if family not in MODELS:
             raise MoeConvertError("--header-only writes a published model at full size", tensor="--family",
                                   expected=" | ".join(MODELS), found=family)
-        with StagedOutput(out_dir, [], overwrite) as staged:
+        with StagedOutput(out_dir, [], overwrite) as staged, _writing(out_dir):
             make_header_only(staged.staging, family)
             staged.publish()
         out.print(f"wrote {family} at full size, headers only (sparse files, every weight reads as zero), to {out_dir}")
         return
     from moeconvert.example import make_example
 
-    with StagedOutput(out_dir, [], overwrite) as staged:  # the same staging, swap and cleanup as repack's
+    with StagedOutput(out_dir, [], overwrite) as staged, _writing(out_dir):  # staging, swap, cleanup as repack's
         make_example(staged.staging, family, scheme, group_size=group_size, symmetric=not asym,
                      num_layers=layers, num_experts=experts, seed=seed)
         staged.publish()
     out.print(f"wrote {family} {scheme} example to {out_dir}")
+
+
+@contextlib.contextmanager
+def _writing(out_dir: Path):
+    """A failed write (a full disk, a file size limit) names the folder being written: the OS error of a
+    ``write`` carries no file name, and the staging folder it happened in is gone by the time it is shown."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS):
+            raise MoeConvertError(f"cannot write the example: {e.strerror}", file=str(out_dir)) from e
+        raise
+    except SafetensorError as e:  # transformers' save_pretrained writes through safetensors' Rust writer
+        why = re.search(r"I/O error: (.*?)(?: \(os error \d+\))?$", str(e))
+        if why is None:
+            raise
+        raise MoeConvertError(f"cannot write the example: {why.group(1)}", file=str(out_dir)) from e
