@@ -35,22 +35,54 @@ def test_bench_kernel_refuses_without_a_gpu_in_one_line():
     (["--tokens", "0"], "bad token counts"),
     (["--tokens", "x"], "bad token counts"),
     (["--format", "fp8"], "unknown weight format"),
+    (["--format", "int4-g96"], "unknown weight format"),
+    (["--format", "int4-g128-sym"], "unknown weight format"),
+    (["--shape", "256,8,7168"], "E,top_k,H,I"),
+    (["--shape", "8,9,64,64"], "top-k at most E"),
+    (["--shape", "8,2,x,64"], "E,top_k,H,I"),
 ])
 def test_bench_kernel_bad_arguments_exit_2(argv, needle):
     code, out, err = cli("bench", "kernel", *argv)
     assert code == 2 and needle in err and err.count("\n") == 1, err
 
 
-def test_problem_bytes_per_weight_by_hand():
-    assert Problem("x", 8, 2, 4096, 14336, "int4-g128").bytes_per_weight == 0.5 + 2 / 128
-    assert Problem("x", 128, 4, 2880, 2880, "mxfp4").bytes_per_weight == 0.5 + 1 / 32
-    # Mixtral's layer at int4 g128: 8 experts x 3 x 4096 x 14336 weights x 0.515625 B
+def test_problem_bytes_by_hand():
+    # Mixtral's layer at int4 g128: 8 experts x 3 x 4096 x 14336 weights x (0.5 B + a bf16 scale per 128)
     p = problems(["mixtral"])[0]
-    assert p.E * p.expert_bytes == 8 * 3 * 4096 * 14336 * 0.515625
+    assert p.E * p.expert_bytes == 8 * 3 * 4096 * 14336 * (0.5 + 2 / 128)
+    assert Problem("x", 128, 4, 2880, 2880, "mxfp4").expert_bytes == 3 * 2880 * 2880 * (0.5 + 1 / 32)
+    # int8 channelwise, asymmetric: 1 B a weight, per row one bf16 scale and one 1-byte zero point
+    q = Problem("x", 4, 2, 256, 64, "int8-gch-asym")
+    assert q.projection_bytes(128, 256) == 128 * 256 + 128 * 3 and q.projection_bytes(256, 64) == 256 * 64 + 256 * 3
+    # int4 g32 asymmetric: zero points are 4 bits a group
+    assert Problem("x", 4, 2, 256, 64, "int4-g32-asym").projection_bytes(128, 256) == 128 * 256 / 2 + 128 * 8 * 2.5
+
+
+@pytest.mark.parametrize("fmt,scheme", [("int4-g128", (4, 128, True)), ("int8-gch", (8, -1, True)),
+                                        ("int4-g32-asym", (4, 32, False)), ("int8-g64-asym", (8, 64, False))])
+def test_formats_name_their_scheme(fmt, scheme):
+    s = Problem("x", 4, 2, 256, 256, fmt).scheme
+    assert (s.bits, s.group_size, s.symmetric) == scheme
+
+
+def test_custom_shapes_follow_the_named_ones():
+    ps = problems(["mixtral"], "int8-g128", ["256,8,7168,2048", "4,1,64,32"])
+    assert [(p.name, p.E, p.top_k, p.H, p.I, p.fmt) for p in ps] == [
+        ("mixtral", 8, 2, 4096, 14336, "int8-g128"), ("E256-k8-H7168-I2048", 256, 8, 7168, 2048, "int8-g128"),
+        ("E4-k1-H64-I32", 4, 1, 64, 32, "int8-g128")]
+    assert problems([], None, ["8,2,64,64"])[0].fmt == "int4-g128"
+
+
+def test_int8_tuning_tries_both_operand_orders():
+    p = problems(["qwen3-30b-a3b"], "int8-g128")[0]
+    swaps = {c["SWAP_AB"] for _, g1, g2 in _candidates(p, 16, 132) for c in g1 + g2}
+    assert swaps == {0, 1}
+    q = problems(["qwen3-30b-a3b"])[0]
+    assert {c["SWAP_AB"] for _, g1, g2 in _candidates(q, 16, 132) for c in g1 + g2} == {0}
 
 
 @pytest.mark.parametrize("layout", ["triton-fast", "marlin"])
-@pytest.mark.parametrize("fmt", ["int4-g128", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["int4-g128", "mxfp4", "int4-g32-asym", "int8-gch", "int4-gch-asym"])
 def test_random_layout_tensors_follow_the_layout_plan(layout, fmt):
     p = Problem("small", 4, 2, 256, 256, fmt)
     t = random_layout_tensors(layout, p, "cpu")
@@ -183,12 +215,11 @@ def test_tune_keeps_the_fastest_config_of_each_gemm_and_the_best_block_m(tuned_o
 
 def test_breakdown_times_each_step_with_the_configs_the_layer_runs(tuned_on_cpu):
     st = tuned_on_cpu["steps"]
-    p = Problem("tiny", 4, 2, 256, 128, "int4-g128")
     assert st["configs"] == [dict(c) for c in configs.heuristic_configs("int4", 4, 2, 256, 128, 40)]
     assert st["align_us"] > st["gemm1_us"] > st["gemm2_us"] > 0  # the falling stand-in: timed in that order
     # 2 experts touched: w13 = 2 x 2 x 256 x 128 weights at 0.515625 B over 4 TB/s
-    assert st["gemm1_floor_us"] == round(2 * 2 * 256 * 128 * p.bytes_per_weight / 4e12 * 1e6, 2)
-    assert st["gemm2_floor_us"] == round(2 * 256 * 128 * p.bytes_per_weight / 4e12 * 1e6, 2)
+    assert st["gemm1_floor_us"] == round(2 * 2 * 256 * 128 * 0.515625 / 4e12 * 1e6, 2)
+    assert st["gemm2_floor_us"] == round(2 * 256 * 128 * 0.515625 / 4e12 * 1e6, 2)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["tune-child"]:

@@ -28,6 +28,7 @@ import importlib
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ import triton
 import triton.language as tl
 
 from moeconvert.canonical import LayerShape
+from moeconvert.errors import MoeConvertError
 from moeconvert.layouts import get_layout
 from moeconvert.schemes import MXFP4Scheme, WNA16Scheme
 
@@ -46,16 +48,33 @@ class Unavailable(Exception):
     """The contender cannot run here (the message says why)."""
 
 
+def parse_format(fmt: str) -> tuple[int, int, bool] | None:
+    """``int{4,8}-g{32,64,128,ch}[-asym]`` -> (bits, group size (-1: channelwise), symmetric); ``mxfp4`` -> None.
+    Anything else is refused naming the grammar."""
+    if fmt == "mxfp4":
+        return None
+    m = re.fullmatch(r"int([48])-g(32|64|128|ch)(-asym)?", fmt)
+    if m is None:
+        raise MoeConvertError("unknown weight format", tensor="--format",
+                              expected="mxfp4 | int4|int8 - g32|g64|g128|gch [-asym] (e.g. int4-g128, int8-gch-asym)",
+                              found=fmt)
+    return int(m[1]), -1 if m[2] == "ch" else int(m[2]), m[3] is None
+
+
 @dataclass(frozen=True)
 class Problem:
-    """One layer: ``E`` experts, ``top_k``, hidden ``H``, intermediate ``I``, weight format."""
+    """One layer: ``E`` experts, ``top_k``, hidden ``H``, intermediate ``I``, weight format (see
+    :func:`parse_format`)."""
 
     name: str
     E: int
     top_k: int
     H: int
     I: int
-    fmt: str  # "int4-g128" | "mxfp4"
+    fmt: str
+
+    def __post_init__(self):
+        parse_format(self.fmt)
 
     @property
     def kind(self) -> str:
@@ -65,8 +84,8 @@ class Problem:
     def scheme(self):
         if self.fmt == "mxfp4":
             return MXFP4Scheme()
-        bits, group = self.fmt.split("-g")
-        return WNA16Scheme(int(bits[3:]), int(group), True, "bfloat16")
+        bits, group, symmetric = parse_format(self.fmt)
+        return WNA16Scheme(bits, group, symmetric, "bfloat16")
 
     @property
     def activation(self) -> str:
@@ -75,17 +94,18 @@ class Problem:
     def layer_shape(self, has_bias: bool = False) -> LayerShape:
         return LayerShape(self.E, self.H, self.I, has_bias=has_bias, activation=self.activation, dtype="bfloat16")
 
-    @property
-    def bytes_per_weight(self) -> float:
-        """Weights + scales of the format (int4 g128: 0.5 + 2/128; MXFP4: 0.5 + 1/32)."""
+    def projection_bytes(self, N: int, K: int) -> float:
+        """One expert's ``[N, K]`` projection in the format: codes, bf16 scales (e8m0 for MXFP4) and the
+        zero points of an asymmetric format at the codes' width."""
         if self.fmt == "mxfp4":
-            return 0.5 + 1 / 32
-        s = self.scheme
-        return s.bits / 8 + 2 / s.group_size
+            return N * K * (0.5 + 1 / 32)
+        bits, group, symmetric = parse_format(self.fmt)
+        groups = N * (1 if group == -1 else K // group)
+        return N * K * bits / 8 + groups * 2 + (0 if symmetric else groups * bits / 8)
 
     @property
     def expert_bytes(self) -> float:
-        return 3 * self.H * self.I * self.bytes_per_weight
+        return self.projection_bytes(2 * self.I, self.H) + self.projection_bytes(self.H, self.I)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -186,7 +206,7 @@ def marlin(p: Problem, device):
     t = random_layout_tensors("marlin", p, device)
     shape = padded_shape("marlin", p)
     Hp, Ip = shape.hidden_size, shape.intermediate_size
-    type_id = vllm_marlin.weight_type_id(p.kind, getattr(p.scheme, "bits", None))
+    type_id = vllm_marlin.weight_type_id(p.kind, getattr(p.scheme, "bits", None), getattr(p.scheme, "symmetric", True))
 
     def run(x, tw, ids, logits):
         M = x.shape[0]
@@ -275,12 +295,17 @@ def humming(p: Problem, device, ms: list[int]):
                                                  dtype=torch.uint8)}
         else:
             s = p.scheme
+            G = 1 if s.group_size == -1 else K // s.group_size
             q = {"quant_method": "compressed-tensors", "format": "pack-quantized", "type": "int", "num_bits": s.bits,
-                 "strategy": "group", "group_size": s.group_size, "symmetric": True}
-            raw = {"weight_packed": torch.randint(-2 ** 31, 2 ** 31 - 1, (p.E, N, K * s.bits // 32), generator=g,
-                                                  device=dev, dtype=torch.int64).to(torch.int32),
-                   "weight_scale": ((torch.rand(p.E, N, K // s.group_size, generator=g, device=dev) + 0.5)
+                 "strategy": "channel" if s.group_size == -1 else "group",
+                 "group_size": None if s.group_size == -1 else s.group_size, "symmetric": s.symmetric}
+            word = lambda *shape: torch.randint(-2 ** 31, 2 ** 31 - 1, shape, generator=g, device=dev,
+                                                dtype=torch.int64).to(torch.int32)
+            raw = {"weight_packed": word(p.E, N, K * s.bits // 32),
+                   "weight_scale": ((torch.rand(p.E, N, G, generator=g, device=dev) + 0.5)
                                     / (4.6 * K ** 0.5)).to(torch.bfloat16)}
+            if not s.symmetric:  # compressed-tensors packs zero points along N
+                raw["weight_zero_point"] = word(p.E, N * s.bits // 32, G)
         ws, t = BaseWeightSchema.from_config(q).convert_humming(
             tensors=dict(raw), shape_n_stacks=[N // 2] * 2 if gated else [N], shape_k_stacks=[K],
             param_dtype=torch.bfloat16, num_experts=p.E)

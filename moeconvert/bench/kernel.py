@@ -32,7 +32,7 @@ import torch
 import triton
 
 from moeconvert.errors import MoeConvertError
-from moeconvert.bench.contenders import Problem, Unavailable, random_layout_tensors
+from moeconvert.bench.contenders import Problem, Unavailable, parse_format, random_layout_tensors
 
 SHAPES = {  # E, top_k, H, I, format
     "mixtral": (8, 2, 4096, 14336, "int4-g128"),
@@ -43,16 +43,31 @@ SHAPES = {  # E, top_k, H, I, format
 }
 MS = (1, 16, 64, 256, 4096)
 CONTENDERS = ("marlin", "humming", "triton_kernels")
-FORMATS = ("int4-g128", "int4-g64", "int4-g32", "int8-g128", "mxfp4")
 
 
-def problems(names: list[str], fmt: str | None = None) -> list[Problem]:
+def parse_shape(text: str) -> tuple[str, int, int, int, int]:
+    """``E,top_k,H,I`` (a layer of the user's own model) -> (name, E, top_k, H, I)."""
+    try:
+        E, k, H, I = (int(v) for v in text.split(","))
+    except ValueError:  # not four, or not integers
+        E = k = H = I = 0
+    if min(E, k, H, I) < 1 or k > E:
+        raise MoeConvertError("a layer shape is four positive integers, top-k at most E", tensor="--shape",
+                              expected="E,top_k,H,I (e.g. 256,8,7168,2048)", found=text)
+    return f"E{E}-k{k}-H{H}-I{I}", E, k, H, I
+
+
+def problems(names: list[str], fmt: str | None = None, custom: list[str] = ()) -> list[Problem]:
+    """The named shapes (in their own format unless ``fmt``), then each ``--shape E,top_k,H,I`` (in ``fmt``,
+    else int4-g128)."""
     out = []
     for n in names:
         if n not in SHAPES:
             raise MoeConvertError("unknown shape", tensor="--shapes", expected=" | ".join(SHAPES), found=n)
         E, k, H, I, f = SHAPES[n]
         out.append(Problem(n, E, k, H, I, fmt or f))
+    for text in custom:
+        out.append(Problem(*parse_shape(text), fmt or "int4-g128"))
     return out
 
 
@@ -139,7 +154,7 @@ def _candidates(p: Problem, M: int, num_sms: int) -> list[tuple[int, list[dict],
     weights always multiply as the first operand)."""
     ppe = M * p.top_k / p.E
     bms = [16] if ppe <= 8 else [16, 32] if ppe <= 32 else [32, 64] if ppe <= 96 else [64, 128]
-    swaps = (0, 1) if p.fmt == "int8" else (0,)
+    swaps = (0, 1) if _fmt(p)[0] == "int8" else (0,)
     out = []
     for bm in bms:
         if bm <= 32:
@@ -279,10 +294,10 @@ def _steps(p: Problem, M: int, device, weights, hit: int, bw: float) -> dict:
     c1, c2 = get_configs(fmt, p.E, p.top_k, H=p.H, I=p.I, M=M, group=group, device=device)
     timer = StepTimer(p, M, device, *weights)
     aligned, t_align = timer.align(c1["BLOCK_M"])
-    w13_bytes = hit * 2 * p.H * p.I * p.bytes_per_weight
+    w13_bytes, w2_bytes = hit * p.projection_bytes(2 * p.I, p.H), hit * p.projection_bytes(p.H, p.I)
     return {"align_us": round(t_align, 2), "gemm1_us": round(timer.gemm1(c1, aligned), 2),
             "gemm2_us": round(timer.gemm2(c2, aligned), 2), "gemm1_floor_us": round(w13_bytes / bw * 1e6, 2),
-            "gemm2_floor_us": round(w13_bytes / 2 / bw * 1e6, 2), "configs": [c1, c2]}
+            "gemm2_floor_us": round(w2_bytes / bw * 1e6, 2), "configs": [c1, c2]}
 
 
 def write_table(path, device_name: str, entries: dict) -> None:
@@ -311,7 +326,8 @@ def write_table(path, device_name: str, entries: dict) -> None:
 # the bench
 
 
-def bench_kernel(shapes: list[str], ms: list[int], contenders: list[str], *, device="cuda", fmt: str | None = None,
+def bench_kernel(shapes: list[str], ms: list[int], contenders: list[str], *, custom: list[str] = (), device="cuda",
+                 fmt: str | None = None,
                  do_tune: bool = False, table: str | None = None, breakdown: bool = False, log=print) -> dict:
     from moeconvert.kernels import configs
     from moeconvert.bench import contenders as C
@@ -319,9 +335,9 @@ def bench_kernel(shapes: list[str], ms: list[int], contenders: list[str], *, dev
     for c in contenders:
         if c not in CONTENDERS:
             raise MoeConvertError("unknown contender", tensor="--contenders", expected=" | ".join(CONTENDERS), found=c)
-    if fmt is not None and fmt not in FORMATS:
-        raise MoeConvertError("unknown weight format", tensor="--format", expected=" | ".join(FORMATS), found=fmt)
-    probs = problems(shapes, fmt)
+    if fmt is not None:
+        parse_format(fmt)
+    probs = problems(shapes, fmt, custom)
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise MoeConvertError("bench kernel times CUDA graphs: it needs a CUDA device", expected="cuda",

@@ -195,8 +195,11 @@ def bench_kernel_cmd(
     tokens: str = typer.Option("1,16,64,256,4096", "--tokens", help="Comma-separated token counts M."),
     contenders: str = typer.Option("marlin,humming,triton_kernels", "--contenders",
                                    help="Engines' kernels to time beside ours (those not found are reported)."),
-    fmt: Optional[str] = typer.Option(None, "--format", help="int4-g128 | int8-g128 | mxfp4 for every shape "
-                                      "(default: int4-g128, gpt-oss MXFP4)."),
+    custom: Optional[list[str]] = typer.Option(None, "--shape", help="A layer of your own model, E,top_k,H,I "
+                                               "(repeatable; e.g. 256,8,7168,2048); with --shapes '' only these."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="mxfp4 or int4|int8 - g32|g64|g128|gch [-asym] (e.g. "
+                                      "int4-g128, int8-gch-asym) for every shape (default: int4-g128, gpt-oss "
+                                      "MXFP4)."),
     tune: bool = typer.Option(False, "--tune", help="Sweep our kernel's tiles first and write the config table."),
     table: Optional[str] = typer.Option(None, "--table", help="Config table to write (--tune) or read (default: "
                                         "the user's cache for this GPU)."),
@@ -214,7 +217,8 @@ def bench_kernel_cmd(
     counts = _token_counts(tokens)
     log = (lambda *a: print(*a, file=sys.stderr)) if json_out else (lambda m: out.print(escape(str(m))))
     r = bench_kernel([s for s in shapes.split(",") if s], counts, [c for c in contenders.split(",") if c],
-                     device=_bench_device(device), fmt=fmt, do_tune=tune, table=table, breakdown=breakdown, log=log)
+                     custom=custom or [], device=_bench_device(device), fmt=fmt, do_tune=tune, table=table,
+                     breakdown=breakdown, log=log)
     if json_out:
         print(json.dumps(r, indent=1))
         return
