@@ -1,0 +1,32 @@
+"""Which folders the vLLM plugin serves, decided from what a conversion plans (no vLLM import).
+
+The converter names the plugin in an output's config.json only when this says nothing against it, and
+the plugin refuses every other folder with the same sentence: a config.json never points vLLM at a
+method that would turn the folder away.
+"""
+
+from __future__ import annotations
+
+
+def method_name(layout: str, kind: str | None) -> str | None:
+    """The plugin method the layout declares for experts of this scheme kind (``Layout.vllm_method``)."""
+    from moeconvert.layouts import get_layout
+
+    found = get_layout(layout, kind)
+    return found.vllm_method if kind in found.schemes else None
+
+
+def refusal(layout: str, kind: str | None, family: str, activations: set[str]) -> str | None:
+    """Why the plugin does not serve a folder of this layout, scheme kind, model family and expert
+    activations; None when it does."""
+    if method_name(layout, kind) is None:
+        return (f"the vLLM plugin serves Marlin WNA16, Marlin MXFP4 and Triton WNA16 folders; this one is {layout} "
+                f"{kind or 'of mixed schemes'}")
+    if family == "gpt-oss":
+        # vLLM 0.33.0's GptOssModel.load_weights slices and transposes any tensor named w13_weight / w2_weight
+        # itself, whatever its layout (model_executor/models/gpt_oss.py)
+        return ("gpt-oss folders are not served by the vLLM plugin yet: vLLM's gpt-oss loader slices and "
+                "permutes every tensor named w13_weight / w2_weight itself, whatever its layout")
+    if activations - {"silu"}:
+        return f"the vLLM plugin serves SiLU-and-mul experts only; this folder's are {', '.join(sorted(activations))}"
+    return None
