@@ -20,7 +20,7 @@ PROCESS_BYTES = 512 << 20  # a worker process's own memory (interpreter, torch) 
 
 def _measure_layer(plan) -> float | None:
     """Source bytes per second of a layer job, on the largest layer's first expert."""
-    from moeconvert.convert import layer_output_block
+    from moeconvert.jobs import layer_output_block
     from moeconvert.quantize import Quality
     from moeconvert.writer import tensor_bytes
 

@@ -36,10 +36,7 @@ from moeconvert import __version__
 from moeconvert.canonical import Partition
 from moeconvert.errors import InternalError, MoeConvertError
 
-JOBS_DIR = ".jobs"  # inside the staging folder; removed before the output is published
-PLAN_FILE = "plan.json"
-DEFAULT_CHUNK_BYTES = 256 << 20
-DEFAULT_JOB_BYTES = 1 << 30  # pass-through tensors per copy job
+from moeconvert.plan import DEFAULT_CHUNK_BYTES, DEFAULT_JOB_BYTES, JOBS_DIR, PLAN_FILE  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -64,7 +61,7 @@ class Request:
 
     def open(self):
         """``(plan, jobs)`` exactly as the driver made them."""
-        from moeconvert.convert import plan_conversion
+        from moeconvert.plan import plan_conversion
         from moeconvert.modelmap import map_model
         from moeconvert.sources import open_source
 
@@ -262,8 +259,6 @@ def run_job(plan, job: Job, staging: Path, key: str, chunk_bytes: int = DEFAULT_
             quality = _fresh_quality(lp)
             step = experts_per_chunk(lp, chunk_bytes)
             n = lp.shape.num_experts
-            from moeconvert.convert import layer_output_block
-
             for a in range(0, n, step):
                 b = min(n, a + step)
                 block = layer_output_block(plan, lp, a, b, quality)
@@ -299,6 +294,19 @@ def run_job(plan, job: Job, staging: Path, key: str, chunk_bytes: int = DEFAULT_
     record["worker"] = f"{socket.gethostname()}:{os.getpid()}"
     write_record(staging, job.index, record)
     return record
+
+
+def layer_output_block(plan, lp, a: int, b: int, quality):
+    """Local experts [a, b) of a layer as the canonical block its layout encodes."""
+    from moeconvert.decode import decode_chunk
+    from moeconvert.quantize import output_block
+    from moeconvert.schemes import MXFP4Scheme
+
+    block = decode_chunk(plan.source, lp.map, plan.partition, lp.expert_start + a, lp.expert_start + b)
+    if isinstance(lp.scheme, MXFP4Scheme):
+        block = output_block(block, lp.shape, lp.unpadded, plan.quant, prefix=lp.map.prefix,
+                             expert_offset=lp.expert_start + a, quality=quality)
+    return block
 
 
 def _fresh_quality(lp):

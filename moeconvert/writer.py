@@ -10,75 +10,20 @@ are on disk; a failure removes the staging folder and leaves any earlier output 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
 import shutil
 import signal
 import stat
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from moeconvert.errors import InternalError, MoeConvertError
-from moeconvert.format import INDEX_NAME, MANIFEST_NAME, TORCH_TO_CODE
-from moeconvert.jobs import JOBS_DIR, PLAN_FILE
-
-
-@dataclass
-class PlannedTensor:
-    name: str
-    dtype: str  # safetensors code
-    shape: tuple[int, ...]
-    nbytes: int
-    source: str | None = None  # copied byte for byte from this source tensor
-    layer: int | None = None  # else: produced by plan.layers[layer]'s layout ...
-    suffix: str | None = None  # ... under this suffix
-    shard: int = -1
-    offset: int = 0  # absolute offset in the shard file
-
-
-@dataclass
-class Shard:
-    filename: str
-    tensors: list[PlannedTensor] = field(default_factory=list)
-    header: bytes = b""
-
-    @property
-    def size(self) -> int:
-        return len(self.header) + sum(t.nbytes for t in self.tensors)
-
-
-def layout_shards(tensors: list[PlannedTensor], max_shard_size: int) -> list[Shard]:
-    """Greedy, in plan order: a shard closes when the next tensor would take it past the limit."""
-    groups: list[list[PlannedTensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if groups[-1] and size + t.nbytes > max_shard_size:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += t.nbytes
-    n = len(groups)
-    shards = []
-    for i, group in enumerate(groups):
-        shard = Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", group)
-        header: dict = {"__metadata__": {"format": "pt"}}
-        pos = 0
-        for t in group:
-            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
-            pos += t.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned
-        shard.header = len(raw).to_bytes(8, "little") + raw
-        pos = len(shard.header)
-        for t in group:
-            t.shard, t.offset = i, pos
-            pos += t.nbytes
-        shards.append(shard)
-    return shards
+from moeconvert.errors import MoeConvertError
+from moeconvert.format import INDEX_NAME, MANIFEST_NAME
+# the plan's file layout: re-exported, it was defined here before moeconvert.plan existed
+from moeconvert.plan import JOBS_DIR, PLAN_FILE, PlannedTensor, Shard, dtype_code, layout_shards  # noqa: F401
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -90,10 +35,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.view(torch.uint8).numpy())
-
-
-def dtype_code(dt: torch.dtype) -> str:
-    return TORCH_TO_CODE[dt]
 
 
 def leftover_path(out: Path, what: str, pid: int | None = None) -> Path:
