@@ -16,9 +16,9 @@ from typing import Callable
 
 from moeconvert import __version__
 from moeconvert.format import CONFIG_NAME, FORMAT_VERSION
-from moeconvert.errors import InternalError
-from moeconvert.jobs import (Request, attempts, layer_output_block, plan_jobs, plan_key, read_records,  # noqa: F401
-                             source_stat, still_good)
+from moeconvert.errors import InternalError, MoeConvertError
+from moeconvert.jobs import (Request, attempts, job_source_files, layer_output_block, plan_jobs,  # noqa: F401
+                             plan_key, read_records, rehash_sources, source_stat, still_good, write_record)
 # the plan lives beneath jobs and the writer; these names stay importable from here
 from moeconvert.plan import (DEFAULT_CHUNK_BYTES, DEFAULT_JOB_BYTES, ConversionPlan, LayerPlan,  # noqa: F401
                              check_layers, decoder_problems, group_by_layers, layer_shape, output_scheme,
@@ -62,15 +62,8 @@ def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
     with StagedOutput(out, plan.shards, overwrite, plan=record, resume=resume) as staged:
         done: dict[int, dict] = {}
         if staged.resumed_from is not None:
-            found = read_records(staged.staging, key, jobs)
-            with ThreadPoolExecutor(available_cores()) as pool:  # re-hashing what was written: I/O and hashlib
-                good = dict(zip(found, pool.map(lambda i: still_good(plan, jobs[i], found[i], staged.staging), found)))
-            done = {i: r for i, r in found.items() if good[i]}
-            report(f"resuming {staged.resumed_from.name}: {len(done)} of {len(jobs)} jobs done and checked, "
-                   f"{len(jobs) - len(done)} to run" + (f" ({len(found) - len(done)} redone: their bytes no "
-                                                         "longer match their record)" if len(found) > len(done) else ""))
-            for i in done:
-                progress(jobs[i].work_bytes)
+            done = _resumable(plan, jobs, key, staged, progress, report)
+        kept = sum(1 for i in done if jobs[i].kind != "digest")  # the source digests were made again here
         todo = [j for j in jobs if j.index not in done]
         started = attempts(staged.staging)
         done.update(executor.run(plan, request, key, staged.staging, todo, progress))
@@ -83,14 +76,16 @@ def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
         if retried:
             report(f"{len(retried)} job(s) ran again after a worker was lost: "
                    + ", ".join(f"{jobs[i].what} ({n + 1} attempts)" for i, n in sorted(retried.items())[:5]))
-        stats = {"jobs": len(jobs), "kept": len(jobs) - len(todo), "ran": len(todo),
+        stats = {"jobs": len(jobs), "kept": kept, "ran": len(jobs) - kept,
                  "retried": sum(retried.values())}
         copies = plan.source.other_files()  # listed once: the manifest's checksums are of exactly these
         digests = {}
         quality = {}
         source_digests = {}
         for j in jobs:
-            rec = done[j.index]
+            # records come from this process, a pipe or a JSON file (keys sorted): one key order for
+            # all, so that the manifest's bytes do not depend on which run did which job
+            rec = json.loads(json.dumps(done[j.index], sort_keys=True))
             digests.update(rec.get("tensors", {}))
             if "quality" in rec:
                 quality[plan.layers[j.layer].map.prefix] = rec["quality"]
@@ -102,6 +97,41 @@ def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
                  "weight_map": {t.name: plan.shards[t.shard].filename for t in plan.tensors}}
         staged.finish(index, copies, manifest, rewritten)
     return Conversion(manifest, **stats)
+
+
+def _resumable(plan: ConversionPlan, jobs, key: str, staged: StagedOutput, progress, report) -> dict[int, dict]:
+    """The records of the interrupted run that ``--resume`` keeps, after checking, in this order: that
+    each is well formed (:func:`read_records`), that the source files hash to what it recorded (else
+    refused: :func:`rehash_sources`), that each kept job read only such files, and that its bytes in
+    the staging folder still hash to its record. The fresh source digests are kept too."""
+    from moeconvert.executors import available_cores
+
+    found = read_records(staged.staging, key, jobs, plan)
+    earlier_digests = {i: r for i, r in found.items() if jobs[i].kind == "digest"}
+    try:
+        fresh, unchanged = rehash_sources(plan, jobs, key, earlier_digests, progress, available_cores())
+    except MoeConvertError:
+        staged.hand_back()  # the interrupted run's folder, as it was: the user decides
+        raise
+    for i, rec in fresh.items():
+        write_record(staged.staging, i, rec)
+    others = {i: r for i, r in found.items() if jobs[i].kind != "digest"}
+    tied = {i: r for i, r in others.items() if job_source_files(plan, jobs[i]) <= unchanged}
+    with ThreadPoolExecutor(available_cores()) as pool:  # re-hashing what was written: I/O and hashlib
+        good = dict(zip(tied, pool.map(lambda i: still_good(plan, jobs[i], tied[i], staged.staging), tied)))
+    kept = {i: r for i, r in tied.items() if good[i]}
+    redone = []
+    if len(tied) > len(kept):
+        redone.append(f"{len(tied) - len(kept)} whose bytes no longer match their record")
+    if len(others) > len(tied):
+        redone.append(f"{len(others) - len(tied)} whose source file the interrupted run had not hashed yet")
+    non_digest = sum(1 for j in jobs if j.kind != "digest")
+    report(f"resuming {staged.resumed_from.name}: source files hashed again and unchanged; {len(kept)} of "
+           f"{non_digest} layer and copy jobs done and checked, {non_digest - len(kept)} to run"
+           + (f" (redone: {'; '.join(redone)})" if redone else ""))
+    for i in kept:
+        progress(jobs[i].work_bytes)
+    return {**kept, **fresh}
 
 
 def served_config(plan: ConversionPlan) -> bytes | None:

@@ -50,7 +50,14 @@ class LocalProcesses:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, args=(request, key, str(staging), child),
                                name="moeconvert-worker", daemon=True)
-            proc.start()
+            # The child starts with SIGINT blocked (the mask survives fork and exec) until _worker_main
+            # ignores it: a Ctrl-C while it imports would otherwise print its own KeyboardInterrupt
+            # traceback beside the driver's one line. Ctrl-C is the driver's to handle; it stops us.
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                proc.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             child.close()
             workers[proc.sentinel] = _Worker(proc, parent)
 
@@ -153,6 +160,7 @@ def _how(exitcode: int | None) -> str:
 def _worker_main(request, key: str, staging: str, conn) -> None:
     """One worker process: plan, check the key, then run the jobs it is sent until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle; it stops us
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the driver until now
     from moeconvert.executors import one_torch_thread
 
     one_torch_thread()
