@@ -50,14 +50,7 @@ class LocalProcesses:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, args=(request, key, str(staging), child),
                                name="moeconvert-worker", daemon=True)
-            # The child starts with SIGINT blocked (the mask survives fork and exec) until _worker_main
-            # ignores it: a Ctrl-C while it imports would otherwise print its own KeyboardInterrupt
-            # traceback beside the driver's one line. Ctrl-C is the driver's to handle; it stops us.
-            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-            try:
-                proc.start()
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            _start_ignoring_sigint(proc)
             child.close()
             workers[proc.sentinel] = _Worker(proc, parent)
 
@@ -111,6 +104,30 @@ class LocalProcesses:
                     w.proc.join()
 
 
+def _start_ignoring_sigint(proc) -> None:
+    """Start ``proc`` with SIGINT ignored from its first instruction: an ignored disposition survives
+    exec (a blocked mask does not: spawn resets it), and Python leaves an ignored SIGINT alone. Else a
+    Ctrl-C while the worker imports torch prints its KeyboardInterrupt traceback beside the driver's
+    one line. Ctrl-C is the driver's to handle; it stops the workers.
+
+    Meanwhile SIGINT is blocked here, so a Ctrl-C in that window stays pending (Linux never drops a
+    blocked signal, ignored or not) and reaches the driver's own handler once it is restored."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # signal.signal works only there
+        proc.start()
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            proc.start()
+        finally:
+            signal.signal(signal.SIGINT, before)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 class _Worker:
     def __init__(self, proc, conn):
         self.proc = proc
@@ -160,7 +177,6 @@ def _how(exitcode: int | None) -> str:
 def _worker_main(request, key: str, staging: str, conn) -> None:
     """One worker process: plan, check the key, then run the jobs it is sent until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle; it stops us
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the driver until now
     from moeconvert.executors import one_torch_thread
 
     one_torch_thread()
