@@ -1,8 +1,7 @@
-"""Plan and run one conversion: Source -> ModelMap -> Decode -> Layout.encode -> Writer.
+"""Run one conversion: Source -> ModelMap -> Decode -> Layout.encode -> Writer.
 
-:func:`plan_conversion` reads only headers and a few tiny tensors: it maps the model, asks the layout
-for every layer's constraints (all layers, all problems, before any byte is written) and fixes the
-output's shards. :func:`run_conversion` then streams: pass-through tensors are copied byte for byte,
+:func:`moeconvert.plan.plan_conversion` fixes the whole output first (importable from here too).
+:func:`run_conversion` then streams: pass-through tensors are copied byte for byte,
 MoE layers are decoded and encoded a chunk of experts at a time.
 """
 
@@ -17,177 +16,14 @@ from typing import Callable
 
 from moeconvert import __version__
 from moeconvert.format import CONFIG_NAME, FORMAT_VERSION
-from moeconvert.canonical import ExpertBlock, LayerShape, Partition
-from moeconvert.decode import decode_chunk, partition_sizes
 from moeconvert.errors import InternalError, MoeConvertError
-from moeconvert.jobs import (DEFAULT_CHUNK_BYTES, DEFAULT_JOB_BYTES, Request, attempts, plan_jobs, plan_key,
-                             read_records, source_stat, still_good)
-from moeconvert.layouts import Layout, TensorSpec, get_layout
-from moeconvert.modelmap import ModelMap, MoELayerMap, map_model
-from moeconvert.quantize import Quality, Quantization, output_block, output_problems, padded_sizes
-from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme, WNA16Scheme
-from moeconvert.sources import Source
-from moeconvert.writer import PlannedTensor, Shard, StagedOutput, dtype_code, layout_shards
-
-
-@dataclass
-class LayerPlan:
-    map: MoELayerMap
-    shape: LayerShape
-    expert_start: int  # first global expert of this output
-    specs: list[TensorSpec]
-    metadata: dict
-    warnings: list[str]
-    tensors: dict[str, PlannedTensor]  # suffix -> planned output tensor
-    scheme: Scheme  # of the output (MXFP4 for quantize), the source's otherwise
-    unpadded: tuple[int, int]  # this rank's real (H, I); shape holds the padded ones for MXFP4 output
-    quantized: bool = False  # float experts quantized here (the manifest gets a quality report)
-
-
-@dataclass
-class ConversionPlan:
-    source: Source
-    model: ModelMap
-    layout: Layout
-    partition: Partition
-    layers: list[LayerPlan]
-    tensors: list[PlannedTensor]
-    shards: list[Shard]
-    dtype: str  # the model dtype the output is for
-    quant: Quantization | None = None
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(s.size for s in self.shards)
-
-    def warnings(self) -> list[str]:
-        """Each distinct warning once, with the layers it concerns (one layer, or first .. last and a count)."""
-        return group_by_layers((lp.map.prefix, w) for lp in self.layers for w in lp.warnings)
-
-
-def group_by_layers(items) -> list[str]:
-    """``(layer prefix, message)`` pairs -> one line per distinct message, naming the layers."""
-    by_message: dict[str, list[str]] = {}
-    for prefix, message in items:
-        by_message.setdefault(message, []).append(prefix)
-    lines = []
-    for message, prefixes in by_message.items():
-        where = prefixes[0] if len(prefixes) == 1 else f"{len(prefixes)} layers, {prefixes[0]} .. {prefixes[-1]}"
-        lines.append(f"{where}: {message}")
-    return lines
-
-
-def output_scheme(layer: MoELayerMap, quant: Quantization | None) -> Scheme:
-    """The scheme the output holds: MXFP4 when quantizing (or when the experts are MXFP4 already)."""
-    return MXFP4Scheme() if quant is not None or isinstance(layer.scheme, MXFP4Scheme) else layer.scheme
-
-
-def layer_shape(layer: MoELayerMap, part: Partition, dtype: str, layout: Layout | None = None,
-                quant: Quantization | None = None) -> tuple[LayerShape, int]:
-    """This rank's sizes for the layout; for MXFP4 output H and I are the padded ones (``extra`` keeps
-    the real ones), because the block the layout encodes is padded already."""
-    e0, n_local, I_part = partition_sizes(layer, part)
-    H, I, extra, bias_dtype = layer.hidden_size, I_part, {}, layer.bias_dtype
-    if layout is not None and isinstance(output_scheme(layer, quant), MXFP4Scheme):
-        extra = {"hidden_size_unpadded": H, "intermediate_size_unpadded": I}
-        H, I = padded_sizes(H, I, layout.pad_multiples)
-        bias_dtype = dtype if layer.has_bias else None  # the engine's bias parameters are in the model dtype
-    shape = LayerShape(num_experts=n_local, hidden_size=H, intermediate_size=I,
-                       has_bias=layer.has_bias, activation=layer.activation, dtype=dtype,
-                       bias_dtype=bias_dtype, extra=extra)
-    return shape, e0
-
-
-def decoder_problems(layer: MoELayerMap) -> list[str]:
-    """Limits of the decoder itself, whatever the layout."""
-    s = layer.scheme
-    if isinstance(s, WNA16Scheme) and 32 % s.bits:
-        return [f"{s.bits}-bit codes are packed across int32 word boundaries; moeconvert decodes 2-, 4- and "
-                "8-bit pack-quantized experts"]
-    return []
-
-
-def scheme_kind(model: ModelMap, quant: Quantization | None = None) -> str | None:
-    """The scheme kind of the output's experts, which picks the layout behind a backend name."""
-    return output_scheme(model.layers[0], quant).kind if model.layers else None
-
-
-def check_layers(model: ModelMap, layout: Layout, part: Partition, quant: Quantization | None = None,
-                 dtype: str | None = None) -> dict[str, list[str]]:
-    """Every layer's violated constraints for this layout (only layers with problems appear)."""
-    problems = {}
-    for layer in model.layers:
-        try:
-            shape, _ = layer_shape(layer, part, dtype or model.dtype, layout, quant)
-        except MoeConvertError as e:
-            problems[layer.prefix] = [e.what()]
-            continue
-        scheme = output_scheme(layer, quant)
-        found = decoder_problems(layer) + layout.check(shape, scheme)
-        if isinstance(scheme, MXFP4Scheme):
-            found = output_problems(layer.scheme, shape, quant) + found
-        if found:
-            problems[layer.prefix] = found
-    return problems
-
-
-def plan_conversion(source: Source, backend: str, part: Partition = Partition(),
-                    max_shard_size: int = 5 * 10**9, model: ModelMap | None = None,
-                    quant: Quantization | None = None, dtype: str | None = None) -> ConversionPlan:
-    """``backend``: the ``--backend`` word; the layout is the one registered under it for the output's
-    scheme kind (the only lookup on the way to the encoder). ``quant``: quantize float experts
-    (``moeconvert quantize``); ``dtype``: the model dtype the output is for (default: the checkpoint's)."""
-    model = model or map_model(source)
-    dtype = dtype or model.dtype
-    layout = get_layout(backend, scheme_kind(model, quant))
-    problems = check_layers(model, layout, part, quant, dtype)
-    if problems:
-        n = sum(len(v) for v in problems.values())
-        first_prefix, first = next(iter(problems.items()))
-        raise MoeConvertError(
-            f"backend '{layout.name}' cannot take this checkpoint: {n} problem(s) in {len(problems)} layer(s); "
-            f"first: {first[0]} (`moeconvert inspect` lists all)", tensor=first_prefix)
-    by_first_tensor: dict[str, MoELayerMap] = {}
-    for layer in model.layers:
-        by_first_tensor[min(layer.source_tensors(), key=lambda n: (str(source.info(n).file), source.info(n).start))] = layer
-    moe_names = model.moe_tensor_names()
-    layers: list[LayerPlan] = []
-    tensors: list[PlannedTensor] = []
-    for name, info in sorted(source.tensors.items(), key=lambda kv: (source.files.index(kv[1].file), kv[1].start)):
-        layer = by_first_tensor.get(name)
-        if layer is not None:
-            shape, e0 = layer_shape(layer, part, dtype, layout, quant)
-            scheme = output_scheme(layer, quant)
-            specs = layout.plan(shape, scheme)
-            planned = {}
-            for spec in specs:
-                t = PlannedTensor(f"{layer.prefix}.{spec.suffix}", dtype_code(spec.dtype), spec.shape, spec.nbytes,
-                                  layer=len(layers), suffix=spec.suffix)
-                planned[spec.suffix] = t
-                tensors.append(t)
-            unpadded = (shape.extra.get("hidden_size_unpadded", shape.hidden_size),
-                        shape.extra.get("intermediate_size_unpadded", shape.intermediate_size))
-            layers.append(LayerPlan(layer, shape, e0, specs, layout.layer_metadata(shape, scheme),
-                                    layout.warnings(shape, scheme), planned, scheme, unpadded,
-                                    quant is not None and isinstance(layer.scheme, FloatScheme)))
-        elif name not in moe_names:
-            tensors.append(PlannedTensor(name, info.dtype, info.shape, info.nbytes, source=name))
-    taken = {}
-    for t in tensors:
-        if t.name in taken:
-            raise MoeConvertError("an output tensor name collides with a source tensor", tensor=t.name)
-        taken[t.name] = t
-    return ConversionPlan(source, model, layout, part, layers, tensors, layout_shards(tensors, max_shard_size),
-                          dtype, quant)
-
-
-def layer_output_block(plan: ConversionPlan, lp: LayerPlan, a: int, b: int, quality: Quality | None) -> ExpertBlock:
-    """Local experts [a, b) of a layer as the canonical block its layout encodes."""
-    block = decode_chunk(plan.source, lp.map, plan.partition, lp.expert_start + a, lp.expert_start + b)
-    if isinstance(lp.scheme, MXFP4Scheme):
-        block = output_block(block, lp.shape, lp.unpadded, plan.quant, prefix=lp.map.prefix,
-                             expert_offset=lp.expert_start + a, quality=quality)
-    return block
+from moeconvert.jobs import (Request, attempts, job_source_files, layer_output_block, plan_jobs,  # noqa: F401
+                             plan_key, read_records, rehash_sources, source_stat, still_good, write_record)
+# the plan lives beneath jobs and the writer; these names stay importable from here
+from moeconvert.plan import (DEFAULT_CHUNK_BYTES, DEFAULT_JOB_BYTES, ConversionPlan, LayerPlan,  # noqa: F401
+                             check_layers, decoder_problems, group_by_layers, layer_shape, output_scheme,
+                             plan_conversion, scheme_kind)
+from moeconvert.writer import StagedOutput
 
 
 @dataclass
@@ -226,15 +62,8 @@ def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
     with StagedOutput(out, plan.shards, overwrite, plan=record, resume=resume) as staged:
         done: dict[int, dict] = {}
         if staged.resumed_from is not None:
-            found = read_records(staged.staging, key, jobs)
-            with ThreadPoolExecutor(available_cores()) as pool:  # re-hashing what was written: I/O and hashlib
-                good = dict(zip(found, pool.map(lambda i: still_good(plan, jobs[i], found[i], staged.staging), found)))
-            done = {i: r for i, r in found.items() if good[i]}
-            report(f"resuming {staged.resumed_from.name}: {len(done)} of {len(jobs)} jobs done and checked, "
-                   f"{len(jobs) - len(done)} to run" + (f" ({len(found) - len(done)} redone: their bytes no "
-                                                         "longer match their record)" if len(found) > len(done) else ""))
-            for i in done:
-                progress(jobs[i].work_bytes)
+            done = _resumable(plan, jobs, key, staged, progress, report)
+        kept = sum(1 for i in done if jobs[i].kind != "digest")  # the source digests were made again here
         todo = [j for j in jobs if j.index not in done]
         started = attempts(staged.staging)
         done.update(executor.run(plan, request, key, staged.staging, todo, progress))
@@ -247,14 +76,16 @@ def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
         if retried:
             report(f"{len(retried)} job(s) ran again after a worker was lost: "
                    + ", ".join(f"{jobs[i].what} ({n + 1} attempts)" for i, n in sorted(retried.items())[:5]))
-        stats = {"jobs": len(jobs), "kept": len(jobs) - len(todo), "ran": len(todo),
+        stats = {"jobs": len(jobs), "kept": kept, "ran": len(jobs) - kept,
                  "retried": sum(retried.values())}
         copies = plan.source.other_files()  # listed once: the manifest's checksums are of exactly these
         digests = {}
         quality = {}
         source_digests = {}
         for j in jobs:
-            rec = done[j.index]
+            # records come from this process, a pipe or a JSON file (keys sorted): one key order for
+            # all, so that the manifest's bytes do not depend on which run did which job
+            rec = json.loads(json.dumps(done[j.index], sort_keys=True))
             digests.update(rec.get("tensors", {}))
             if "quality" in rec:
                 quality[plan.layers[j.layer].map.prefix] = rec["quality"]
@@ -266,6 +97,41 @@ def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
                  "weight_map": {t.name: plan.shards[t.shard].filename for t in plan.tensors}}
         staged.finish(index, copies, manifest, rewritten)
     return Conversion(manifest, **stats)
+
+
+def _resumable(plan: ConversionPlan, jobs, key: str, staged: StagedOutput, progress, report) -> dict[int, dict]:
+    """The records of the interrupted run that ``--resume`` keeps, after checking, in this order: that
+    each is well formed (:func:`read_records`), that the source files hash to what it recorded (else
+    refused: :func:`rehash_sources`), that each kept job read only such files, and that its bytes in
+    the staging folder still hash to its record. The fresh source digests are kept too."""
+    from moeconvert.executors import available_cores
+
+    found = read_records(staged.staging, key, jobs, plan)
+    earlier_digests = {i: r for i, r in found.items() if jobs[i].kind == "digest"}
+    try:
+        fresh, unchanged = rehash_sources(plan, jobs, key, earlier_digests, progress, available_cores())
+    except MoeConvertError:
+        staged.hand_back()  # the interrupted run's folder, as it was: the user decides
+        raise
+    for i, rec in fresh.items():
+        write_record(staged.staging, i, rec)
+    others = {i: r for i, r in found.items() if jobs[i].kind != "digest"}
+    tied = {i: r for i, r in others.items() if job_source_files(plan, jobs[i]) <= unchanged}
+    with ThreadPoolExecutor(available_cores()) as pool:  # re-hashing what was written: I/O and hashlib
+        good = dict(zip(tied, pool.map(lambda i: still_good(plan, jobs[i], tied[i], staged.staging), tied)))
+    kept = {i: r for i, r in tied.items() if good[i]}
+    redone = []
+    if len(tied) > len(kept):
+        redone.append(f"{len(tied) - len(kept)} whose bytes no longer match their record")
+    if len(others) > len(tied):
+        redone.append(f"{len(others) - len(tied)} whose source file the interrupted run had not hashed yet")
+    non_digest = sum(1 for j in jobs if j.kind != "digest")
+    report(f"resuming {staged.resumed_from.name}: source files hashed again and unchanged; {len(kept)} of "
+           f"{non_digest} layer and copy jobs done and checked, {non_digest - len(kept)} to run"
+           + (f" (redone: {'; '.join(redone)})" if redone else ""))
+    for i in kept:
+        progress(jobs[i].work_bytes)
+    return {**kept, **fresh}
 
 
 def served_config(plan: ConversionPlan) -> bytes | None:

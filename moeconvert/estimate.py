@@ -16,17 +16,30 @@ import hashlib
 import time
 
 PROCESS_BYTES = 512 << 20  # a worker process's own memory (interpreter, torch) beside its job's
+MEASURE_BYTES = 256 << 20  # the most working memory measuring one expert may take (a dry run stays light)
+
+
+def _expert_working_bytes(lp) -> int:
+    """Working memory of decoding (and quantizing) and encoding one expert of a layer (jobs.chunk_factor)."""
+    from moeconvert.jobs import chunk_factor
+
+    per_expert = sum(t.nbytes for t in lp.tensors.values()) // max(lp.shape.num_experts, 1)
+    return per_expert * chunk_factor(lp)
 
 
 def _measure_layer(plan) -> float | None:
-    """Source bytes per second of a layer job, on the largest layer's first expert."""
-    from moeconvert.convert import layer_output_block
+    """Source bytes per second of a layer job, on the first expert of the largest layer whose one expert
+    fits :data:`MEASURE_BYTES` of working memory (rates are per byte, so a smaller layer of the same
+    scheme measures the same work). None when no expert is that small: the layer jobs' time is then
+    not estimated, rather than a dry run allocating tens of GiB (or failing) to measure it."""
+    from moeconvert.jobs import layer_output_block
     from moeconvert.quantize import Quality
     from moeconvert.writer import tensor_bytes
 
-    if not plan.layers:
+    small = [lp for lp in plan.layers if _expert_working_bytes(lp) <= MEASURE_BYTES]
+    if not small:
         return None
-    lp = max(plan.layers, key=lambda lp: sum(t.nbytes for t in lp.tensors.values()))
+    lp = max(small, key=lambda lp: sum(t.nbytes for t in lp.tensors.values()))
     read = sum(plan.source.info(n).nbytes for n in lp.map.source_tensors()) / max(lp.map.num_experts, 1)
     best = None
     for _ in range(2):  # the first pass pays one-off costs (allocator, kernels' first use)
@@ -98,5 +111,9 @@ def estimate(plan, jobs, workers: list[int]) -> dict:
         s = schedule(times, n)
         rows.append({"workers": n, "seconds": round(s, 1), "peak_memory_bytes_per_worker": peak,
                      "bounded_by_largest_job": s <= largest * 1.0001 and len(jobs) > 1})
+    unmeasured = sorted({j.kind for j in jobs} - set(rates))
     return {"rates": {k: round(v) for k, v in rates.items()}, "cores_per_worker": 1,
-            "largest_job_seconds": round(largest, 1), "by_workers": rows}
+            "largest_job_seconds": round(largest, 1), "by_workers": rows,
+            # job kinds whose time is left out of the seconds above (a layer whose one expert is larger
+            # than MEASURE_BYTES of working memory is not measured)
+            "not_measured": unmeasured}

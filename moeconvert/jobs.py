@@ -17,16 +17,22 @@ Kinds of job:
 A job ends with its record, ``.jobs/NNNNN.json`` in the staging folder, renamed into place once its
 bytes are written and its files closed: the sha256 of each tensor it wrote, the layer's quality report,
 the file digest. Nothing is synced per job (the finalize step syncs every shard once, before the
-manifest): ``--resume`` keeps a job only if its record is there *and* its bytes still hash to it, so a
-record that outlived its data in a power cut costs a rerun of that job, never a wrong byte.
+manifest): ``--resume`` keeps a job only if its record is there, well formed, *and* its bytes still
+hash to it, so a record that outlived its data in a power cut costs a rerun of that job, never a wrong
+byte. A kept job is also tied to the source bytes it read: ``--resume`` hashes every source file again
+and keeps a layer or copy job only when each file it read has the sha256 the interrupted run recorded
+(:func:`resume_records`); a file with other bytes refuses the resume.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import socket
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,10 +42,7 @@ from moeconvert import __version__
 from moeconvert.canonical import Partition
 from moeconvert.errors import InternalError, MoeConvertError
 
-JOBS_DIR = ".jobs"  # inside the staging folder; removed before the output is published
-PLAN_FILE = "plan.json"
-DEFAULT_CHUNK_BYTES = 256 << 20
-DEFAULT_JOB_BYTES = 1 << 30  # pass-through tensors per copy job
+from moeconvert.plan import DEFAULT_CHUNK_BYTES, DEFAULT_JOB_BYTES, JOBS_DIR, PLAN_FILE  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class Request:
 
     def open(self):
         """``(plan, jobs)`` exactly as the driver made them."""
-        from moeconvert.convert import plan_conversion
+        from moeconvert.plan import plan_conversion
         from moeconvert.modelmap import map_model
         from moeconvert.sources import open_source
 
@@ -101,8 +104,9 @@ class Job:
 
     @property
     def work_bytes(self) -> int:
-        """What the progress bar counts for it."""
-        return self.write_bytes if self.kind != "digest" else self.read_bytes
+        """What the progress bar counts for it: the source bytes it reads (a layer's and a copy's
+        tensors, a digest's whole file), so that the bar's total is one quantity, reported per piece."""
+        return self.read_bytes
 
     def to_json(self) -> dict:
         return {"job": self.index, "kind": self.kind, "what": self.what, "read_bytes": self.read_bytes,
@@ -202,7 +206,7 @@ class TensorWriter:
         if fd is None:
             path = self.staging / self.shards[shard].filename
             try:
-                fd = os.open(path, os.O_RDWR)
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # never write through a link out of OUT
             except OSError as e:
                 raise MoeConvertError(f"cannot open the staging shard: {e.strerror}", file=str(path)) from e
             self._fds[shard] = fd
@@ -253,7 +257,11 @@ def run_job(plan, job: Job, staging: Path, key: str, chunk_bytes: int = DEFAULT_
     t0 = time.perf_counter()
     jobs_dir = staging / JOBS_DIR
     # one empty marker per attempt: how many times a job started is visible after the fact
-    (jobs_dir / f"{job.index:05d}.run-{socket.gethostname()}-{os.getpid()}").touch()
+    marker = jobs_dir / f"{job.index:05d}.run-{socket.gethostname()}-{os.getpid()}"
+    try:
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644))
+    except OSError as e:
+        raise MoeConvertError(f"cannot write in the staging folder: {e.strerror}", file=str(marker)) from e
     record: dict = {"key": key, "job": job.index, "kind": job.kind}
     writer = TensorWriter(staging, plan.shards)
     try:
@@ -262,8 +270,6 @@ def run_job(plan, job: Job, staging: Path, key: str, chunk_bytes: int = DEFAULT_
             quality = _fresh_quality(lp)
             step = experts_per_chunk(lp, chunk_bytes)
             n = lp.shape.num_experts
-            from moeconvert.convert import layer_output_block
-
             for a in range(0, n, step):
                 b = min(n, a + step)
                 block = layer_output_block(plan, lp, a, b, quality)
@@ -274,7 +280,7 @@ def run_job(plan, job: Job, staging: Path, key: str, chunk_bytes: int = DEFAULT_
                     t = lp.tensors[spec.suffix]
                     writer.write(t, a * (t.nbytes // n), tensor_bytes(encoded[spec.suffix]))
                 del encoded
-                progress(sum(t.nbytes * (b - a) // n for t in lp.tensors.values()))
+                progress(job.read_bytes * b // n - job.read_bytes * a // n)  # sums to read_bytes exactly
             record["tensors"] = {t.name: writer.digest(t) for t in lp.tensors.values()}
             if quality is not None:
                 record["quality"] = quality.to_json()
@@ -288,9 +294,7 @@ def run_job(plan, job: Job, staging: Path, key: str, chunk_bytes: int = DEFAULT_
                     progress(len(buf))
             record["tensors"] = {plan.tensors[i].name: writer.digest(plan.tensors[i]) for i in job.tensors}
         elif job.kind == "digest":
-            f = plan.source.files[job.file]
-            record["file"] = f.name
-            record["digest"] = plan.source.file_digest(f, progress)
+            record.update(digest_fields(plan, job, progress))
         else:
             raise InternalError(f"unknown job kind {job.kind!r}")
     finally:
@@ -299,6 +303,25 @@ def run_job(plan, job: Job, staging: Path, key: str, chunk_bytes: int = DEFAULT_
     record["worker"] = f"{socket.gethostname()}:{os.getpid()}"
     write_record(staging, job.index, record)
     return record
+
+
+def layer_output_block(plan, lp, a: int, b: int, quality):
+    """Local experts [a, b) of a layer as the canonical block its layout encodes."""
+    from moeconvert.decode import decode_chunk
+    from moeconvert.quantize import output_block
+    from moeconvert.schemes import MXFP4Scheme
+
+    block = decode_chunk(plan.source, lp.map, plan.partition, lp.expert_start + a, lp.expert_start + b)
+    if isinstance(lp.scheme, MXFP4Scheme):
+        block = output_block(block, lp.shape, lp.unpadded, plan.quant, prefix=lp.map.prefix,
+                             expert_offset=lp.expert_start + a, quality=quality)
+    return block
+
+
+def digest_fields(plan, job: Job, progress=None) -> dict:
+    """A digest job's result: the source file's name and ``{"sha256", "size"}``."""
+    f = plan.source.files[job.file]
+    return {"file": f.name, "digest": plan.source.file_digest(f, progress)}
 
 
 def _fresh_quality(lp):
@@ -324,24 +347,114 @@ def write_record(staging: Path, index: int, record: dict) -> None:
     path = record_path(staging, index)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
+        # O_EXCL|O_NOFOLLOW: a name planted in the staging folder is never written through
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with open(fd, "w") as f:
             f.write(json.dumps(record, sort_keys=True, allow_nan=False))
         os.replace(tmp, path)
     except OSError as e:
         raise MoeConvertError(f"cannot write the job record: {e.strerror}", file=str(path)) from e
 
 
-def read_records(staging: Path, key: str, jobs: list[Job]) -> dict[int, dict]:
-    """The finished jobs' records in ``staging`` that belong to this plan (others are ignored)."""
+RECORD_MAX_BYTES = 64 << 20  # a copy job of a million small tensors stays far below
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def read_small_file(path: Path, limit: int) -> bytes | None:
+    """The bytes of ``path`` if it is a regular file (not a link, a FIFO, a device) of at most ``limit``
+    bytes, else None. A damaged staging folder can hold anything under a record's name: reading one must
+    neither block (FIFO), nor follow a link, nor fill the memory (a device)."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)  # what was opened, in case the name was swapped after the lstat
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        data = os.read(fd, limit + 1)
+        return data if len(data) <= limit else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def job_tensors(plan, job: Job) -> list:
+    """The planned tensors a layer or copy job writes."""
+    if job.kind == "layer":
+        return list(plan.layers[job.layer].tensors.values())
+    return [plan.tensors[i] for i in job.tensors]
+
+
+def job_source_files(plan, job: Job) -> set[str]:
+    """The names of the source files a job reads."""
+    src = plan.source
+    if job.kind == "digest":
+        return {src.files[job.file].name}
+    if job.kind == "layer":
+        names = plan.layers[job.layer].map.source_tensors()
+    else:
+        names = [plan.tensors[i].source for i in job.tensors]
+    return {src.info(n).file.name for n in names}
+
+
+def valid_digest(plan, job: Job, record: dict) -> bool:
+    """A digest record names its file and holds a sha256 of 64 lowercase hex digits and the file's size."""
+    f = plan.source.files[job.file]
+    d = record.get("digest")
+    return (record.get("file") == f.name and isinstance(d, dict) and set(d) == {"sha256", "size"}
+            and isinstance(d["sha256"], str) and _SHA256.fullmatch(d["sha256"]) is not None
+            and type(d["size"]) is int and d["size"] == f.stat().st_size)
+
+
+def _well_formed(plan, job: Job, rec) -> bool:
+    if job.kind == "digest":
+        return valid_digest(plan, job, rec)
+    want = rec.get("tensors")
+    if not isinstance(want, dict) or set(want) != {t.name for t in job_tensors(plan, job)}:
+        return False  # every tensor the job writes, and only those
+    if not all(isinstance(d, str) and _SHA256.fullmatch(d) for d in want.values()):
+        return False
+    if job.kind == "layer" and plan.layers[job.layer].quantized:
+        return _valid_quality(rec.get("quality"))
+    return "quality" not in rec
+
+
+_QUALITY_KEYS = {"rel_fro_error", "max_abs_error", "saturated_block_fraction"}  # Quality.to_json's
+
+
+def _valid_quality(q) -> bool:
+    """A quantized layer's report as :meth:`moeconvert.quantize.Quality.to_json` writes it: finite numbers."""
+    return (isinstance(q, dict) and set(q) == {"w13", "w2"}
+            and all(isinstance(v, dict) and set(v) == _QUALITY_KEYS
+                    and all(type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in v.values())
+                    for v in q.values()))
+
+
+def read_records(staging: Path, key: str, jobs: list[Job], plan=None) -> dict[int, dict]:
+    """The finished jobs' records in ``staging`` that belong to this plan and are well formed (with
+    ``plan``: every tensor the job writes with a sha256, a digest's file, size and sha256). Anything
+    else under a record's name (not a regular file, too large, not JSON, wrong types) counts as absent:
+    its job runs again."""
     out = {}
     for job in jobs:
-        path = record_path(staging, job.index)
-        try:
-            rec = json.loads(path.read_text())
-        except (OSError, ValueError):
+        data = read_small_file(record_path(staging, job.index), RECORD_MAX_BYTES)
+        if data is None:
             continue
-        if isinstance(rec, dict) and rec.get("key") == key and rec.get("job") == job.index and rec.get("kind") == job.kind:
-            out[job.index] = rec
+        try:
+            rec = json.loads(data)
+        except (ValueError, RecursionError):
+            continue
+        if not (isinstance(rec, dict) and rec.get("key") == key and rec.get("job") == job.index
+                and rec.get("kind") == job.kind):
+            continue
+        if plan is not None and not _well_formed(plan, job, rec):
+            continue
+        out[job.index] = rec
     return out
 
 
@@ -360,31 +473,78 @@ def attempts(staging: Path) -> dict[int, int]:
 
 
 def still_good(plan, job: Job, record: dict, staging: Path) -> bool:
-    """A finished job's bytes in ``staging`` still hash to its record (``--resume`` keeps only those)."""
+    """A finished job's bytes in ``staging`` still hash to its record (``--resume`` keeps only those).
+
+    Every tensor the job writes is read back whole, from the shard's regular file (never through a
+    link), and compared with its record's sha256: damage anywhere in any of them reruns the job."""
     if job.kind == "digest":
-        return isinstance(record.get("digest"), dict)
+        return valid_digest(plan, job, record)
     want = record.get("tensors")
     if not isinstance(want, dict):
         return False
-    by_name = {t.name: t for t in plan.tensors}
     buf = bytearray(8 << 20)
-    for name, digest in want.items():
-        t = by_name.get(name)
-        if t is None:
+    for t in job_tensors(plan, job):
+        digest = want.get(t.name)
+        if not isinstance(digest, str):
             return False
         h = hashlib.sha256()
         try:
-            with open(staging / plan.shards[t.shard].filename, "rb", buffering=0) as f:
-                f.seek(t.offset)
-                left = t.nbytes
-                while left:
-                    n = f.readinto(memoryview(buf)[:min(left, len(buf))])
-                    if not n:
-                        return False
-                    h.update(memoryview(buf)[:n])
-                    left -= n
+            fd = os.open(staging / plan.shards[t.shard].filename, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             return False
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return False
+            pos, left = t.offset, t.nbytes
+            while left:
+                n = os.preadv(fd, [memoryview(buf)[:min(left, len(buf))]], pos)
+                if not n:
+                    return False  # the shard is shorter than planned
+                h.update(memoryview(buf)[:n])
+                pos, left = pos + n, left - n
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
         if h.hexdigest() != digest:
             return False
     return True
+
+
+def rehash_sources(plan, jobs: list[Job], key: str, earlier: dict[int, dict], progress=None,
+                   threads: int = 1) -> tuple[dict[int, dict], set[str]]:
+    """``--resume``'s check that the source is the one the interrupted run read, before any of its jobs
+    is kept: every source file is hashed again (the digest jobs, which the manifest needs anyway, run
+    here) and compared with the sha256 the interrupted run recorded for it (``earlier``: its
+    well-formed records). Size and modification time alone do not tell: ``cp -p``, ``rsync -a`` and
+    ``touch -r`` keep both.
+
+    Returns the fresh digest records (not yet written) and the names of the files whose bytes the
+    interrupted run recorded, unchanged: only jobs that read nothing else may be kept. A file whose
+    bytes differ is refused (one line naming it), since kept jobs would mix the two sources."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    digests = [j for j in jobs if j.kind == "digest"]
+
+    def one(job: Job) -> dict:
+        t0 = time.perf_counter()
+        rec = {"key": key, "job": job.index, "kind": "digest", **digest_fields(plan, job, progress)}
+        rec["seconds"] = round(time.perf_counter() - t0, 3)
+        rec["worker"] = f"{socket.gethostname()}:{os.getpid()}"
+        return rec
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:  # hashlib and file reads release the GIL
+        fresh = dict(zip((j.index for j in digests), pool.map(one, digests)))
+    unchanged = set()
+    for job in digests:
+        before = earlier.get(job.index)
+        if before is None:
+            continue  # the interrupted run had not hashed it: jobs that read it are redone
+        name = plan.source.files[job.file].name
+        if before["digest"]["sha256"] != fresh[job.index]["digest"]["sha256"]:
+            raise MoeConvertError("cannot resume: this source file has other bytes than when the interrupted run "
+                                  "read it (same size and modification time); run without --resume to start over",
+                                  file=name, expected=f"sha256 {before['digest']['sha256'][:16]}…",
+                                  found=f"sha256 {fresh[job.index]['digest']['sha256'][:16]}…")
+        unchanged.add(name)
+    return fresh, unchanged

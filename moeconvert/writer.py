@@ -10,75 +10,21 @@ are on disk; a failure removes the staging folder and leaves any earlier output 
 from __future__ import annotations
 
 import errno
-import hashlib
+import fcntl
 import json
 import os
 import re
 import shutil
 import signal
 import stat
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from moeconvert.errors import InternalError, MoeConvertError
-from moeconvert.format import INDEX_NAME, MANIFEST_NAME, TORCH_TO_CODE
-from moeconvert.jobs import JOBS_DIR, PLAN_FILE
-
-
-@dataclass
-class PlannedTensor:
-    name: str
-    dtype: str  # safetensors code
-    shape: tuple[int, ...]
-    nbytes: int
-    source: str | None = None  # copied byte for byte from this source tensor
-    layer: int | None = None  # else: produced by plan.layers[layer]'s layout ...
-    suffix: str | None = None  # ... under this suffix
-    shard: int = -1
-    offset: int = 0  # absolute offset in the shard file
-
-
-@dataclass
-class Shard:
-    filename: str
-    tensors: list[PlannedTensor] = field(default_factory=list)
-    header: bytes = b""
-
-    @property
-    def size(self) -> int:
-        return len(self.header) + sum(t.nbytes for t in self.tensors)
-
-
-def layout_shards(tensors: list[PlannedTensor], max_shard_size: int) -> list[Shard]:
-    """Greedy, in plan order: a shard closes when the next tensor would take it past the limit."""
-    groups: list[list[PlannedTensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if groups[-1] and size + t.nbytes > max_shard_size:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += t.nbytes
-    n = len(groups)
-    shards = []
-    for i, group in enumerate(groups):
-        shard = Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", group)
-        header: dict = {"__metadata__": {"format": "pt"}}
-        pos = 0
-        for t in group:
-            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
-            pos += t.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned
-        shard.header = len(raw).to_bytes(8, "little") + raw
-        pos = len(shard.header)
-        for t in group:
-            t.shard, t.offset = i, pos
-            pos += t.nbytes
-        shards.append(shard)
-    return shards
+from moeconvert.errors import MoeConvertError
+from moeconvert.format import INDEX_NAME, MANIFEST_NAME
+# the plan's file layout: re-exported, it was defined here before moeconvert.plan existed
+from moeconvert.plan import JOBS_DIR, PLAN_FILE, PlannedTensor, Shard, dtype_code, layout_shards  # noqa: F401
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -90,10 +36,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.view(torch.uint8).numpy())
-
-
-def dtype_code(dt: torch.dtype) -> str:
-    return TORCH_TO_CODE[dt]
 
 
 def leftover_path(out: Path, what: str, pid: int | None = None) -> Path:
@@ -152,7 +94,11 @@ def clear_leftovers(out: Path, keep_partial: bool = False) -> None:
 
 def _write_json_durably(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    try:
+        os.unlink(tmp)  # whatever a killed run (or anyone) left under that name: never written through
+    except FileNotFoundError:
+        pass
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
         f.write(json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
@@ -182,18 +128,22 @@ def _claim_partial(out: Path, staging: Path, plan: dict) -> Path | None:
     this one on a source changed since, is refused: resuming it would mix two outputs."""
     refusals = []
     for cand in _dead_partials(out):
+        jobs_dir = cand / JOBS_DIR
+        data = None if os.path.islink(jobs_dir) else _read_plan_file(jobs_dir / PLAN_FILE)
         try:
-            earlier = json.loads((cand / JOBS_DIR / PLAN_FILE).read_text())
-        except (OSError, ValueError):
+            earlier = json.loads(data) if data is not None else None
+        except (ValueError, RecursionError):
+            earlier = None
+        if earlier is None:
             refusals.append((cand, "it has no readable job plan (made before --resume existed, or damaged)"))
             continue
-        if not isinstance(earlier, dict):
-            refusals.append((cand, "its job plan is damaged"))
+        if not _plan_well_formed(earlier):
+            refusals.append((cand, "its job plan is damaged (values of the wrong type)"))
             continue
-        if earlier.get("key") != plan["key"]:
+        if earlier["key"] != plan["key"]:
             refusals.append((cand, _plan_difference(earlier, plan)))
             continue
-        changed = [name for name, st in plan["source_stat"].items() if earlier.get("source_stat", {}).get(name) != st]
+        changed = [name for name, st in plan["source_stat"].items() if earlier["source_stat"].get(name) != st]
         if changed:
             raise MoeConvertError(f"cannot resume: source file {changed[0]} changed since the interrupted run "
                                   "(size or modification time); run without --resume to start over",
@@ -207,15 +157,78 @@ def _claim_partial(out: Path, staging: Path, plan: dict) -> Path | None:
     return None
 
 
+PLAN_MAX_BYTES = 1 << 20
+
+
+def _read_plan_file(path: Path) -> bytes | None:
+    """The job plan's bytes if it is a regular file of sane size; None for anything else (a link, a
+    FIFO, a device, a huge file): reading those would follow, block or fill the memory."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > PLAN_MAX_BYTES:
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, PLAN_MAX_BYTES + 1)
+        return data if len(data) <= PLAN_MAX_BYTES else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _plan_well_formed(p) -> bool:
+    """The job plan has the types this version writes (``run_conversion``'s record)."""
+    return (isinstance(p, dict) and isinstance(p.get("key"), str) and isinstance(p.get("request"), dict)
+            and isinstance(p.get("tool_version"), str) and type(p.get("jobs")) is int
+            and isinstance(p.get("source_stat"), dict)
+            and all(isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v)
+                    for v in p["source_stat"].values()))
+
+
+#: the request's fields as the user typed them: (option, how its value is shown)
+_OPTION_OF = {
+    "chunk_bytes": ("--chunk-mb", lambda v: v >> 20 if type(v) is int else v),
+    "max_shard_size": ("--max-shard-size", lambda v: v),
+    "backend": ("--backend", lambda v: v),
+    "dtype": ("--dtype", lambda v: v),
+    "revision": ("--revision", lambda v: v),
+    "src": ("SRC", lambda v: v),
+}
+
+
 def _plan_difference(earlier: dict, plan: dict) -> str:
-    """What makes an earlier job plan another conversion, in a few words."""
+    """What makes an earlier job plan another conversion, in a few words, naming the option typed."""
     a, b = earlier.get("request") or {}, plan.get("request") or {}
     for k in sorted(set(a) | set(b)):
         if a.get(k) != b.get(k):
-            return f"it was made with {k} = {json.dumps(a.get(k))}, this run has {json.dumps(b.get(k))}"
+            option, shown = _OPTION_OF.get(k, (k, lambda v: v))
+            return (f"it was made with {option} {json.dumps(shown(a.get(k)))}, this run has "
+                    f"{option} {json.dumps(shown(b.get(k)))}")
     if earlier.get("tool_version") != plan.get("tool_version"):
         return f"it was made by moeconvert {earlier.get('tool_version')}, this is {plan.get('tool_version')}"
     return "it converted another source or planned other jobs"
+
+
+def _lmode(path: Path) -> int:
+    """``path``'s own file type (0 when it does not exist)."""
+    try:
+        return os.lstat(path).st_mode
+    except FileNotFoundError:
+        return 0
+
+
+def _remove(path: Path) -> None:
+    """Remove ``path`` itself, whatever it is; a link is removed, never what it points to."""
+    mode = _lmode(path)
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(path)
+    elif mode:
+        os.unlink(path)
 
 
 def _path_problem(e: OSError) -> str:
@@ -233,6 +246,10 @@ def output_folder(out: Path) -> Path:
     the target, on the target's file system, where the final rename has to happen. A dangling link or a
     link loop is refused.
     """
+    if out.name in ("", ".", ".."):
+        raise MoeConvertError("the output must be a folder named by the path, not '.' or '..' (its staging folder "
+                              "goes beside it, and it is replaced at the end); name a new folder, e.g. ./out",
+                              file=str(out))
     try:
         st = os.lstat(out)
     except FileNotFoundError:
@@ -265,6 +282,55 @@ def _release_signals(mask) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
+class OutputLock:
+    """One run at a time on an output: an exclusive ``flock`` on ``.OUT.moeconvert-lock`` beside it, taken
+    before anything is planned into the staging folder, so a second run (``--resume`` or not) is refused
+    at once, naming the process that holds it, instead of converting everything to be refused at the end.
+    The kernel drops the lock when its holder dies (``kill -9`` included): a stale file locks nothing."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.path = out.parent / f".{out.name}.moeconvert-lock"
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(100):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise MoeConvertError(f"another moeconvert run (PID {holder}) is writing this output; wait for it to "
+                                      "end or stop it, then run again", file=str(self.out))
+            except BaseException:
+                os.close(fd)
+                raise
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path, follow_symlinks=False))
+            except FileNotFoundError:
+                same = False
+            if not same:  # its holder removed it between our open and our lock: lock the new one
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            self.fd = fd
+            return
+        raise MoeConvertError("cannot take the output's lock", file=str(self.path))
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)  # while still locked: a run waiting on this file locks a fresh one
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+
 class StagedOutput:
     """Shard files being filled in a staging folder next to the final output.
 
@@ -288,6 +354,11 @@ class StagedOutput:
         self._old: Path | None = None  # the replaced output, while it is moved aside
 
     def __enter__(self) -> "StagedOutput":
+        self._lock = OutputLock(self.out)
+        try:
+            self._lock.acquire()
+        except OSError as e:
+            raise MoeConvertError(f"cannot write the output: {e.strerror}", file=str(self.out)) from e
         if not self.resume:
             clear_leftovers(self.out)
         try:
@@ -298,11 +369,15 @@ class StagedOutput:
             clear_leftovers(self.out)  # what --resume did not take over
             if self.resumed_from is None:
                 self._create()
+            else:
+                self._repair()
         except OSError as e:
             self._cleanup()
+            self._lock.release()
             raise MoeConvertError(f"cannot write the output: {e.strerror}", file=str(self.out)) from e
         except BaseException:  # a signal while setting up: __exit__ will not run for a failed __enter__
             self._cleanup()
+            self._lock.release()
             raise
         return self
 
@@ -320,9 +395,57 @@ class StagedOutput:
             jobs.mkdir()
             _write_json_durably(jobs / PLAN_FILE, self.plan)
 
+    def _repair(self) -> None:
+        """Make a taken-over staging folder hold exactly the layout's files, each a regular file of its
+        planned size under its planned header, before any job is kept.
+
+        A power cut can leave an unsynced shard empty or with a zeroed header page, and anything can
+        have been put in its place (a link out of OUT, a FIFO): the headers are ours, so they are
+        written again, sizes restored, and a name that is not a regular file (or not a name of ours)
+        is removed and made afresh. The tensors' bytes are judged after, against the job records:
+        whatever this restores as zeros no longer hashes to its record, and its job runs again."""
+        mine = {s.filename for s in self.shards} | {JOBS_DIR}
+        for entry in os.scandir(self.staging):
+            if entry.name not in mine:
+                _remove(Path(entry.path))
+        jobs = self.staging / JOBS_DIR
+        if not stat.S_ISDIR(_lmode(jobs)):
+            _remove(jobs)
+            jobs.mkdir()
+        for entry in os.scandir(jobs):
+            if not entry.is_file(follow_symlinks=False) and not entry.is_dir(follow_symlinks=False):
+                _remove(Path(entry.path))  # links, FIFOs, devices: never read, and never published
+            elif entry.is_dir(follow_symlinks=False):
+                _remove(Path(entry.path))
+        for shard in self.shards:
+            path = self.staging / shard.filename
+            if not stat.S_ISREG(_lmode(path)):
+                _remove(path)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise MoeConvertError("a staging shard is not a regular file", file=str(path))
+                os.pwrite(fd, shard.header, 0)
+                if os.fstat(fd).st_size != shard.size:
+                    os.ftruncate(fd, shard.size)
+            finally:
+                os.close(fd)
+        _write_json_durably(jobs / PLAN_FILE, self.plan)
+
+    def hand_back(self) -> None:
+        """Give the taken-over staging folder its old name again (a refused ``--resume`` loses nothing)."""
+        if self.resumed_from is not None and not os.path.lexists(self.resumed_from):
+            try:
+                os.rename(self.staging, self.resumed_from)
+            except OSError:
+                pass
+
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self._cleanup()
+        try:
+            if exc_type is not None:
+                self._cleanup()
+        finally:
+            self._lock.release()
 
     def _cleanup(self) -> None:
         """Leave things as they were: no staging folder, and the previous output (if any) in place."""
@@ -360,6 +483,10 @@ class StagedOutput:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.staging / MANIFEST_NAME)
+            for entry in os.scandir(self.staging):  # an output never holds a link (or anything but files)
+                if not entry.is_file(follow_symlinks=False):
+                    raise MoeConvertError("the staging folder holds something that is not a regular file; "
+                                          "nothing was published", file=entry.path)
             self._publish()
         except OSError as e:
             self._cleanup()

@@ -144,9 +144,24 @@ def test_a_killed_worker_process_has_its_job_run_again(cases, tmp_path):
     pytest.fail("no job was caught running in 3 runs")
 
 
+def _records(staging: Path) -> dict[str, int]:
+    """How many job records of each kind the staging folder holds."""
+    kinds: dict[str, int] = {}
+    for n in os.listdir(staging / ".jobs"):
+        if n[:5].isdigit() and n.endswith(".json"):
+            try:
+                kind = json.loads((staging / ".jobs" / n).read_text())["kind"]
+            except (OSError, ValueError, KeyError):
+                continue  # being renamed into place
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
 def _kill_run_after_some_jobs(cmd: list[str], parent: Path) -> tuple[Path, int]:
-    """Start ``cmd`` in its own process group, SIGKILL the whole group once at least one job has its
-    record and some have not; returns the staging folder left and how many records it holds."""
+    """Start ``cmd`` in its own process group, SIGKILL the whole group once every source digest and at
+    least one layer or copy job have their record and some jobs have not; returns the staging folder
+    left and how many layer and copy records it holds (what ``--resume`` keeps: digests are made again)."""
+    digests = len(list(Path(cmd[4]).glob("*.safetensors")))
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         while proc.poll() is None:
@@ -154,15 +169,16 @@ def _kill_run_after_some_jobs(cmd: list[str], parent: Path) -> tuple[Path, int]:
             if staging is not None:
                 try:
                     plan = json.loads((staging / ".jobs" / "plan.json").read_text())
-                    done = [n for n in os.listdir(staging / ".jobs") if n[:5].isdigit() and n.endswith(".json")]
+                    kinds = _records(staging)
                 except (OSError, ValueError):
-                    done, plan = [], None
-                if plan and 1 <= len(done) < plan["jobs"] - 1:
+                    kinds, plan = {}, None
+                others = sum(v for k, v in kinds.items() if k != "digest")
+                if plan and kinds.get("digest", 0) == digests and 1 <= others and sum(kinds.values()) < plan["jobs"] - 1:
                     os.killpg(proc.pid, signal.SIGSTOP)  # freeze everything, count, then kill
-                    done = [n for n in os.listdir(staging / ".jobs") if n[:5].isdigit() and n.endswith(".json")]
+                    kinds = _records(staging)
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-                    return staging, len(done)
+                    return staging, sum(v for k, v in kinds.items() if k != "digest")
             time.sleep(0.002)
     finally:
         if proc.poll() is None:
@@ -182,7 +198,8 @@ def test_resume_after_kill_9_does_only_the_unfinished_jobs(cases, tmp_path, work
     p = _run(cmd + ["--resume", "--json"])
     jobs = json.loads(p.stdout)["jobs"]
     assert jobs == {"total": total, "kept": finished, "ran": total - finished, "retried": 0}
-    assert f"{finished} of {total} jobs done and checked" in p.stderr
+    assert "source files hashed again and unchanged" in p.stderr
+    assert f"{finished} of " in p.stderr and "layer and copy jobs done and checked" in p.stderr
     _assert_identical(ref, out)
     assert _leftovers(tmp_path) == []
 
@@ -194,7 +211,7 @@ def test_resume_redoes_a_finished_job_whose_bytes_were_damaged(cases, tmp_path):
     staging, finished = _kill_run_after_some_jobs(cmd, tmp_path)
     # flip one byte inside a tensor a finished job wrote
     plan_records = sorted(n for n in os.listdir(staging / ".jobs") if n[:5].isdigit() and n.endswith(".json"))
-    rec = json.loads((staging / ".jobs" / plan_records[0]).read_text())
+    rec = next(r for r in (json.loads((staging / ".jobs" / n).read_text()) for n in plan_records) if "tensors" in r)
     name = next(iter(rec["tensors"]))
     shard = next(f for f in staging.glob("*.safetensors") if f'"{name}"'.encode() in f.read_bytes()[:1 << 20])
     from moeconvert.format import read_header
@@ -207,7 +224,7 @@ def test_resume_redoes_a_finished_job_whose_bytes_were_damaged(cases, tmp_path):
         f.write(bytes([b[0] ^ 0x10]))
     p = _run(cmd + ["--resume", "--json"])
     jobs = json.loads(p.stdout)["jobs"]
-    assert jobs["kept"] == finished - 1 and "1 redone" in p.stderr
+    assert jobs["kept"] == finished - 1 and "redone: 1 whose bytes no longer match their record" in p.stderr
     _assert_identical(ref, out)
 
 
@@ -228,7 +245,7 @@ def test_resume_refuses_a_different_command(cases, tmp_path):
     staging, _ = _kill_run_after_some_jobs(_cmd(verb, src, out, backend, "--workers", 0), tmp_path)
     p = _run(_cmd(verb, src, out, backend, "--workers", 0, "--resume", "--max-shard-size", "3MB"), expect=2)
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "cannot resume the interrupted run: it was made with max_shard_size" in lines[0]
+    assert len(lines) == 1 and "cannot resume the interrupted run: it was made with --max-shard-size" in lines[0]
     assert staging.exists() and not out.exists()  # nothing lost: the user decides
 
 

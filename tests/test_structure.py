@@ -62,3 +62,23 @@ def test_the_converter_never_imports_the_bench():
                     "moeconvert.runtime")
     assert "moeconvert.convert" in mods
     assert [m for m in mods if m == "moeconvert.bench" or m.startswith("moeconvert.bench.")] == []
+
+
+def test_the_plan_is_beneath_jobs_and_the_writer():
+    """Data flows one way: plan <- jobs <- convert, plan <- writer; the lower module never imports a higher one
+    (lazy imports inside functions included)."""
+    import moeconvert
+
+    root = Path(moeconvert.__file__).parent
+    never = {"plan": {"jobs", "writer", "convert", "executors", "cli"},
+             "writer": {"jobs", "convert", "executors", "cli"},
+             "jobs": {"convert", "executors", "cli"}}
+    for module, higher in never.items():
+        tree = ast.parse((root / f"{module}.py").read_text())
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            for name in names:
+                parts = name.split(".")
+                assert not (parts[0] == "moeconvert" and len(parts) > 1 and parts[1] in higher), \
+                    f"{module}.py:{node.lineno} imports {name}"

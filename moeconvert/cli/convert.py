@@ -16,8 +16,11 @@ from moeconvert.cli.app import app
 from moeconvert.cli.options import (EP_RANK, EP_SIZE, JSON, REVISION, TP_RANK, TP_SIZE, _human, _partition,
                                     _print_quality, _progress, err, out, parse_size)
 
-WORKERS = typer.Option("auto", "--workers", help="auto or 0: jobs on threads of this process, one per core (fewer if "
-                       "the memory is short); N: N worker processes; with --executor ray: at most N tasks at a time.")
+WORKERS = typer.Option("auto", "--workers", help="auto or 0 (best on one machine): jobs on threads of this process, "
+                       "one per core (fewer if the memory is short). N: N worker processes, at most one per core and "
+                       "as many as the memory holds at the plan's peak; they start slower than threads and were "
+                       "slower in every case measured on small models (docs/scale-out.md). With --executor ray: at "
+                       "most N tasks at a time.")
 EXECUTOR = typer.Option("local", "--executor", help="local (this machine) | ray (Ray tasks; pip install 'moeconvert[ray]').")
 RAY_ADDRESS = typer.Option(None, "--ray-address", help="Ray cluster to run on (e.g. 10.0.0.1:6379; default: "
                            "RAY_ADDRESS, else a local Ray). Source and output must be on storage every node sees.")
@@ -153,7 +156,27 @@ def _executor(workers: str, executor: str, ray_address, plan_jobs, peak_per_job:
         return RayExecutor(ray_address, workers=n or None)
     if n is None or n == 0:
         return InProcess(auto_threads(len(plan_jobs), peak_per_job, available_cores(), _available_memory()))
-    return LocalProcesses(n)
+    used, why = cap_workers(n, len(plan_jobs), peak_per_job, available_cores(), _available_memory())
+    if used < n:
+        err.print(f"--workers {n}: using {used} worker process(es) ({why})", soft_wrap=True)
+    return LocalProcesses(used)
+
+
+def cap_workers(asked: int, jobs: int, peak_per_job: int, cores: int,
+                available_memory: int | None) -> tuple[int, str]:
+    """Worker processes for ``--workers N``: no more than the cores (each job keeps one busy), the jobs,
+    and what the available memory holds with each process's own memory beside its job's peak (a
+    quarter of the memory left to everything else). Returns the count and, when it is below ``asked``,
+    what capped it."""
+    from moeconvert.estimate import PROCESS_BYTES
+
+    limits = [(asked, ""), (max(1, cores), f"{cores} core(s)"), (max(1, jobs), f"{jobs} job(s)")]
+    if available_memory:
+        each = peak_per_job + PROCESS_BYTES
+        fits = max(1, int(available_memory * 0.75) // each)
+        limits.append((fits, f"the available memory holds {fits} at {_human(each)} each"))
+    n, why = min(limits, key=lambda x: x[0])
+    return n, why
 
 
 def auto_threads(jobs: int, peak_per_job: int, cores: int, available_memory: int | None) -> int:
@@ -247,7 +270,9 @@ def _convert(src, out_dir, backend, revision, part, max_shard_size, chunk_mb, dr
         return
     t0 = time.perf_counter()
     with _progress() as prog:
-        task = prog.add_task(f"{'quantize' if quant else 'repack'} → {layout.name}",
+        # one quantity: source bytes read, by the layer and copy jobs and by hashing the source files for
+        # the manifest (each file is read twice: the bar's total is twice the checkpoint's size)
+        task = prog.add_task(f"{'quantize' if quant else 'repack'} → {layout.name} (source bytes read and hashed)",
                              total=sum(j.work_bytes for j in jobs))
         done = run_conversion(plan, out_dir, overwrite=overwrite, request=request, executor=executor, resume=resume,
                               progress=lambda n: prog.advance(task, n),
@@ -305,6 +330,9 @@ def _print_jobs(jobs, est, where: str) -> None:
     rates = est["rates"]
     out.print("measured here: " + ", ".join(f"{k} {_human(v)}/s" for k, v in rates.items())
               + " per worker (compute only: the source's and output's storage can be slower)")
+    if est.get("not_measured"):
+        out.print(f"not measured (left out of the times below): {', '.join(est['not_measured'])} jobs "
+                  "(one expert needs more working memory than a dry run spends measuring)")
     for row in est["by_workers"]:
         out.print(f"  {row['workers']:>3} worker(s): about {_duration(row['seconds'])}"
                   + (" (bounded by the largest job)" if row["bounded_by_largest_job"] else "")

@@ -29,9 +29,11 @@ def available_cores() -> int:
 
 
 def by_cost(jobs: list[Job]) -> list[Job]:
-    """Longest first (the classic list-scheduling rule): the big layers start at once and the small
-    jobs fill the gaps at the end, whatever the number of workers."""
-    return sorted(jobs, key=lambda j: (-(j.read_bytes + j.write_bytes), j.index))
+    """The source digests first, then longest first (the classic list-scheduling rule): the big layers
+    start early and the small jobs fill the gaps at the end, whatever the number of workers. Digests
+    lead because ``--resume`` keeps a job only if the interrupted run had recorded the sha256 of every
+    source file it read (:func:`moeconvert.jobs.rehash_sources`); hashing is fast beside a layer job."""
+    return sorted(jobs, key=lambda j: (j.kind != "digest", -(j.read_bytes + j.write_bytes), j.index))
 
 
 class _Stopped(Exception):

@@ -50,7 +50,7 @@ class LocalProcesses:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, args=(request, key, str(staging), child),
                                name="moeconvert-worker", daemon=True)
-            proc.start()
+            _start_ignoring_sigint(proc)
             child.close()
             workers[proc.sentinel] = _Worker(proc, parent)
 
@@ -102,6 +102,30 @@ class LocalProcesses:
                 if w.proc.is_alive():
                     w.proc.kill()
                     w.proc.join()
+
+
+def _start_ignoring_sigint(proc) -> None:
+    """Start ``proc`` with SIGINT ignored from its first instruction: an ignored disposition survives
+    exec (a blocked mask does not: spawn resets it), and Python leaves an ignored SIGINT alone. Else a
+    Ctrl-C while the worker imports torch prints its KeyboardInterrupt traceback beside the driver's
+    one line. Ctrl-C is the driver's to handle; it stops the workers.
+
+    Meanwhile SIGINT is blocked here, so a Ctrl-C in that window stays pending (Linux never drops a
+    blocked signal, ignored or not) and reaches the driver's own handler once it is restored."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # signal.signal works only there
+        proc.start()
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            proc.start()
+        finally:
+            signal.signal(signal.SIGINT, before)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 class _Worker:
