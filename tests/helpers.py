@@ -5,8 +5,8 @@ the oracle comparisons.
 The oracles never import vLLM or FlashInfer (both need their CUDA builds): the functions a layout must
 equal are lifted out of the source files with ``ast`` and run on CPU tensors. The source is a wheel or a
 folder named by an environment variable (``MOECONVERT_VLLM_SRC``, ``MOECONVERT_FLASHINFER_SRC``), else
-the installed package, found without importing it, else the one in the vLLM environment
-``scripts/setup.sh`` makes (``.venv-vllm-cpu``).
+the installed package, found without importing it, else the one in the vLLM environment the plugin tests
+run (``MOECONVERT_VLLM_PYTHON``, or the ``.venv-vllm-cpu`` that ``scripts/setup.sh`` makes).
 """
 
 from __future__ import annotations
@@ -103,8 +103,36 @@ def package_location(env: str, package: str) -> Path | None:
     spec = importlib.util.find_spec(package)
     if spec is not None and spec.submodule_search_locations:
         return Path(list(spec.submodule_search_locations)[0])
-    # the environment scripts/setup.sh makes for the vLLM plugin tests holds vLLM 0.33.0's own files
-    return next((p for p in sorted(REPO_VLLM_VENV.glob(f"lib/python*/site-packages/{package}")) if p.is_dir()), None)
+    # the environments the vLLM plugin tests run in hold vLLM 0.33.0's own files
+    for python in vllm_pythons():
+        found = _package_folder_of(python, package)
+        if found is not None:
+            return found
+    return None
+
+
+def vllm_pythons() -> list[str]:
+    """The Pythons of the vLLM environments the plugin tests use: ``MOECONVERT_VLLM_PYTHON``, then the
+    ``.venv-vllm-cpu`` that scripts/setup.sh makes."""
+    found = [os.environ["MOECONVERT_VLLM_PYTHON"]] if os.environ.get("MOECONVERT_VLLM_PYTHON") else []
+    found += [str(p) for p in (REPO_VLLM_VENV / "bin" / "python", REPO_VLLM_VENV / "bin" / "python3") if p.exists()]
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _package_folder_of(python: str, package: str) -> Path | None:
+    """Where ``python`` would import ``package`` from, asked of that interpreter without importing the
+    package (whatever its environment's layout: a venv, conda, lib/python3.X or lib64)."""
+    import subprocess
+
+    code = ("import importlib.util, sys; s = importlib.util.find_spec(sys.argv[1]); "
+            "print(list(s.submodule_search_locations)[0] if s and s.submodule_search_locations else '')")
+    try:
+        p = subprocess.run([python, "-c", code, package], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    where = p.stdout.strip().splitlines()[-1] if p.returncode == 0 and p.stdout.strip() else ""
+    return Path(where) if where and Path(where).is_dir() else None
 
 
 def package_reader(env: str, package: str) -> Callable[[str], str] | None:

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import VLLM_SRC, package_location  # tests/ is on sys.path (under pytest, and as the oracle script)
 from moeconvert.errors import MoeConvertError
 from moeconvert.mxfp4 import (
     E2M1_VALUES,
@@ -381,13 +382,11 @@ def _oracle_cases() -> dict[str, torch.Tensor]:
 
 def _find_vllm_source() -> tuple[str | None, str]:
     """(path to a vllm 0.33.0 wheel or a directory holding vllm/, or None, why not)."""
-    candidates = []
-    if os.environ.get("MOECONVERT_VLLM_SRC"):
-        candidates.append(os.environ["MOECONVERT_VLLM_SRC"])
-    candidates += sorted(glob.glob(str(REPO / ".whl" / f"vllm-{VLLM_VERSION}-*.whl")))
-    spec = importlib.util.find_spec("vllm")
-    if spec is not None and spec.submodule_search_locations:
-        candidates.append(str(Path(list(spec.submodule_search_locations)[0]).parent))
+    candidates = sorted(glob.glob(str(REPO / ".whl" / f"vllm-{VLLM_VERSION}-*.whl")))
+    # $MOECONVERT_VLLM_SRC, the installed vllm, or the vLLM environment of the plugin tests (helpers.py)
+    where = package_location(VLLM_SRC, "vllm")
+    if where is not None:
+        candidates.insert(0, str(where if where.is_file() else where.parent))
     for src in candidates:
         try:
             if src.endswith(".whl"):

@@ -259,59 +259,6 @@ def test_resume_with_nothing_to_resume_converts_everything(cases, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# Ray
-
-
-@pytest.fixture(scope="module")
-def ray_head(tmp_path_factory):
-    """A local Ray head on 127.0.0.1 with two worker CPUs, for this module's tests."""
-    pytest.importorskip("ray", reason="the Ray extra is not installed (pip install 'moeconvert[ray]')")
-    ray_bin = Path(sys.executable).with_name("ray")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tmp = tmp_path_factory.mktemp("ray")
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    start = [str(ray_bin), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
-             "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
-             "--object-store-memory", str(200 << 20), "--temp-dir", str(tmp)]
-    p = subprocess.run(start, capture_output=True, text=True, env=env, timeout=180)
-    assert p.returncode == 0, p.stdout + p.stderr
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, env=env, timeout=120)
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_ray_tasks_write_the_same_bytes(cases, ray_head, case, tmp_path):
-    src, verb, backend, ref = cases[case]
-    out = tmp_path / "out"
-    p = _run(_cmd(verb, src, out, backend, "--executor", "ray", "--ray-address", ray_head, "--json"))
-    summary = json.loads(p.stdout)
-    assert summary["jobs"]["ran"] == summary["jobs"]["total"] and "Ray" in summary["executor"]
-    _assert_identical(ref, out)
-    assert _leftovers(tmp_path) == []
-
-
-def test_a_killed_ray_worker_has_its_task_retried(cases, ray_head, tmp_path):
-    src, verb, backend, ref = cases["w4a16"]
-    for attempt in range(3):
-        out = tmp_path / f"out{attempt}"
-        proc = subprocess.Popen(_cmd(verb, src, out, backend, "--executor", "ray", "--ray-address", ray_head,
-                                     "--json"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        killed = _kill_one_worker_mid_job(proc, tmp_path, protect={proc.pid})
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr
-        if killed is None:
-            continue
-        assert json.loads(stdout)["jobs"]["retried"] >= 1
-        _assert_identical(ref, out)
-        return
-    pytest.fail("no task was caught running in 3 runs")
-
-
-# --------------------------------------------------------------------------------------------------
 # planning at any scale, and the options
 
 

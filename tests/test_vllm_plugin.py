@@ -96,8 +96,8 @@ def test_the_runtime_still_reads_a_folder_written_for_vllm(example_ckpt, tmp_pat
     assert shared is not None and shared.w_gate.dtype == torch.float32
 
 
-def _child(folder: Path, *args) -> dict:
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+def _child(folder: Path, *args, env: dict[str, str] | None = None) -> dict:
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", **(env or {})}
     p = subprocess.run([VLLM_PYTHON, str(CHILD), str(folder), *args], capture_output=True, text=True, env=env,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -166,6 +166,17 @@ def test_vllm_loads_the_whole_model_from_the_folder(folders, scheme):
         for suffix, entry in m["tensors"].items():
             want = hashlib.sha256(files[entry["name"]].contiguous().view(torch.uint8).numpy()).hexdigest()
             assert layer["params"][f"routed_experts.{suffix}"]["sha256"] == want, suffix
+
+
+@needs_vllm
+def test_the_whole_model_loads_on_a_cpu_with_amx_tiles(folders):
+    """On a CPU with AMX tiles vLLM's CPU platform would pack the router's weight for a kernel the wheel
+    does not ship (``torch.ops._C.convert_weight_packed``): the child pins torch's GEMM, and this runs it
+    with torch reporting AMX tiles, as such a CPU makes it do."""
+    _, out = folders["w4a16-g128"]
+    got = _child(out, "--whole-model", env={"MOECONVERT_TEST_CPU_CAPABILITIES": "amx_tile"})
+    assert "error" not in got, got["error"]
+    assert got["quantization"] == "moeconvert" and got["layers"]
 
 
 @needs_vllm
@@ -328,3 +339,81 @@ def test_the_vllm_benches_need_a_gpu_and_say_so_in_one_line(folders, bench):
     assert p.stderr.strip().splitlines() == [
         "moeconvert: error: --device: --device cuda asked for, but torch sees no CUDA device (expected a CUDA "
         "device, found none)"], p.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# what `vllm serve` reads from a folder: hostile config.json values are one ValueError line each
+
+_CONFIG_CHILD = """
+import json, sys
+from moeconvert.integrations.vllm.config import MoeconvertConfig
+
+got = []
+for qc, model in json.load(open(sys.argv[1])):
+    try:  # what vLLM's ModelConfig does with a folder's quantization_config
+        MoeconvertConfig.from_config(qc).maybe_update_config(model)
+        got.append(None)
+    except Exception as e:
+        got.append([type(e).__name__, str(e)])
+print(json.dumps(got))
+"""
+
+
+def _edited_copy(folder: Path, dest: Path, edit) -> Path:
+    """A copy of ``folder`` whose config.json's quantization_config ``edit`` changed, with the manifest's
+    checksum of config.json updated to match (as someone who edits with care would)."""
+    import shutil
+
+    shutil.copytree(folder, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    edit(cfg["quantization_config"])
+    raw = (json.dumps(cfg, indent=2) + "\n").encode()
+    (dest / "config.json").write_bytes(raw)
+    manifest = json.loads((dest / "moeconvert.json").read_text())
+    manifest["copied_files"]["config.json"] = {"sha256": hashlib.sha256(raw).hexdigest(), "size": len(raw)}
+    (dest / "moeconvert.json").write_text(json.dumps(manifest, indent=1))
+    return dest
+
+
+@needs_vllm
+def test_hostile_quantization_configs_are_refused_in_one_line(folders, tmp_path):
+    _, out = folders["w4a16-g128"]
+    good = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert good["source_quantization_config"]["config_groups"]  # a compressed-tensors source
+
+    def changed(**kw):
+        return {**json.loads(json.dumps(good)), **kw}
+
+    no_groups = changed()
+    del no_groups["source_quantization_config"]["config_groups"]
+    other_layout = _edited_copy(out, tmp_path / "other-layout",
+                                lambda qc: qc.update(layout={"name": "triton", "version": qc["layout"]["version"]}))
+    cases = {  # name: (quantization_config, the folder vLLM was given), what the line must say
+        "made_for a string": ((changed(made_for="0.33.0"), out),
+                              'config.json: quantization_config.made_for: expected an object of version strings'),
+        "made_for a list": ((changed(made_for=["vllm", "0.33.0"]), out), "quantization_config.made_for: expected"),
+        "source config a string": ((changed(source_quantization_config="compressed-tensors"), out),
+                                   "quantization_config.source_quantization_config: expected an object"),
+        "source config a list": ((changed(source_quantization_config=[]), out),
+                                 "quantization_config.source_quantization_config: expected an object"),
+        "format_version 1": ((changed(format_version=1), out),
+                             "quantization_config.format_version: expected 2 (this moeconvert's output format), found 1"),
+        "no config_groups": ((no_groups, out), "quantization_config.source_quantization_config.config_groups: "
+                                               "expected the source's compressed-tensors groups"),
+        "layout of another name": ((json.loads(other_layout.joinpath("config.json").read_text())["quantization_config"],
+                                    other_layout), 'quantization_config.layout: expected {"name": "marlin"'),
+        "a folder no longer there": ((good, tmp_path / "gone"), f"{tmp_path / 'gone'}: no such folder"),
+    }
+    jobs = tmp_path / "jobs.json"
+    jobs.write_text(json.dumps([[qc, str(folder)] for (qc, folder), _ in cases.values()]))
+    p = subprocess.run([VLLM_PYTHON, "-c", _CONFIG_CHILD, str(jobs)], capture_output=True, text=True,
+                       env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    for (name, (_, needle)), result in zip(cases.items(), got):
+        assert result is not None, f"{name}: accepted"
+        kind, text = result
+        assert kind == "ValueError" and "\n" not in text and needle in text, f"{name}: {kind}: {text}"
+        assert text.startswith("moeconvert: ")
+        if name != "a folder no longer there":
+            assert "moeconvert repack SRC OUT" in text, f"{name}: {text}"  # the command that fixes it

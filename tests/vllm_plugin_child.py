@@ -38,6 +38,7 @@ def main() -> None:
             print(json.dumps(_gpu(mode, folder, Path(sys.argv[sys.argv.index(mode) + 1]))))
             return
     tp_size = int(sys.argv[sys.argv.index("--tp-size") + 1]) if "--tp-size" in sys.argv else 1
+    _plain_torch_linear_layers()
     import torch
     import vllm
 
@@ -100,6 +101,28 @@ def _report(experts, loaded: list[str], before: dict | None = None) -> dict:
     return {"method": type(experts.quant_method).__name__, "loaded": loaded, "params": params,
             "experts_class": type(kernel.fused_experts).__name__,
             "scale_is_param": kernel.fused_experts.quant_config.w1_scale is experts.w13_weight_scale}
+
+
+def _plain_torch_linear_layers() -> None:
+    """The CPU tests build unquantized linear layers on torch's own GEMM, whatever the CPU.
+
+    vLLM 0.33.0's CPU platform packs a small bf16 linear layer's weight for its AMX kernel when
+    ``torch.cpu._is_amx_tile_supported()`` says the CPU has AMX tiles (``check_cpu_sgl_kernel`` and
+    ``dispatch_cpu_unquantized_gemm`` in vllm/model_executor/layers/utils.py), through
+    ``torch.ops._C.convert_weight_packed``, which the CUDA wheel these tests run does not have (its CPU
+    library is another build). vLLM has no setting for that choice, so the probe it asks is answered here,
+    in this test process only: without oneDNN in the wheel, vLLM then takes torch.nn.functional.linear.
+
+    ``MOECONVERT_TEST_CPU_CAPABILITIES=amx_tile`` makes torch report AMX tiles as a CPU that has them
+    does (the test that this pin holds on such a CPU, on any machine).
+    """
+    import torch
+
+    pretend = [c for c in os.environ.get("MOECONVERT_TEST_CPU_CAPABILITIES", "").split(",") if c]
+    if pretend:
+        reported = torch.cpu.get_capabilities
+        torch.cpu.get_capabilities = lambda: {**reported(), **dict.fromkeys(pretend, True)}
+    torch.cpu._is_amx_tile_supported = lambda: False
 
 
 def _whole_model(folder: Path, out: dict) -> None:

@@ -7,17 +7,38 @@ or is unquantized, exactly as vLLM would load the source.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
+from moeconvert.errors import MoeConvertError
 from moeconvert.integrations.vllm import SUPPORTED_VLLM
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # our stacked names under a layer's experts container -> the parameter of vLLM's RoutedExperts child
 _STACKED = re.compile(r"\.experts\.((?:w13|w2)_(?:weight|weight_scale|weight_zero_point|bias))$")
+
+
+#: what ends every refusal of a folder's own files: they are made by the conversion, never by hand
+_CONVERT_AGAIN = ("convert the source again with this moeconvert (moeconvert repack SRC OUT --backend marlin, or "
+                  "moeconvert quantize SRC OUT --format mxfp4 --backend marlin) rather than edit the file")
+
+
+def _show(value: object) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _refuse(key: str, expected: str, found: object, file: str = "config.json") -> ValueError:
+    """One line, as vLLM shows a config it cannot take: the file, the key, expected vs found, the fix."""
+    return ValueError(f"moeconvert: {file}: quantization_config.{key}: expected {expected}, found {_show(found)}; "
+                      f"{_CONVERT_AGAIN}")
 
 
 def _method_name(layout: str, kind: str | None) -> str | None:
@@ -36,12 +57,26 @@ class MoeconvertConfig(QuantizationConfig):
         if vllm.__version__ not in SUPPORTED_VLLM:
             raise ValueError(f"moeconvert: this vLLM is {vllm.__version__}; the moeconvert plugin serves its folders on "
                              f"vLLM {', '.join(SUPPORTED_VLLM)} only (the MoE layer's internals change between releases)")
+        from moeconvert.format import FORMAT_VERSION
+
         self.raw = raw
-        made_for = (raw.get("made_for") or {}).get("vllm")
+        # the keys moeconvert writes (convert.served_config), each of its JSON type before it is read
+        if raw.get("format_version") != FORMAT_VERSION or isinstance(raw.get("format_version"), bool):
+            raise _refuse("format_version", f"{FORMAT_VERSION} (this moeconvert's output format)",
+                          raw.get("format_version"))
+        layout = raw.get("layout")
+        if not (isinstance(layout, dict) and isinstance(layout.get("name"), str) and
+                type(layout.get("version")) is int):
+            raise _refuse("layout", 'an object {"name": ..., "version": ...}', layout)
+        if not (isinstance(raw.get("made_for"), dict) and all(isinstance(v, str) for v in raw["made_for"].values())):
+            raise _refuse("made_for", 'an object of version strings, e.g. {"vllm": "0.33.0"}', raw.get("made_for"))
+        made_for = raw["made_for"].get("vllm")
         if made_for not in SUPPORTED_VLLM:
             raise ValueError(f"moeconvert: this folder's layout was made for vLLM {made_for}; the plugin serves "
                              f"{', '.join(SUPPORTED_VLLM)}")
-        self.partition = raw.get("partition") or {}
+        if not isinstance(raw.get("partition"), dict):
+            raise _refuse("partition", "an object (tp_size, tp_rank, ep_size, ep_rank)", raw.get("partition"))
+        self.partition = raw["partition"]
         dtype = raw.get("dtype")
         if dtype not in _DTYPES:
             raise ValueError(f"moeconvert: quantization_config.dtype must be one of {sorted(_DTYPES)}, found {dtype!r}")
@@ -50,10 +85,18 @@ class MoeconvertConfig(QuantizationConfig):
         self.manifest: dict | None = None
         self.inner = None
         source = raw.get("source_quantization_config")
+        if source is not None and not isinstance(source, dict):
+            raise _refuse("source_quantization_config", "an object (the source's quantization_config) or null", source)
         if source:
             if source.get("quant_method") != "compressed-tensors":
                 raise ValueError("moeconvert: the source's quantization_config must be compressed-tensors, found "
                                  f"{source.get('quant_method')!r}")
+            # vLLM takes a compressed-tensors config without config_groups as "nothing is quantized" and
+            # would load the source's packed linear weights as plain ones (compressed_tensors.py from_config)
+            groups = source.get("config_groups")
+            if not (isinstance(groups, dict) and groups and all(isinstance(g, dict) for g in groups.values())):
+                raise _refuse("source_quantization_config.config_groups",
+                              "the source's compressed-tensors groups (an object of objects)", groups)
             from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
                 CompressedTensorsConfig)
 
@@ -97,17 +140,33 @@ class MoeconvertConfig(QuantizationConfig):
         """Read the folder's manifest (checked as ``moeconvert verify`` checks it, without hashing data)."""
         from moeconvert.format.manifest import check_output
 
-        root = Path(model_name)
+        root = Path(model_name).expanduser()
         if not root.is_dir():
+            # a path (absolute, relative or with more than owner/name) is a folder that is not there: the
+            # Hub would refuse the name as a repo id (HFValidationError), which says nothing of the folder
+            if root.is_absolute() or model_name.startswith((".", "~")) or model_name.count("/") != 1:
+                raise ValueError(f"moeconvert: {model_name}: no such folder (expected the folder moeconvert wrote, "
+                                 "with its config.json and moeconvert.json); check the path given to vLLM")
             from huggingface_hub import snapshot_download
 
-            root = Path(snapshot_download(model_name, revision=revision, local_files_only=True))
-        self.use_manifest(check_output(root).manifest)
+            try:
+                root = Path(snapshot_download(model_name, revision=revision, local_files_only=True))
+            except Exception as e:  # noqa: BLE001 - any of the Hub's errors: one line, as vLLM shows a config it refuses
+                raise ValueError(f"moeconvert: {model_name}: not a folder here, and not in the Hugging Face cache "
+                                 f"({type(e).__name__}); download it first (hf download {model_name})") from e
+        try:
+            checked = check_output(root)
+        except MoeConvertError as e:
+            raise ValueError(f"moeconvert: {e.line()}") from e
+        self.use_manifest(checked.manifest)
 
     def use_manifest(self, manifest: dict) -> None:
-        if manifest["layout"]["made_for"] != self.raw.get("made_for") or manifest["partition"] != self.partition:
-            raise ValueError("moeconvert: config.json's quantization_config and moeconvert.json disagree (layout "
-                             "versions or partition): the folder was edited after conversion")
+        layout = {"name": manifest["layout"]["name"], "version": manifest["layout"]["version"]}
+        for key, mine, theirs in (("layout", self.raw["layout"], layout),
+                                  ("made_for", self.raw["made_for"], manifest["layout"]["made_for"]),
+                                  ("partition", self.partition, manifest["partition"])):
+            if mine != theirs:
+                raise _refuse(key, f"{_show(theirs)}, what moeconvert.json says", mine)
         kind = (manifest["scheme"] or {}).get("kind")
         if _method_name(manifest["layout"]["name"], kind) is None:
             raise ValueError(f"moeconvert: the vLLM plugin serves Marlin WNA16, Marlin MXFP4 and Triton WNA16 folders; "
