@@ -1,8 +1,24 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and where the oracle tests find the engines' sources by default."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+
+# The engines' sources the oracle tests read as the reference, where scripts/setup-tests.sh downloads them
+# (.oracles/): used unless the variable names another copy. Set here, before any test module reads them.
+ORACLES = Path(__file__).resolve().parents[1] / ".oracles"
+ORACLE_DEFAULTS = {
+    "MOECONVERT_VLLM_SRC": "vllm-0.33.0-*.whl",
+    "MOECONVERT_FLASHINFER_SRC": "flashinfer_python-*.whl",
+    "MOECONVERT_TRITON_KERNELS_SRC": "triton_kernels-from-vllm/vllm/third_party",  # holds triton_kernels/
+}
+for _env, _pattern in ORACLE_DEFAULTS.items():
+    _found = sorted(ORACLES.glob(_pattern))
+    if _found and not os.environ.get(_env):
+        os.environ[_env] = str(_found[-1])
 
 
 @pytest.fixture(scope="session")

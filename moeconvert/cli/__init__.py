@@ -19,7 +19,7 @@ import traceback
 import typer
 import typer.core
 
-from moeconvert.cli.app import app
+from moeconvert.cli.app import app, name_arguments
 from moeconvert.errors import MoeConvertError
 
 
@@ -148,6 +148,7 @@ def _main(argv: list[str] | None) -> None:
     debug = "--debug" in argv or bool(os.environ.get("MOECONVERT_DEBUG"))
     argv = [a for a in argv if a != "--debug"]
     command = typer.main.get_command(app)
+    name_arguments(command)
     usage_errors, exits, aborts = _click_errors(command)
     try:
         with _signals_unwind():

@@ -15,10 +15,16 @@ from moeconvert.cli.options import out
 from moeconvert.errors import MoeConvertError
 
 
+# The experts' intermediate size of the example: twice the default group size, as in the models people
+# convert (I > g). At I == g < H vLLM 0.33.0's own Marlin scales are wrong for its kernel and repack says
+# so at length (docs/layouts/marlin.md): a corner for the tests, not the first thing a user should see.
+EXAMPLE_INTERMEDIATE_SIZE = 256
+
+
 @app.command()
 def example(
     out_dir: Path = typer.Argument(..., help="Where to write the example checkpoint."),
-    family: str = typer.Option("qwen3-moe", "--family", help="qwen3-moe | qwen2-moe | mixtral | deepseek-v2 | deepseek-v3 | glm4-moe | gpt-oss"),
+    family: str = typer.Option("qwen3-moe", "--family", help="qwen3-moe | qwen2-moe | mixtral | deepseek-v2 | deepseek-v3 | glm4-moe | gpt-oss; with --header-only: deepseek-v3 | kimi-k2"),
     scheme: str = typer.Option("w4a16", "--scheme", help="bf16 | fp16 | w4a16 | w8a16 (int schemes made by compressed-tensors)"),
     group_size: int = typer.Option(128, "--group-size", help="Quantization group size; -1 = channelwise."),
     asym: bool = typer.Option(False, "--asym", help="Asymmetric quantization (zero points)."),
@@ -49,7 +55,7 @@ def example(
 
     with StagedOutput(out_dir, [], overwrite) as staged, _writing(out_dir):  # staging, swap, cleanup as repack's
         make_example(staged.staging, family, scheme, group_size=group_size, symmetric=not asym,
-                     num_layers=layers, num_experts=experts, seed=seed)
+                     num_layers=layers, num_experts=experts, seed=seed, intermediate_size=EXAMPLE_INTERMEDIATE_SIZE)
         staged.publish()
     out.print(f"wrote {family} {scheme} example to {out_dir}")
 
