@@ -68,6 +68,18 @@ class TPCut:
         return tuple(shape)
 
 
+@dataclass(frozen=True)
+class NotASlice:
+    """Why a TP rank's tensors are not a slice of a layout's full ones (``Layout.tp_cuts``); ``convertible``:
+    whether a conversion for that rank (``--tp-size --tp-rank``) can hold it instead."""
+
+    reason: str
+    convertible: bool = True
+
+    def __str__(self) -> str:
+        return self.reason
+
+
 def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -171,20 +183,20 @@ class Layout(ABC):
         """Things users should know about this layer in this layout (not errors)."""
         return []
 
-    def tp_cuts(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> dict[str, TPCut] | str:
+    def tp_cuts(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> dict[str, TPCut] | NotASlice:
         """How a TP rank of ``tp_size`` is cut out of this layout's full tensors of a layer of ``shape``
         (its ``intermediate_size`` the whole I): ``{suffix: TPCut}`` for every tensor ``plan`` writes when
         each rank's tensors (what a conversion with ``--tp-size tp_size`` writes) are exactly those bytes
-        of the full ones, so a full folder serves that TP size storing nothing extra; otherwise the reason
-        they are not (a rank then needs its own conversion). Experts need no declaration: every layout
+        of the full ones, so a full folder serves that TP size storing nothing extra; otherwise why they
+        are not (a rank then needs its own conversion, where one can hold it). Experts need no declaration: every layout
         encodes each expert on its own, so an EP rank's experts are rows of the stacked tensors."""
-        return f"layout '{self.name}' does not declare how a TP rank is cut from its full tensors"
+        return NotASlice(f"layout '{self.name}' does not declare how a TP rank is cut from its full tensors")
 
-    def _rank_shape(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> LayerShape | str:
-        """The layer as one TP rank holds it, or why a rank cannot hold it (for ``tp_cuts``)."""
+    def _rank_shape(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> LayerShape | NotASlice:
+        """The layer as one TP rank holds it, or why no rank can hold it (for ``tp_cuts``)."""
         I = shape.intermediate_size
         if tp_size < 1 or I % tp_size:
-            return f"intermediate_size I = {I} does not split into {tp_size} equal TP parts"
+            return NotASlice(f"intermediate_size I = {I} does not split into {tp_size} equal TP parts", False)
         rank = dataclasses.replace(shape, intermediate_size=I // tp_size)
         problems = self.check(rank, scheme)
-        return f"a TP rank of {tp_size} cannot hold this layer: {problems[0]}" if problems else rank
+        return NotASlice(f"a TP rank of {tp_size} cannot hold this layer: {problems[0]}", False) if problems else rank
