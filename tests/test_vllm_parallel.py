@@ -130,3 +130,193 @@ def test_where_a_layout_says_a_tp_rank_is_not_a_slice_it_is_not(example_ckpt, tm
         if got.shape != b.shape or not torch.equal(got.view(torch.uint8), b.contiguous().view(torch.uint8)):
             differs.append(suffix)
     assert differs, "the layout refuses a TP cut that is exact"
+
+
+# ---------------------------------------------------------------------------------------------------
+# vLLM on N processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ranks(folder: Path, tmp_path: Path, world: int = 2, **shape) -> list[dict]:
+    """Every rank of ``shape`` (``mode`` "layers" or "model", ``tp``, ``pp``, ``dp``, ``ep``, ``placement``,
+    ``redundant``) run at once, each a vLLM process on the CPU platform; what each reports."""
+    spec = tmp_path / f"shape-{_free_port()}.json"
+    spec.write_text(json.dumps({"mode": "layers", **shape}))
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "MASTER_ADDR": "127.0.0.1"}
+    port = _free_port()
+    procs = [subprocess.Popen([VLLM_PYTHON, str(CHILD), str(folder), str(r), str(world), str(port), str(spec)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(world)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
+def _sha(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
+
+
+def _expected(convert, family: str, scheme: str, experts: list[int], ep_size: int, tp=(1, 0)) -> dict[str, dict]:
+    """What a rank holding global ``experts`` (in slot order) at TP rank ``tp`` must hold, per layer prefix and
+    tensor suffix, from conversions made for it: the ``--ep-size/--ep-rank`` conversion whose experts these
+    are (vLLM's linear placement), else one ``--ep-size E --ep-rank e`` conversion per expert, stacked in
+    slot order; ``--tp-size/--tp-rank`` for a TP rank."""
+    manifest = _manifest(convert(family, scheme))
+    E = manifest["moe_layers"][0]["num_experts_global"]
+    tp_args = ["--tp-size", str(tp[0]), "--tp-rank", str(tp[1])] if tp[0] > 1 else []
+    for r in range(ep_size):
+        base, rem = divmod(E, ep_size)
+        start = r * base + min(r, rem)
+        if experts == list(range(start, start + base + (r < rem))):
+            args = (["--ep-size", str(ep_size), "--ep-rank", str(r)] if ep_size > 1 else []) + tp_args
+            folder = convert(family, scheme, *args)
+            files = st_tensors(folder)
+            return {m["prefix"]: {s: files[t["name"]] for s, t in m["tensors"].items()}
+                    for m in _manifest(folder)["moe_layers"]}
+    singles = {e: convert(family, scheme, "--ep-size", str(E), "--ep-rank", str(e), *tp_args) for e in set(experts)}
+    files = {e: st_tensors(f) for e, f in singles.items()}
+    return {m["prefix"]: {s: torch.cat([files[e][t["name"]] for e in experts]) for s, t in m["tensors"].items()}
+            for m in _manifest(singles[experts[0]])["moe_layers"]}
+
+
+def _assert_holds(got: dict, want: dict, what: str) -> None:
+    assert "error" not in got, got["error"]
+    assert sorted(got["layers"]) == sorted(want), what
+    for prefix, layer in got["layers"].items():
+        assert set(layer["params"]) == set(want[prefix]) and layer["loaded"] == sorted(want[prefix]), (what, prefix)
+        for suffix, t in want[prefix].items():
+            param = layer["params"][suffix]
+            assert param["shape"] == list(t.shape), (what, prefix, suffix)
+            assert param["sha256"] == _sha(t), (what, prefix, suffix)
+
+
+EP_CASES = [  # family, scheme, placement asked for, placement vLLM takes
+    ("qwen3-moe", "marlin-w4a16-g128", "linear", "linear"),
+    ("qwen3-moe", "triton-w4a16-g128-asym", "linear", "linear"),
+    # vLLM places round-robin only for grouped routing (DeepSeek-V3); Qwen3 falls back to linear
+    ("qwen3-moe", "marlin-w4a16-g128", "round_robin", "linear"),
+    ("deepseek-v3", "marlin-w4a16-g128", "linear", "linear"),
+    ("deepseek-v3", "marlin-w4a16-g128", "round_robin", "round_robin"),
+    ("deepseek-v3", "triton-w4a16-g128", "round_robin", "round_robin"),
+]
+
+
+@needs_vllm
+@pytest.mark.parametrize("family,scheme,asked,placed", EP_CASES)
+def test_ep2_from_a_full_folder_each_rank_holds_its_experts(convert, tmp_path, family, scheme, asked, placed):
+    """``--enable-expert-parallel`` on 2 ranks (TP 2 becomes EP 2): each rank's parameters hold the bytes of
+    the conversion made for its experts, which vLLM's own expert map names."""
+    full = convert(family, scheme)
+    ranks = _ranks(full, tmp_path, tp=2, ep=True, placement=asked)
+    E = _manifest(full)["moe_layers"][0]["num_experts_global"]
+    for r, got in enumerate(ranks):
+        assert "error" not in got, got["error"]
+        layer = next(iter(got["layers"].values()))
+        assert layer["placement"] == placed and layer["ep"] == [2, r] and layer["tp"] == [1, 0]
+        experts = layer["physical_experts"]
+        assert experts == (list(range(r, E, 2)) if placed == "round_robin" else list(range(r * E // 2, (r + 1) * E // 2)))
+        _assert_holds(got, _expected(convert, family, scheme, experts, 2), f"rank {r}")
+
+
+TP_CASES = [("qwen3-moe", s) for s in ("marlin-w4a16-g128", "marlin-w4a16-channel", "marlin-mxfp4", "triton-w4a16-g128")]
+TP_CASES += [("deepseek-v3", "marlin-w4a16-g128-asym"), ("deepseek-v3", "triton-w8a16-g128")]
+
+
+@needs_vllm
+@pytest.mark.parametrize("family,scheme", TP_CASES)
+def test_tp2_from_a_full_folder_each_rank_holds_its_tp_conversion(convert, tmp_path, family, scheme):
+    """TP 2 without EP, served from the full folder by the layout's declared cuts: each rank's parameters
+    hold the bytes of ``--tp-size 2 --tp-rank r``."""
+    full = convert(family, scheme)
+    E = _manifest(full)["moe_layers"][0]["num_experts_global"]
+    for r, got in enumerate(_ranks(full, tmp_path, tp=2)):
+        assert "error" not in got, got["error"]
+        assert all(layer["tp"] == [2, r] for layer in got["layers"].values())
+        _assert_holds(got, _expected(convert, family, scheme, list(range(E)), 1, tp=(2, r)), f"rank {r}")
+
+
+@needs_vllm
+@pytest.mark.parametrize("family,mode", [("deepseek-v3", "layers"), ("qwen3-moe", "model")])
+def test_dp2_with_ep_each_rank_holds_its_ep_conversion(convert, tmp_path, family, mode):
+    """``--data-parallel-size 2 --enable-expert-parallel``: vLLM folds DP into EP (EP 2 = DP 2 x TP 1); on
+    Qwen3 through vLLM's whole-model loader, as ``vllm serve`` loads it."""
+    full = convert(family, "marlin-w4a16-g128")
+    E = _manifest(full)["moe_layers"][0]["num_experts_global"]
+    for r, got in enumerate(_ranks(full, tmp_path, mode=mode, dp=2, ep=True)):
+        assert "error" not in got, got["error"]
+        layer = next(iter(got["layers"].values()))
+        assert layer["ep"] == [2, r] and layer["tp"] == [1, 0]
+        experts = list(range(r * E // 2, (r + 1) * E // 2))
+        assert layer["physical_experts"] == experts
+        _assert_holds(got, _expected(convert, family, "marlin-w4a16-g128", experts, 2), f"rank {r}")
+
+
+@needs_vllm
+def test_pp2_each_rank_builds_and_loads_only_its_layers(convert, tmp_path):
+    """``--pipeline-parallel-size 2`` through vLLM's whole-model loader: each rank builds its half of the
+    layers, and each MoE layer it builds holds the folder's tensors (TP 1, EP 1) unchanged."""
+    full = convert("qwen3-moe", "marlin-w4a16-g128")
+    files, manifest = st_tensors(full), _manifest(full)
+    ranks = _ranks(full, tmp_path, mode="model", pp=2)
+    held = [sorted(got["layers"]) for got in ranks]
+    prefixes = [m["prefix"] for m in manifest["moe_layers"]]
+    assert held == [prefixes[:len(prefixes) // 2], prefixes[len(prefixes) // 2:]]
+    for r, got in enumerate(ranks):
+        want = {m["prefix"]: {s: files[t["name"]] for s, t in m["tensors"].items()}
+                for m in manifest["moe_layers"] if m["prefix"] in got["layers"]}
+        _assert_holds(got, want, f"rank {r}")
+
+
+@needs_vllm
+def test_eplb_redundant_experts_are_copies_of_their_logical_experts(convert, tmp_path):
+    """EPLB with 2 redundant experts on EP 2 (Triton WNA16, whose vLLM method allows EPLB): physical expert
+    ``E + j`` is a copy of logical expert ``j`` (vLLM's initial arrangement, eplb_state.py), so rank 1 holds
+    physical 5..9 = logical 5, 6, 7, 0, 1, each from its own conversion."""
+    full = convert("deepseek-v3", "triton-w4a16-g128")
+    E = _manifest(full)["moe_layers"][0]["num_experts_global"]
+    for r, got in enumerate(_ranks(full, tmp_path, tp=2, ep=True, redundant=2)):
+        assert "error" not in got, got["error"]
+        layer = next(iter(got["layers"].values()))
+        physical = layer["physical_experts"]
+        assert layer["global_num_experts"] == E + 2 and physical == list(range(r * 5, r * 5 + 5))
+        logical = [p if p < E else (p - E) % E for p in physical]
+        _assert_holds(got, _expected(convert, "deepseek-v3", "triton-w4a16-g128", logical, 2), f"rank {r}")
+
+
+REFUSED = {  # case: (folder, shape, the one line's telling part)
+    "eplb-on-marlin": (("deepseek-v3", "marlin-w4a16-g128"), dict(tp=2, ep=True, redundant=2),
+                       "its Marlin WNA16 method does not (CompressedTensorsWNA16MoEMethod.supports_eplb is TRITON "
+                       "only): serve without --enable-eplb, or convert with --backend triton (moeconvert repack "),
+    "tp-not-a-slice": (("qwen3-moe", "marlin-w4a16-g128", dict(intermediate_size=256)), dict(tp=2),
+                       "a marlin TP rank of 2 is not a slice of them (a TP rank holds one w2 scale group"),
+    "one-rank-folder": (("qwen3-moe", "marlin-w4a16-g128", "--ep-size", "2", "--ep-rank", "0"), dict(tp=2),
+                        "this folder was converted for TP 1 rank 0, EP 2 rank 0; this vLLM builds the layer for TP 2"),
+}
+
+
+@needs_vllm
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_shapes_a_folder_does_not_cover_are_refused_in_one_line(convert, example_ckpt, tmp_path, case):
+    what, shape, want = REFUSED[case]
+    if len(what) > 2 and isinstance(what[2], dict):  # a folder of other sizes
+        kw, verb = SCHEMES[what[1]]
+        folder = tmp_path / "full"
+        cli(verb[0], example_ckpt(what[0], **{**kw, **what[2]}), folder, *verb[1:], expect=0)
+    else:
+        folder = convert(*what)
+    for r, got in enumerate(_ranks(folder, tmp_path, **shape)):
+        assert "\n" not in got["error"] and want in got["error"], got["error"]
+        assert got["error"].startswith("ValueError: moeconvert: model.layers.")
+        if case == "tp-not-a-slice":  # names the conversion for this very rank
+            assert got["error"].endswith(f"--backend marlin --tp-size 2 --tp-rank {r}"), got["error"]
+        assert got["layers"] == {}
