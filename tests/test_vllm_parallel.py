@@ -320,3 +320,40 @@ def test_shapes_a_folder_does_not_cover_are_refused_in_one_line(convert, example
         if case == "tp-not-a-slice":  # names the conversion for this very rank
             assert got["error"].endswith(f"--backend marlin --tp-size 2 --tp-rank {r}"), got["error"]
         assert got["layers"] == {}
+
+
+# ---------------------------------------------------------------------------------------------------
+# --load-format moeconvert: each rank reads only its bytes
+
+
+@needs_vllm
+@pytest.mark.parametrize("shape", [dict(tp=2, ep=True), dict(tp=2), dict(dp=2, ep=True)],
+                         ids=["ep2", "tp2", "dp2-ep2"])
+def test_each_rank_reads_only_its_experts_with_the_moeconvert_load_format(convert, tmp_path, shape):
+    """vLLM's whole-model load with ``--load-format moeconvert`` (the plugin's registered model loader):
+    each rank's expert parameters hold its per-rank conversion's bytes, and what the process read while
+    loading (the kernel's rchar counter in /proc/self/io) is the rank's share of the stacked tensors plus
+    every other tensor, give or take the shard headers and a few KiB: never the other rank's experts."""
+    import struct
+
+    full = convert("qwen3-moe", "marlin-w4a16-g128")
+    manifest = _manifest(full)
+    stacked = {t["name"] for m in manifest["moe_layers"] for t in m["tensors"].values()}
+    rest = headers = 0
+    for shard in full.glob("*.safetensors"):
+        n = struct.unpack("<Q", shard.read_bytes()[:8])[0]
+        headers += 8 + n
+        header = json.loads(shard.read_bytes()[8:8 + n])
+        rest += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
+                    if k != "__metadata__" and k not in stacked)
+    E = manifest["moe_layers"][0]["num_experts_global"]
+    ranks = _ranks(full, tmp_path, mode="model", load_format="moeconvert", **shape)
+    for r, got in enumerate(ranks):
+        assert "error" not in got, got["error"]
+        if shape.get("ep"):
+            want = _expected(convert, "qwen3-moe", "marlin-w4a16-g128", list(range(r * E // 2, (r + 1) * E // 2)), 2)
+        else:
+            want = _expected(convert, "qwen3-moe", "marlin-w4a16-g128", list(range(E)), 1, tp=(2, r))
+        _assert_holds(got, want, f"rank {r}")
+        share = sum(t.numel() * t.element_size() for layer in want.values() for t in layer.values())
+        assert share + rest <= got["read_bytes"] <= share + rest + headers + 64 * 1024, (r, got["read_bytes"], share, rest)

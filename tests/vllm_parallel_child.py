@@ -40,7 +40,7 @@ def main() -> None:
                  tensor_parallel_size=shape.get("tp", 1), pipeline_parallel_size=shape.get("pp", 1),
                  data_parallel_size=shape.get("dp", 1), enable_expert_parallel=shape.get("ep", False),
                  expert_placement_strategy=shape.get("placement", "linear"),
-                 num_redundant_experts=shape.get("redundant", 0))
+                 num_redundant_experts=shape.get("redundant", 0), load_format=shape.get("load_format", "auto"))
     try:
         if shape["mode"] == "model":
             _model(folder, group, out)
@@ -90,12 +90,31 @@ def _model(folder: Path, group: dict, out: dict) -> None:
 
     from moeconvert.integrations.vllm.harness import process_group
 
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    # what the process reads while the loader loads the weights, from the OS's own counter (rchar: bytes
+    # read by read()-family calls; the moeconvert loader reads with preadv, vLLM's default one maps files)
+    loaders = [cls for cls in DefaultModelLoader.__subclasses__() if cls.__name__ == "MoeconvertModelLoader"]
+    for cls in [DefaultModelLoader, *loaders]:
+        def counted(self, model, model_config, _load=cls.__dict__["load_weights"]):
+            before = _rchar()
+            _load(self, model, model_config)
+            out["read_bytes"] = _rchar() - before
+
+        cls.load_weights = counted
     mc = ModelConfig(model=str(folder), dtype="bfloat16", enforce_eager=True, max_model_len=256)
     with process_group("cpu", model_config=mc, **group) as vc:
         model = get_model(vllm_config=vc)
         for name, module in model.named_modules():
             if isinstance(module, RoutedExperts):
                 out["layers"][name.removesuffix(".routed_experts")] = _report(module)
+
+
+def _rchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no rchar")
 
 
 def _report(experts) -> dict:

@@ -64,7 +64,7 @@ def one_process(device: str, moe_backend: str = "auto", model_config=None):
 def process_group(device: str, *, rank: int, world_size: int, init_method: str, tensor_parallel_size: int = 1,
                   pipeline_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
                   expert_placement_strategy: str = "linear", num_redundant_experts: int = 0,
-                  moe_backend: str = "auto", model_config=None):
+                  moe_backend: str = "auto", model_config=None, load_format: str = "auto"):
     """:func:`one_process` for rank ``rank`` of ``world_size`` = TP x PP x DP processes on one gloo group.
 
     vLLM's parallel config is made as for its ``external_launcher`` executor (each rank started by its
@@ -74,7 +74,7 @@ def process_group(device: str, *, rank: int, world_size: int, init_method: str, 
     its rank, and the same ``init_method`` (``tcp://127.0.0.1:PORT``)."""
     import os
 
-    from vllm.config import (DeviceConfig, EPLBConfig, KernelConfig, ParallelConfig, VllmConfig,
+    from vllm.config import (DeviceConfig, EPLBConfig, KernelConfig, LoadConfig, ParallelConfig, VllmConfig,
                              set_current_vllm_config)
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
@@ -88,7 +88,8 @@ def process_group(device: str, *, rank: int, world_size: int, init_method: str, 
                          f"{data_parallel_size} = {parallel.world_size}")
     model = {"model_config": model_config} if model_config is not None else {}
     vc = VllmConfig(device_config=DeviceConfig(device=torch.device(device).type), parallel_config=parallel,
-                    kernel_config=KernelConfig(moe_backend=moe_backend), **model)
+                    kernel_config=KernelConfig(moe_backend=moe_backend), load_config=LoadConfig(load_format=load_format),
+                    **model)
     if num_redundant_experts:
         # vLLM's config validation refuses EPLB off CUDA / ROCm / XPU; set after it, the MoE layers are built
         # as there (the flag and the redundant-expert count are all the layer reads at build and load time)
