@@ -91,6 +91,18 @@ def test_each_layouts_tp_cut_of_a_full_folder_is_the_per_rank_conversion(convert
                 assert torch.equal(got.view(torch.uint8), want[t["name"]].contiguous().view(torch.uint8)), (suffix, rank)
 
 
+def test_every_layout_the_plugin_serves_declares_its_tp_cuts():
+    """A layout vLLM serves states, for itself, whether a TP rank is a slice of its full tensors; the base
+    class's answer (not declared) would silently refuse every TP size."""
+    from moeconvert.layouts import _registry
+    from moeconvert.layouts.base import Layout
+
+    served = [cls for classes in _registry().values() for cls in classes if cls.vllm_method]
+    assert served and all(cls.tp_cuts is not Layout.tp_cuts for cls in served), served
+    # the layouts SCHEMES above proves the cuts of: every served one
+    assert {cls.__name__ for cls in served} == {"MarlinLayout", "MarlinMXFP4Layout", "TritonWNA16Layout"}
+
+
 # (scheme, example sizes, what the layout says): shapes where a rank's tensors are not a slice
 NOT_A_SLICE = {
     "marlin-one-w2-group": ("marlin-w4a16-g128", dict(intermediate_size=256), "holds one w2 scale group"),
