@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,6 +32,52 @@ class ProjectionNames:
 
 W13, W2 = ProjectionNames.of("w13"), ProjectionNames.of("w2")
 PROJECTIONS = {"w13": W13, "w2": W2}
+
+
+@dataclass(frozen=True)
+class TPCut:
+    """How TP rank r of T is cut out of one full (TP 1) tensor of a layout, ``[E, ...]`` stacked.
+
+    Along ``dim`` the tensor is ``runs`` equal runs (w13's ``[gate; up]`` halves: 2) and the rank holds the
+    r-th of T equal pieces of each run, the runs' pieces side by side; ``dim`` None: every rank holds the
+    whole tensor (w2's channelwise scales: its N is H, which TP does not cut). A layout declares a cut only
+    where the rank's bytes are exactly these bytes of the full tensor (``Layout.tp_cuts``).
+    """
+
+    dim: int | None
+    runs: int = 1
+
+    def pieces(self, full_size: int, tp_size: int, tp_rank: int) -> list[tuple[int, int, int]]:
+        """``(start in the full tensor, start in the rank's, length)`` along ``dim``, one per run."""
+        run = full_size // self.runs
+        piece = run // tp_size
+        return [(k * run + tp_rank * piece, k * piece, piece) for k in range(self.runs)]
+
+    def take(self, full: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+        """The rank's tensor, cut out of the full one."""
+        if self.dim is None:
+            return full
+        parts = self.pieces(full.shape[self.dim], tp_size, tp_rank)
+        return torch.cat([full.narrow(self.dim, start, n) for start, _, n in parts], self.dim)
+
+    def rank_shape(self, full_shape: tuple[int, ...], tp_size: int) -> tuple[int, ...]:
+        if self.dim is None:
+            return tuple(full_shape)
+        shape = list(full_shape)
+        shape[self.dim] //= tp_size
+        return tuple(shape)
+
+
+@dataclass(frozen=True)
+class NotASlice:
+    """Why a TP rank's tensors are not a slice of a layout's full ones (``Layout.tp_cuts``); ``convertible``:
+    whether a conversion for that rank (``--tp-size --tp-rank``) can hold it instead."""
+
+    reason: str
+    convertible: bool = True
+
+    def __str__(self) -> str:
+        return self.reason
 
 
 def round_up(x: int, m: int) -> int:
@@ -135,3 +182,21 @@ class Layout(ABC):
     def warnings(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         """Things users should know about this layer in this layout (not errors)."""
         return []
+
+    def tp_cuts(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> dict[str, TPCut] | NotASlice:
+        """How a TP rank of ``tp_size`` is cut out of this layout's full tensors of a layer of ``shape``
+        (its ``intermediate_size`` the whole I): ``{suffix: TPCut}`` for every tensor ``plan`` writes when
+        each rank's tensors (what a conversion with ``--tp-size tp_size`` writes) are exactly those bytes
+        of the full ones, so a full folder serves that TP size storing nothing extra; otherwise why they
+        are not (a rank then needs its own conversion, where one can hold it). Experts need no declaration: every layout
+        encodes each expert on its own, so an EP rank's experts are rows of the stacked tensors."""
+        return NotASlice(f"layout '{self.name}' does not declare how a TP rank is cut from its full tensors")
+
+    def _rank_shape(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> LayerShape | NotASlice:
+        """The layer as one TP rank holds it, or why no rank can hold it (for ``tp_cuts``)."""
+        I = shape.intermediate_size
+        if tp_size < 1 or I % tp_size:
+            return NotASlice(f"intermediate_size I = {I} does not split into {tp_size} equal TP parts", False)
+        rank = dataclasses.replace(shape, intermediate_size=I // tp_size)
+        problems = self.check(rank, scheme)
+        return NotASlice(f"a TP rank of {tp_size} cannot hold this layer: {problems[0]}", False) if problems else rank

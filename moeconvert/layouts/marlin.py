@@ -38,7 +38,7 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError
 from moeconvert.layouts import register
-from moeconvert.layouts.base import W2, W13, Layout, TensorSpec
+from moeconvert.layouts.base import W2, W13, Layout, NotASlice, TensorSpec, TPCut
 from moeconvert.packing import LITTLE_ENDIAN, pack_int32, pair_nibbles_at, split_nibbles_at, unpack_int32
 from moeconvert.schemes import Scheme, WNA16Scheme
 
@@ -389,6 +389,35 @@ class MarlinLayout(Layout):
             kw["w13_bias"] = _unpad_halves(single_perm(tensors[W13.bias]), 1, I, Ip)
             kw["w2_bias"] = single_perm(tensors[W2.bias])
         return ExpertBlock(scheme=scheme, **kw)
+
+    def tp_cuts(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> dict[str, TPCut] | NotASlice:
+        """A TP rank's Marlin tensors are columns (w13: N = 2Ip, as [gate; up] halves) or rows (w2: K = Ip)
+        of the full ones exactly when no tile, scale group or permutation run straddles a rank boundary:
+        the repack moves fields only inside 16x64 tiles (``_tile_plan``), the scale and zero-point
+        permutations only inside runs of 32 or 64 columns, so cuts at multiples of 64 columns (w13) and
+        of 16 rows and whole groups (w2) keep each rank's bytes, provided the rank's I needs no padding of
+        its own and its w2 scales take the same permutation as the full ones (tests/test_vllm_parallel.py
+        compares the cuts with ``repack --tp-size --tp-rank`` byte for byte)."""
+        assert isinstance(scheme, WNA16Scheme)
+        rank = self._rank_shape(shape, scheme, tp_size)
+        if isinstance(rank, NotASlice):
+            return rank
+        I, Ir, g = shape.intermediate_size, rank.intermediate_size, scheme.group_size
+        unit = math.lcm(64, g if g > 0 else 1)
+        if tp_size > 1 and Ir % unit:
+            return NotASlice(f"a TP rank's I = {Ir} is padded to {padded_intermediate(Ir, g)} for Marlin's thread tile "
+                    f"(a multiple of {unit}), the full tensors pad I = {I} once: a rank's tiles are not a slice of them")
+        if w2_scales_grouped(Ir, g) != w2_scales_grouped(padded_intermediate(I, g), g):
+            return NotASlice(f"a TP rank holds one w2 scale group (I / {tp_size} = group_size {g}), which Marlin permutes "
+                    "with its single (channel) permutation; the full tensor's groups take the grouped one")
+        if shape.has_bias:
+            return NotASlice("expert biases: w2's bias is added once after TP's all-reduce, which a slice does not express")
+        w2_rows = TPCut(1) if g > 0 else TPCut(None)  # channelwise w2 scales are per output column (H)
+        cuts = {W13.weight: TPCut(2, runs=2), W2.weight: TPCut(1), W13.weight_scale: TPCut(2, runs=2),
+                W2.weight_scale: w2_rows}
+        if not scheme.symmetric:
+            cuts.update({W13.weight_zero_point: TPCut(2, runs=2), W2.weight_zero_point: w2_rows})
+        return cuts
 
     def _deviation(self, shape: LayerShape, scheme: WNA16Scheme) -> str | None:
         H, I, g = shape.hidden_size, shape.intermediate_size, scheme.group_size

@@ -40,7 +40,7 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError
 from moeconvert.layouts import register
-from moeconvert.layouts.base import W2, W13, Layout, TensorSpec
+from moeconvert.layouts.base import W2, W13, Layout, NotASlice, TensorSpec, TPCut
 from moeconvert.layouts.marlin import grouped_perm, repack_weights, single_perm, unrepack_weights
 from moeconvert.mxfp4 import MXFP4_BLOCK_SIZE
 from moeconvert.schemes import MXFP4Scheme, Scheme
@@ -216,6 +216,26 @@ class MarlinMXFP4Layout(Layout):
         return ExpertBlock(scheme=block.scheme, w13=block.w13, w2=block.w2, w13_scale=block.w13_scale,
                            w2_scale=block.w2_scale, w13_bias=block.w13_bias.to(MODEL_DTYPE),
                            w2_bias=block.w2_bias.to(MODEL_DTYPE))
+
+    def tp_cuts(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> dict[str, TPCut] | NotASlice:
+        """As for Marlin WNA16 (``marlin.MarlinLayout.tp_cuts``): the e2m1 repack and the e8m0 scale
+        permutation stay inside 64-column runs, so a rank is columns of w13 and rows of w2 whenever its
+        I is a multiple of 128 with no padding of its own (``shape`` holds the padded sizes; ``extra`` the
+        real ones) and MXFP4's 32-blocks along w2's K never straddle a rank boundary (they cannot then)."""
+        I = shape.extra.get("intermediate_size_unpadded", shape.intermediate_size)
+        if tp_size > 1 and (I % tp_size or (I // tp_size) % PAD_MULTIPLES[1]):
+            Ir = I // tp_size
+            return NotASlice(f"a TP rank's I = {Ir} is padded to {-(-Ir // PAD_MULTIPLES[1]) * PAD_MULTIPLES[1]} (a multiple "
+                    f"of {PAD_MULTIPLES[1]}), the full tensors pad I = {I} once: a rank's tiles are not a slice of them")
+        rank = self._rank_shape(shape, scheme, tp_size)
+        if isinstance(rank, NotASlice):
+            return rank
+        if shape.has_bias:
+            return NotASlice("expert biases: w2's bias is added once after TP's all-reduce, which a slice does not express")
+        # [gate; up] rows are two runs; gpt-oss's interleaved rows keep a rank's pairs together
+        runs = 2 if W13_ROWS[shape.activation] == "gate_up" else 1
+        return {W13.weight: TPCut(2, runs=runs), W2.weight: TPCut(1), W13.weight_scale: TPCut(2, runs=runs),
+                W2.weight_scale: TPCut(1)}
 
     def layer_metadata(self, shape: LayerShape, scheme: Scheme) -> dict:
         return {"w13_rows": W13_ROWS.get(shape.activation), "is_a_8bit": False}

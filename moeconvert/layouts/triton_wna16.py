@@ -33,7 +33,7 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError
 from moeconvert.layouts import register
-from moeconvert.layouts.base import W2, W13, Layout, TensorSpec
+from moeconvert.layouts.base import W2, W13, Layout, NotASlice, TensorSpec, TPCut
 from moeconvert.schemes import Scheme, WNA16Scheme
 
 PARAMS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -192,6 +192,20 @@ class TritonWNA16Layout(Layout):
         """The source block with its scales cast to the model dtype, as vLLM's loader casts them."""
         dt = PARAMS_DTYPES[shape.dtype]
         return dataclasses.replace(block, w13_scale=block.w13_scale.to(dt), w2_scale=block.w2_scale.to(dt))
+
+    def tp_cuts(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> dict[str, TPCut] | NotASlice:
+        """Nothing is tiled or permuted: a TP rank's tensors are its rows of w13 (N, as [gate; up] halves;
+        zero points two rows a byte) and its columns of w2 (K bytes; scale groups), whenever the rank's
+        own layer is one this layout takes (whole groups and whole bytes per rank)."""
+        assert isinstance(scheme, WNA16Scheme)
+        rank = self._rank_shape(shape, scheme, tp_size)
+        if isinstance(rank, NotASlice):
+            return rank
+        cuts = {W13.weight: TPCut(1, runs=2), W2.weight: TPCut(2), W13.weight_scale: TPCut(1, runs=2),
+                W2.weight_scale: TPCut(2)}
+        if not scheme.symmetric:
+            cuts.update({W13.weight_zero_point: TPCut(1, runs=2), W2.weight_zero_point: TPCut(2)})
+        return cuts
 
     def warnings(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         assert isinstance(scheme, WNA16Scheme)

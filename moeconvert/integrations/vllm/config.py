@@ -183,19 +183,66 @@ class MoeconvertConfig(QuantizationConfig):
 
     # -- per layer -------------------------------------------------------------------------------------
 
-    def _check_parallel(self, prefix: str, pc) -> None:
-        """The folder holds one TP/EP rank's slice: refuse a vLLM that builds this layer for another,
-        before any byte is read (each worker builds its own layers, so each checks its own rank)."""
-        want = {k: self.partition.get(k) for k in ("tp_size", "tp_rank", "ep_size", "ep_rank")}
+    def _check_parallel(self, prefix: str, layer, entry: dict, method_cls) -> "RankShare":
+        """What this rank of vLLM's layer takes from the folder, or a refusal before any byte is read (each
+        worker builds its own layers, so each checks its own rank).
+
+        A folder converted for one rank (``--tp-rank`` / ``--ep-rank``) serves that rank only. A full folder
+        (TP 1, EP 1: every expert stacked) serves any EP shape vLLM builds (``--enable-expert-parallel``,
+        also with ``--data-parallel-size``, which vLLM folds into EP: fused_moe/config.py,
+        ``FusedMoEParallelConfig.make``), whatever the expert placement, since the loader takes the experts
+        vLLM's own expert map gives the layer; and the TP sizes whose cuts the layout declares exact
+        (``Layout.tp_cuts``; DP without EP is TP across DP there)."""
+        from moeconvert.format.manifest import layer_shape_from_manifest, parse_scheme
+        from moeconvert.integrations.vllm.method import RankShare
+        from moeconvert.layouts import get_layout
+
+        pc = layer.moe_config.moe_parallel_config
         have = {"tp_size": pc.tp_size, "tp_rank": pc.tp_rank, "ep_size": pc.ep_size if pc.use_ep else 1,
                 "ep_rank": pc.ep_rank if pc.use_ep else 0}
-        if have != want or pc.dp_size != 1 or pc.pcp_size != 1 or pc.enable_eplb:
+        shape = (f"TP {have['tp_size']} rank {have['tp_rank']}, EP {have['ep_size']} rank {have['ep_rank']}"
+                 + (f", DP {pc.dp_size}" if pc.dp_size != 1 else "") + (", with EPLB" if pc.enable_eplb else ""))
+        want = {k: self.partition.get(k) for k in ("tp_size", "tp_rank", "ep_size", "ep_rank")}
+        if want != {"tp_size": 1, "tp_rank": 0, "ep_size": 1, "ep_rank": 0}:  # a one-rank folder: today's rule
+            if have != want or pc.dp_size != 1 or pc.pcp_size != 1 or pc.enable_eplb:
+                raise ValueError(
+                    f"moeconvert: {prefix}: this folder was converted for TP {want['tp_size']} rank {want['tp_rank']}, "
+                    f"EP {want['ep_size']} rank {want['ep_rank']}; this vLLM builds the layer for {shape}: convert "
+                    f"the checkpoint without --tp-rank/--ep-rank ({self._command()}) and one folder serves every EP "
+                    "shape, or for this rank (--tp-size / --ep-size)")
+            return RankShare()
+        if pc.enable_eplb and not method_cls.supports_eplb:
             raise ValueError(
-                f"moeconvert: {prefix}: this folder was converted for TP {want['tp_size']} rank {want['tp_rank']}, "
-                f"EP {want['ep_size']} rank {want['ep_rank']}; this vLLM builds the layer for TP {have['tp_size']} rank "
-                f"{have['tp_rank']}, EP {have['ep_size']} rank {have['ep_rank']}"
-                + (f", DP {pc.dp_size}" if pc.dp_size != 1 else "") + (", with EPLB" if pc.enable_eplb else "")
-                + ": convert the checkpoint for this shape (moeconvert repack --tp-size / --ep-size)")
+                f"moeconvert: {prefix}: this vLLM builds the layer with EPLB ({shape}); vLLM 0.33.0 moves experts "
+                f"between ranks only for kernels whose own MoE method supports it, and its Marlin WNA16 method "
+                f"does not (CompressedTensorsWNA16MoEMethod.supports_eplb is TRITON only): serve without "
+                f"--enable-eplb, or convert with --backend triton ({self._command('triton')})")
+        if layer.moe_config.num_logical_experts != entry["num_experts_global"]:
+            raise ValueError(
+                f"moeconvert: {prefix}: this vLLM builds the layer over {layer.moe_config.num_logical_experts} "
+                f"experts; the folder holds {entry['num_experts_global']}")
+        if have["tp_size"] == 1:
+            return RankShare(experts_from_layer=True)
+        layout_name, kind = self.manifest["layout"]["name"], entry["scheme"]["kind"]
+        layout = get_layout(layout_name, kind)
+        cuts = layout.tp_cuts(layer_shape_from_manifest(entry, self.manifest["dtype"]),
+                              parse_scheme(entry["scheme"], "scheme"), have["tp_size"])
+        if not isinstance(cuts, dict):
+            fix = (f"or convert a folder per TP rank: {self._command(tp=(have['tp_size'], have['tp_rank']))}"
+                   if cuts.convertible else f"a TP rank of {have['tp_size']} cannot hold it in this layout at all")
+            raise ValueError(
+                f"moeconvert: {prefix}: this vLLM builds the layer for {shape}; this folder holds the full (TP 1) "
+                f"tensors and a {layout_name} TP rank of {have['tp_size']} is not a slice of them ({cuts}): serve "
+                f"with --enable-expert-parallel (any EP size), {fix}")
+        return RankShare(experts_from_layer=True, tp_size=have["tp_size"], tp_rank=have["tp_rank"], cuts=cuts)
+
+    def _command(self, backend: str | None = None, tp: tuple[int, int] | None = None) -> str:
+        """The conversion that made this folder, for a refusal to name (with another backend or TP rank)."""
+        m = self.manifest or {}
+        verb = (f"quantize {m['source']['id']} OUT --format {m['quantization']['format']}" if m.get("quantization")
+                else f"repack {(m.get('source') or {}).get('id', 'SRC')} OUT")
+        cmd = f"moeconvert {verb} --backend {backend or m.get('backend', 'marlin')}"
+        return cmd + (f" --tp-size {tp[0]} --tp-rank {tp[1]}" if tp else "")
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -209,9 +256,9 @@ class MoeconvertConfig(QuantizationConfig):
             entry = self.layers.get(owner)
             if entry is None:
                 raise ValueError(f"moeconvert: {owner} is an MoE layer the folder's manifest does not hold")
-            self._check_parallel(owner, layer.moe_config.moe_parallel_config)
             method = getattr(methods, _method_name(self.manifest["layout"]["name"], entry["scheme"]["kind"]))
-            return method(layer.moe_config, entry, self.manifest)
+            share = self._check_parallel(owner, layer, entry, method)
+            return method(layer.moe_config, entry, self.manifest, share)
         if self.inner is not None:
             return self.inner.get_quant_method(layer, prefix)
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod

@@ -60,12 +60,57 @@ def one_process(device: str, moe_backend: str = "auto", model_config=None):
         yield vc
 
 
+@contextlib.contextmanager
+def process_group(device: str, *, rank: int, world_size: int, init_method: str, tensor_parallel_size: int = 1,
+                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
+                  expert_placement_strategy: str = "linear", num_redundant_experts: int = 0,
+                  moe_backend: str = "auto", model_config=None, load_format: str = "auto"):
+    """:func:`one_process` for rank ``rank`` of ``world_size`` = TP x PP x DP processes on one gloo group.
+
+    vLLM's parallel config is made as for its ``external_launcher`` executor (each rank started by its
+    caller, as torchrun does): vLLM then keeps its DP ranks in the one world group and reads the DP rank
+    from ``RANK`` (config/parallel.py), so ``RANK`` is set here; ``initialize_model_parallel`` cuts that
+    group into vLLM's own TP, PP, DP and EP groups. Every process must enter with the same arguments but
+    its rank, and the same ``init_method`` (``tcp://127.0.0.1:PORT``)."""
+    import os
+
+    from vllm.config import (DeviceConfig, EPLBConfig, KernelConfig, LoadConfig, ParallelConfig, VllmConfig,
+                             set_current_vllm_config)
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    os.environ["RANK"] = str(rank)
+    parallel = ParallelConfig(
+        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+        data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
+        expert_placement_strategy=expert_placement_strategy, distributed_executor_backend="external_launcher")
+    if parallel.world_size != world_size:
+        raise ValueError(f"{world_size} processes for TP {tensor_parallel_size} x PP {pipeline_parallel_size} x DP "
+                         f"{data_parallel_size} = {parallel.world_size}")
+    model = {"model_config": model_config} if model_config is not None else {}
+    vc = VllmConfig(device_config=DeviceConfig(device=torch.device(device).type), parallel_config=parallel,
+                    kernel_config=KernelConfig(moe_backend=moe_backend), load_config=LoadConfig(load_format=load_format),
+                    **model)
+    if num_redundant_experts:
+        # vLLM's config validation refuses EPLB off CUDA / ROCm / XPU; set after it, the MoE layers are built
+        # as there (the flag and the redundant-expert count are all the layer reads at build and load time)
+        vc.parallel_config.enable_eplb = True
+        vc.parallel_config.eplb_config = EPLBConfig(num_redundant_experts=num_redundant_experts)
+    with set_current_vllm_config(vc):
+        init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank, backend="gloo",
+                                     distributed_init_method=init_method)
+        initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+        yield vc
+
+
 def build_layer(cfg, *, prefix: str, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                has_bias: bool, dtype: torch.dtype, device: str, tp_size: int = 1):
+                has_bias: bool, dtype: torch.dtype, device: str, tp_size: int | None = 1, **routing):
     """vLLM's MoE module (a ``MoERunner``) for one layer, its parameters made on ``device`` by ``cfg``'s method.
 
-    vLLM registers each MoE layer by name in the current config; building a layer of the same name again
-    (vLLM's own and ours, one after the other) replaces the earlier one there."""
+    ``tp_size`` None: vLLM's own groups decide (TP, DP, EP, as in a model); ``routing``: more of
+    ``FusedMoEFactory``'s arguments (``use_grouped_topk``, ``num_expert_group``, ``topk_group``,
+    ``enable_eplb``, ``num_redundant_experts``). vLLM registers each MoE layer by name in the current
+    config; building a layer of the same name again (vLLM's own and ours, one after the other) replaces
+    the earlier one there."""
     from vllm.config import get_current_vllm_config
     from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 
@@ -75,7 +120,7 @@ def build_layer(cfg, *, prefix: str, num_experts: int, top_k: int, hidden_size: 
     with torch.device(device):
         return FusedMoEFactory(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
                                intermediate_size=intermediate_size, params_dtype=dtype, quant_config=cfg,
-                               prefix=prefix, tp_size=tp_size, has_bias=has_bias)
+                               prefix=prefix, tp_size=tp_size, has_bias=has_bias, **routing)
 
 
 def layer_tensors(folder: Path, prefix: str, cfg=None, names: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:

@@ -1,27 +1,86 @@
 """Our MoE methods: vLLM's expert parameters in the folder's final Marlin layout, loaded unchanged.
 
-``create_weights`` makes each parameter with the shape and dtype the manifest records; each parameter's
-loader copies the file's tensor into it as it is (same shape, same dtype, or an error naming both);
-``process_weights_after_loading`` checks every tensor arrived and builds vLLM's Marlin kernel over the
+``create_weights`` makes each parameter with the shape and dtype the manifest records, cut for this rank
+(its experts, its TP slice: :class:`RankShare`); each parameter's loader copies the rank's bytes of the
+file's tensor into it as they are (the file's tensor of the manifest's shape and dtype, or an error naming
+both); ``process_weights_after_loading`` checks every tensor arrived and builds vLLM's kernel over the
 parameters as they are: no repack, no permutation, no second copy.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
 from moeconvert.format import DTYPES
+from moeconvert.layouts.base import TPCut
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one rank of vLLM's layer takes of the folder's stacked tensors (``MoeconvertConfig._check_parallel``).
+
+    ``experts_from_layer``: the folder holds every expert and the rank takes those vLLM's expert map gives
+    the layer (read from the layer when the tensors arrive), else the folder is the rank's own. ``cuts``:
+    the layout's TP cut of each tensor (``Layout.tp_cuts``), for TP rank ``tp_rank`` of ``tp_size``."""
+
+    experts_from_layer: bool = False
+    tp_size: int = 1
+    tp_rank: int = 0
+    cuts: dict[str, TPCut] = field(default_factory=dict)
+
+
+def local_experts(layer) -> list[int]:
+    """The folder's (logical) expert each local slot of vLLM's layer holds, in slot order.
+
+    vLLM's expert map (``ExpertMapManager.expert_map``: physical expert -> local slot, -1 elsewhere; None
+    without EP) says which physical experts the rank owns under whatever placement it chose ("linear",
+    "round_robin"); with EPLB's redundant experts a physical expert is a copy of the logical one vLLM's
+    initial arrangement gives it (``EplbState.build_initial_global_physical_to_logical_map``, which vLLM's
+    per-expert checkpoint mapping uses too: ``RoutedExperts.build_expert_params_mapping``)."""
+    emap = layer.expert_map_manager.expert_map
+    if emap is None:
+        physical = list(range(layer.local_num_experts))
+    else:
+        owned = torch.nonzero(emap >= 0).flatten()
+        physical = owned[torch.argsort(emap[owned])].tolist()
+    n_logical = layer.moe_config.num_logical_experts
+    if layer.global_num_experts == n_logical:
+        return physical
+    from vllm.distributed.eplb.eplb_state import EplbState
+
+    to_logical = EplbState.build_initial_global_physical_to_logical_map(
+        n_logical, layer.global_num_experts - n_logical)
+    return [to_logical[p] for p in physical]
+
+
+def _expert_runs(experts: list[int]) -> list[tuple[int, slice]]:
+    """``(first local slot, slice of the stacked tensor)`` runs covering ``experts``: one strided slice for
+    linear and round-robin placements (a view, one copy), one slice an expert otherwise."""
+    if len(experts) == 1:
+        return [(0, slice(experts[0], experts[0] + 1))]
+    step = experts[1] - experts[0]
+    if step > 0 and all(b - a == step for a, b in zip(experts, experts[1:])):
+        return [(0, slice(experts[0], experts[-1] + 1, step))]
+    return [(i, slice(e, e + 1)) for i, e in enumerate(experts)]
 
 
 class _FinalLayoutMethod(FusedMoEMethodBase):
     """What every method shares: parameters from the manifest, exact loading, the kernel over them."""
 
-    def __init__(self, moe, entry: dict, manifest: dict):
+    #: vLLM's EPLB moves whole experts between ranks (``RoutedExperts.get_expert_weights`` views each
+    #: parameter ``[E_local, -1]``), which every layout allows; the plugin follows vLLM's own method for
+    #: the same kernel, which is what vLLM was checked with (set per method below)
+    supports_eplb = False
+
+    def __init__(self, moe, entry: dict, manifest: dict, share: RankShare | None = None):
         super().__init__(moe)
         self.experts_cls = self._experts_cls()
         self.entry = entry
         self.partition = manifest["partition"]
+        self.share = share or RankShare()
         self.loaded: dict[str, int] = {}
 
     @staticmethod
@@ -39,18 +98,33 @@ class _FinalLayoutMethod(FusedMoEMethodBase):
 
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
-        e = self.entry
+        e, share = self.entry, self.share
         H, I = self._sizes()
-        want = {"experts on this rank": (num_experts, e["num_experts"]), "hidden size": (hidden_size, H),
-                "intermediate size per partition": (intermediate_size_per_partition, I)}
+        T = share.tp_size
+        want = {"hidden size": (hidden_size, H), "intermediate size per partition": (intermediate_size_per_partition,
+                                                                                     I // T if I % T == 0 else I / T)}
+        if share.experts_from_layer:
+            experts = local_experts(layer)
+            want["experts on this rank"] = (num_experts, len(experts))
+            held = f"all {e['num_experts']} experts at TP 1 (a rank takes its experts and its TP cut)"
+        else:
+            experts = None
+            want["experts on this rank"] = (num_experts, e["num_experts"])
+            held = f"TP {self.partition['tp_size']}, EP {self.partition['ep_size']}"
         for what, (vllm_has, folder_has) in want.items():
             if vllm_has != folder_has:
                 raise self._refuse(f"vLLM builds this layer with {what} {vllm_has}; the folder was converted for "
-                                   f"{folder_has} (TP {self.partition['tp_size']}, EP {self.partition['ep_size']})")
+                                   f"{folder_has} ({held})")
         for suffix, t in e["tensors"].items():
             dtype = DTYPES[t["dtype"]][1]
-            param = torch.nn.Parameter(torch.empty(t["shape"], dtype=dtype), requires_grad=False)
-            param.weight_loader = self._loader(suffix, tuple(t["shape"]), dtype)
+            shape = list(t["shape"])
+            if experts is not None:
+                shape[0] = len(experts)
+            cut = share.cuts.get(suffix) if T > 1 else None
+            if cut is not None:
+                shape = list(cut.rank_shape(tuple(shape), T))
+            param = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            param.weight_loader = self._loader(layer, suffix, tuple(t["shape"]), dtype, cut)
             layer.register_parameter(suffix, param)
         layer.load_weights = self._load_weights(layer)
 
@@ -77,12 +151,25 @@ class _FinalLayoutMethod(FusedMoEMethodBase):
 
         return load_weights
 
-    def _loader(self, suffix: str, shape: tuple, dtype: torch.dtype):
+    def _loader(self, layer, suffix: str, shape: tuple, dtype: torch.dtype, cut: TPCut | None):
+        """The parameter's ``weight_loader``: the folder's whole tensor in, this rank's bytes of it copied
+        into the parameter (its experts, as vLLM's expert map gives them when the tensor arrives; its TP
+        cut), nothing else read."""
+        share = self.share
+
         def load(param, loaded_weight: torch.Tensor, *args, **kwargs):
             if tuple(loaded_weight.shape) != shape or loaded_weight.dtype != dtype:
                 raise self._refuse(f"{suffix}: the file holds {tuple(loaded_weight.shape)} {loaded_weight.dtype}, "
                                    f"the layout {shape} {dtype}")
-            param.data.copy_(loaded_weight)
+            runs = _expert_runs(local_experts(layer)) if share.experts_from_layer else [(0, slice(None))]
+            for slot, rows in runs:
+                src = loaded_weight[rows]
+                dst = param.data.narrow(0, slot, src.shape[0])
+                if cut is None or cut.dim is None:
+                    dst.copy_(src)
+                    continue
+                for start, at, n in cut.pieces(src.shape[cut.dim], share.tp_size, share.tp_rank):
+                    dst.narrow(cut.dim, at, n).copy_(src.narrow(cut.dim, start, n))
             self.loaded[suffix] = self.loaded.get(suffix, 0) + 1
             return True if kwargs.get("return_success") else None
 
@@ -113,8 +200,8 @@ class MarlinWNA16Method(_FinalLayoutMethod):
 
     backend = "MARLIN"
 
-    def __init__(self, moe, entry: dict, manifest: dict):
-        super().__init__(moe, entry, manifest)
+    def __init__(self, moe, entry: dict, manifest: dict, share: RankShare | None = None):
+        super().__init__(moe, entry, manifest, share)
         scheme = entry["scheme"]
         self.num_bits = scheme["bits"]
         self.group_size = scheme["group_size"]
@@ -142,6 +229,7 @@ class TritonWNA16Method(MarlinWNA16Method):
     TRITON conversion (what ``--moe-backend triton`` gives)."""
 
     backend = "TRITON"
+    supports_eplb = True  # as CompressedTensorsWNA16MoEMethod with the TRITON backend
 
     @staticmethod
     def _experts_cls():
@@ -153,6 +241,8 @@ class TritonWNA16Method(MarlinWNA16Method):
 class MarlinMXFP4Method(_FinalLayoutMethod):
     """``marlin`` MXFP4 (``moeconvert quantize --format mxfp4``): vLLM's ``MarlinExperts`` with e2m1 weights
     and e8m0 scales, over H and I zero-padded as vLLM pads them for Marlin (the folder holds them padded)."""
+
+    supports_eplb = True  # as vLLM's Mxfp4MoEMethod (quantization/mxfp4.py), Marlin backend included
 
     def maybe_roundup_sizes(self, hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config):
         from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import (

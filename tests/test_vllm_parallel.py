@@ -1,0 +1,371 @@
+"""One folder, every parallel shape: a folder converted without a partition serves vLLM's EP, TP (where the
+layout declares its TP cuts exact), DP + EP and PP, each rank holding exactly what a per-rank conversion
+(``repack --tp-size/--tp-rank`` or ``--ep-size/--ep-rank``) writes for it.
+
+The first tests need no vLLM: each layout's declared TP cuts (``Layout.tp_cuts``) against per-rank
+conversions, byte for byte, and the shapes where a layout says a cut is not exact are shown to be really
+not. The others run vLLM 0.33.0's Python on its CPU platform in N processes on a gloo group
+(``vllm_parallel_child.py``): vLLM's own parallel state, its own ``FusedMoEFactory`` (expert map, placement)
+or its whole-model loader, the plugin loading the full folder on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import cli, st_tensors
+from test_vllm_plugin import VLLM_PYTHON, needs_vllm
+
+CHILD = Path(__file__).with_name("vllm_parallel_child.py")
+
+# name: (example arguments, conversion verb and options); sizes chosen so that TP 2 is exact (I / 2 a
+# multiple of Marlin's 128-column unit for g128, of 128 for MXFP4)
+SCHEMES = {
+    "marlin-w4a16-g128": (dict(scheme="w4a16", intermediate_size=512), ["repack", "--backend", "marlin"]),
+    "marlin-w4a16-g128-asym": (dict(scheme="w4a16", symmetric=False, intermediate_size=512),
+                               ["repack", "--backend", "marlin"]),
+    "marlin-w4a16-channel": (dict(scheme="w4a16", group_size=-1, intermediate_size=256),
+                             ["repack", "--backend", "marlin"]),
+    "marlin-w8a16-g128": (dict(scheme="w8a16", intermediate_size=512), ["repack", "--backend", "marlin"]),
+    "marlin-mxfp4": (dict(scheme="bf16", intermediate_size=256), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    "triton-w4a16-g128": (dict(scheme="w4a16", intermediate_size=256), ["repack", "--backend", "triton"]),
+    "triton-w4a16-g128-asym": (dict(scheme="w4a16", symmetric=False, intermediate_size=256),
+                               ["repack", "--backend", "triton"]),
+    "triton-w8a16-g128": (dict(scheme="w8a16", intermediate_size=256), ["repack", "--backend", "triton"]),
+}
+
+
+def _convert(example_ckpt, base: Path, family: str, scheme: str, *extra) -> Path:
+    kw, verb = SCHEMES[scheme]
+    src = example_ckpt(family, **kw)
+    out = base / "-".join([family, scheme, *(str(x).strip("-") for x in extra)])
+    if not (out / "moeconvert.json").exists():
+        cli(verb[0], src, out, *verb[1:], *extra, expect=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def convert(example_ckpt, tmp_path_factory):
+    base = tmp_path_factory.mktemp("parallel")
+    return lambda family, scheme, *extra: _convert(example_ckpt, base, family, scheme, *extra)
+
+
+def _manifest(folder: Path) -> dict:
+    return json.loads((folder / "moeconvert.json").read_text())
+
+
+def _layout_and_shape(manifest: dict, entry: dict):
+    from moeconvert.format.manifest import layer_shape_from_manifest, parse_scheme
+    from moeconvert.layouts import get_layout
+
+    scheme = parse_scheme(entry["scheme"], "scheme")
+    return get_layout(manifest["layout"]["name"], scheme.kind), layer_shape_from_manifest(entry, manifest["dtype"]), scheme
+
+
+# ---------------------------------------------------------------------------------------------------
+# the layouts' TP cuts, without vLLM
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_each_layouts_tp_cut_of_a_full_folder_is_the_per_rank_conversion(convert, scheme):
+    full = convert("qwen3-moe", scheme)
+    files, manifest = st_tensors(full), _manifest(full)
+    for rank in range(2):
+        ranked = convert("qwen3-moe", scheme, "--tp-size", "2", "--tp-rank", str(rank))
+        want = st_tensors(ranked)
+        for entry in manifest["moe_layers"]:
+            layout, shape, s = _layout_and_shape(manifest, entry)
+            cuts = layout.tp_cuts(shape, s, 2)
+            assert isinstance(cuts, dict), cuts
+            assert set(cuts) == set(entry["tensors"])
+            for suffix, t in entry["tensors"].items():
+                got = cuts[suffix].take(files[t["name"]], 2, rank)
+                assert got.shape == want[t["name"]].shape, (suffix, rank)
+                assert torch.equal(got.view(torch.uint8), want[t["name"]].contiguous().view(torch.uint8)), (suffix, rank)
+
+
+def test_every_layout_the_plugin_serves_declares_its_tp_cuts():
+    """A layout vLLM serves states, for itself, whether a TP rank is a slice of its full tensors; the base
+    class's answer (not declared) would silently refuse every TP size."""
+    from moeconvert.layouts import _registry
+    from moeconvert.layouts.base import Layout
+
+    served = [cls for classes in _registry().values() for cls in classes if cls.vllm_method]
+    assert served and all(cls.tp_cuts is not Layout.tp_cuts for cls in served), served
+    # the layouts SCHEMES above proves the cuts of: every served one
+    assert {cls.__name__ for cls in served} == {"MarlinLayout", "MarlinMXFP4Layout", "TritonWNA16Layout"}
+
+
+# (scheme, example sizes, what the layout says): shapes where a rank's tensors are not a slice
+NOT_A_SLICE = {
+    "marlin-one-w2-group": ("marlin-w4a16-g128", dict(intermediate_size=256), "holds one w2 scale group"),
+    "marlin-rank-padded": ("marlin-w4a16-channel", dict(intermediate_size=192), "is padded to 128 for Marlin's thread tile"),
+    "mxfp4-rank-padded": ("marlin-mxfp4", dict(intermediate_size=128), "is padded to 128 (a multiple of 128)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_A_SLICE))
+def test_where_a_layout_says_a_tp_rank_is_not_a_slice_it_is_not(example_ckpt, tmp_path, case):
+    """The refusal is not caution: cutting the full tensors the way an exact shape is cut gives other
+    bytes than the per-rank conversion."""
+    from moeconvert.layouts.base import TPCut
+
+    scheme, sizes, why = NOT_A_SLICE[case]
+    kw, verb = SCHEMES[scheme]
+    src = example_ckpt("qwen3-moe", **{**kw, **sizes})
+    cli(verb[0], src, tmp_path / "full", *verb[1:], expect=0)
+    manifest = _manifest(tmp_path / "full")
+    entry = manifest["moe_layers"][0]
+    layout, shape, s = _layout_and_shape(manifest, entry)
+    reason = layout.tp_cuts(shape, s, 2)
+    assert not isinstance(reason, dict) and why in reason.reason and reason.convertible, reason
+    cli(verb[0], src, tmp_path / "r0", *verb[1:], "--tp-size", "2", "--tp-rank", "0", expect=0)
+    full, rank0 = st_tensors(tmp_path / "full"), st_tensors(tmp_path / "r0")
+    naive = {"w13_weight": TPCut(2, runs=2), "w2_weight": TPCut(1), "w13_weight_scale": TPCut(2, runs=2),
+             "w2_weight_scale": TPCut(1)}
+    differs = []
+    for suffix, cut in naive.items():
+        name = entry["tensors"][suffix]["name"]
+        a, b = full[name], rank0[name]
+        try:
+            got = cut.take(a, 2, 0)
+        except RuntimeError:
+            differs.append(suffix)
+            continue
+        if got.shape != b.shape or not torch.equal(got.view(torch.uint8), b.contiguous().view(torch.uint8)):
+            differs.append(suffix)
+    assert differs, "the layout refuses a TP cut that is exact"
+
+
+# ---------------------------------------------------------------------------------------------------
+# vLLM on N processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ranks(folder: Path, tmp_path: Path, world: int = 2, **shape) -> list[dict]:
+    """Every rank of ``shape`` (``mode`` "layers" or "model", ``tp``, ``pp``, ``dp``, ``ep``, ``placement``,
+    ``redundant``) run at once, each a vLLM process on the CPU platform; what each reports."""
+    spec = tmp_path / f"shape-{_free_port()}.json"
+    spec.write_text(json.dumps({"mode": "layers", **shape}))
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "MASTER_ADDR": "127.0.0.1"}
+    port = _free_port()
+    procs = [subprocess.Popen([VLLM_PYTHON, str(CHILD), str(folder), str(r), str(world), str(port), str(spec)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(world)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
+def _sha(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
+
+
+def _expected(convert, family: str, scheme: str, experts: list[int], ep_size: int, tp=(1, 0)) -> dict[str, dict]:
+    """What a rank holding global ``experts`` (in slot order) at TP rank ``tp`` must hold, per layer prefix and
+    tensor suffix, from conversions made for it: the ``--ep-size/--ep-rank`` conversion whose experts these
+    are (vLLM's linear placement), else one ``--ep-size E --ep-rank e`` conversion per expert, stacked in
+    slot order; ``--tp-size/--tp-rank`` for a TP rank."""
+    manifest = _manifest(convert(family, scheme))
+    E = manifest["moe_layers"][0]["num_experts_global"]
+    tp_args = ["--tp-size", str(tp[0]), "--tp-rank", str(tp[1])] if tp[0] > 1 else []
+    for r in range(ep_size):
+        base, rem = divmod(E, ep_size)
+        start = r * base + min(r, rem)
+        if experts == list(range(start, start + base + (r < rem))):
+            args = (["--ep-size", str(ep_size), "--ep-rank", str(r)] if ep_size > 1 else []) + tp_args
+            folder = convert(family, scheme, *args)
+            files = st_tensors(folder)
+            return {m["prefix"]: {s: files[t["name"]] for s, t in m["tensors"].items()}
+                    for m in _manifest(folder)["moe_layers"]}
+    singles = {e: convert(family, scheme, "--ep-size", str(E), "--ep-rank", str(e), *tp_args) for e in set(experts)}
+    files = {e: st_tensors(f) for e, f in singles.items()}
+    return {m["prefix"]: {s: torch.cat([files[e][t["name"]] for e in experts]) for s, t in m["tensors"].items()}
+            for m in _manifest(singles[experts[0]])["moe_layers"]}
+
+
+def _assert_holds(got: dict, want: dict, what: str) -> None:
+    assert "error" not in got, got["error"]
+    assert sorted(got["layers"]) == sorted(want), what
+    for prefix, layer in got["layers"].items():
+        assert set(layer["params"]) == set(want[prefix]) and layer["loaded"] == sorted(want[prefix]), (what, prefix)
+        for suffix, t in want[prefix].items():
+            param = layer["params"][suffix]
+            assert param["shape"] == list(t.shape), (what, prefix, suffix)
+            assert param["sha256"] == _sha(t), (what, prefix, suffix)
+
+
+EP_CASES = [  # family, scheme, placement asked for, placement vLLM takes
+    ("qwen3-moe", "marlin-w4a16-g128", "linear", "linear"),
+    ("qwen3-moe", "triton-w4a16-g128-asym", "linear", "linear"),
+    # vLLM places round-robin only for grouped routing (DeepSeek-V3); Qwen3 falls back to linear
+    ("qwen3-moe", "marlin-w4a16-g128", "round_robin", "linear"),
+    ("deepseek-v3", "marlin-w4a16-g128", "linear", "linear"),
+    ("deepseek-v3", "marlin-w4a16-g128", "round_robin", "round_robin"),
+    ("deepseek-v3", "triton-w4a16-g128", "round_robin", "round_robin"),
+]
+
+
+@needs_vllm
+@pytest.mark.parametrize("family,scheme,asked,placed", EP_CASES)
+def test_ep2_from_a_full_folder_each_rank_holds_its_experts(convert, tmp_path, family, scheme, asked, placed):
+    """``--enable-expert-parallel`` on 2 ranks (TP 2 becomes EP 2): each rank's parameters hold the bytes of
+    the conversion made for its experts, which vLLM's own expert map names."""
+    full = convert(family, scheme)
+    ranks = _ranks(full, tmp_path, tp=2, ep=True, placement=asked)
+    E = _manifest(full)["moe_layers"][0]["num_experts_global"]
+    for r, got in enumerate(ranks):
+        assert "error" not in got, got["error"]
+        layer = next(iter(got["layers"].values()))
+        assert layer["placement"] == placed and layer["ep"] == [2, r] and layer["tp"] == [1, 0]
+        experts = layer["physical_experts"]
+        assert experts == (list(range(r, E, 2)) if placed == "round_robin" else list(range(r * E // 2, (r + 1) * E // 2)))
+        _assert_holds(got, _expected(convert, family, scheme, experts, 2), f"rank {r}")
+
+
+TP_CASES = [("qwen3-moe", s) for s in ("marlin-w4a16-g128", "marlin-w4a16-channel", "marlin-mxfp4", "triton-w4a16-g128")]
+TP_CASES += [("deepseek-v3", "marlin-w4a16-g128-asym"), ("deepseek-v3", "triton-w8a16-g128")]
+
+
+@needs_vllm
+@pytest.mark.parametrize("family,scheme", TP_CASES)
+def test_tp2_from_a_full_folder_each_rank_holds_its_tp_conversion(convert, tmp_path, family, scheme):
+    """TP 2 without EP, served from the full folder by the layout's declared cuts: each rank's parameters
+    hold the bytes of ``--tp-size 2 --tp-rank r``."""
+    full = convert(family, scheme)
+    E = _manifest(full)["moe_layers"][0]["num_experts_global"]
+    for r, got in enumerate(_ranks(full, tmp_path, tp=2)):
+        assert "error" not in got, got["error"]
+        assert all(layer["tp"] == [2, r] for layer in got["layers"].values())
+        _assert_holds(got, _expected(convert, family, scheme, list(range(E)), 1, tp=(2, r)), f"rank {r}")
+
+
+@needs_vllm
+@pytest.mark.parametrize("family,mode", [("deepseek-v3", "layers"), ("qwen3-moe", "model")])
+def test_dp2_with_ep_each_rank_holds_its_ep_conversion(convert, tmp_path, family, mode):
+    """``--data-parallel-size 2 --enable-expert-parallel``: vLLM folds DP into EP (EP 2 = DP 2 x TP 1); on
+    Qwen3 through vLLM's whole-model loader, as ``vllm serve`` loads it."""
+    full = convert(family, "marlin-w4a16-g128")
+    E = _manifest(full)["moe_layers"][0]["num_experts_global"]
+    for r, got in enumerate(_ranks(full, tmp_path, mode=mode, dp=2, ep=True)):
+        assert "error" not in got, got["error"]
+        layer = next(iter(got["layers"].values()))
+        assert layer["ep"] == [2, r] and layer["tp"] == [1, 0]
+        experts = list(range(r * E // 2, (r + 1) * E // 2))
+        assert layer["physical_experts"] == experts
+        _assert_holds(got, _expected(convert, family, "marlin-w4a16-g128", experts, 2), f"rank {r}")
+
+
+@needs_vllm
+def test_pp2_each_rank_builds_and_loads_only_its_layers(convert, tmp_path):
+    """``--pipeline-parallel-size 2`` through vLLM's whole-model loader: each rank builds its half of the
+    layers, and each MoE layer it builds holds the folder's tensors (TP 1, EP 1) unchanged."""
+    full = convert("qwen3-moe", "marlin-w4a16-g128")
+    files, manifest = st_tensors(full), _manifest(full)
+    ranks = _ranks(full, tmp_path, mode="model", pp=2)
+    held = [sorted(got["layers"]) for got in ranks]
+    prefixes = [m["prefix"] for m in manifest["moe_layers"]]
+    assert held == [prefixes[:len(prefixes) // 2], prefixes[len(prefixes) // 2:]]
+    for r, got in enumerate(ranks):
+        want = {m["prefix"]: {s: files[t["name"]] for s, t in m["tensors"].items()}
+                for m in manifest["moe_layers"] if m["prefix"] in got["layers"]}
+        _assert_holds(got, want, f"rank {r}")
+
+
+@needs_vllm
+def test_eplb_redundant_experts_are_copies_of_their_logical_experts(convert, tmp_path):
+    """EPLB with 2 redundant experts on EP 2 (Triton WNA16, whose vLLM method allows EPLB): physical expert
+    ``E + j`` is a copy of logical expert ``j`` (vLLM's initial arrangement, eplb_state.py), so rank 1 holds
+    physical 5..9 = logical 5, 6, 7, 0, 1, each from its own conversion."""
+    full = convert("deepseek-v3", "triton-w4a16-g128")
+    E = _manifest(full)["moe_layers"][0]["num_experts_global"]
+    for r, got in enumerate(_ranks(full, tmp_path, tp=2, ep=True, redundant=2)):
+        assert "error" not in got, got["error"]
+        layer = next(iter(got["layers"].values()))
+        physical = layer["physical_experts"]
+        assert layer["global_num_experts"] == E + 2 and physical == list(range(r * 5, r * 5 + 5))
+        logical = [p if p < E else (p - E) % E for p in physical]
+        _assert_holds(got, _expected(convert, "deepseek-v3", "triton-w4a16-g128", logical, 2), f"rank {r}")
+
+
+REFUSED = {  # case: (folder, shape, the one line's telling part)
+    "eplb-on-marlin": (("deepseek-v3", "marlin-w4a16-g128"), dict(tp=2, ep=True, redundant=2),
+                       "its Marlin WNA16 method does not (CompressedTensorsWNA16MoEMethod.supports_eplb is TRITON "
+                       "only): serve without --enable-eplb, or convert with --backend triton (moeconvert repack "),
+    "tp-not-a-slice": (("qwen3-moe", "marlin-w4a16-g128", dict(intermediate_size=256)), dict(tp=2),
+                       "a marlin TP rank of 2 is not a slice of them (a TP rank holds one w2 scale group"),
+    "one-rank-folder": (("qwen3-moe", "marlin-w4a16-g128", "--ep-size", "2", "--ep-rank", "0"), dict(tp=2),
+                        "this folder was converted for TP 1 rank 0, EP 2 rank 0; this vLLM builds the layer for TP 2"),
+}
+
+
+@needs_vllm
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_shapes_a_folder_does_not_cover_are_refused_in_one_line(convert, example_ckpt, tmp_path, case):
+    what, shape, want = REFUSED[case]
+    if len(what) > 2 and isinstance(what[2], dict):  # a folder of other sizes
+        kw, verb = SCHEMES[what[1]]
+        folder = tmp_path / "full"
+        cli(verb[0], example_ckpt(what[0], **{**kw, **what[2]}), folder, *verb[1:], expect=0)
+    else:
+        folder = convert(*what)
+    for r, got in enumerate(_ranks(folder, tmp_path, **shape)):
+        assert "\n" not in got["error"] and want in got["error"], got["error"]
+        assert got["error"].startswith("ValueError: moeconvert: model.layers.")
+        if case == "tp-not-a-slice":  # names the conversion for this very rank
+            assert got["error"].endswith(f"--backend marlin --tp-size 2 --tp-rank {r}"), got["error"]
+        assert got["layers"] == {}
+
+
+# ---------------------------------------------------------------------------------------------------
+# --load-format moeconvert: each rank reads only its bytes
+
+
+@needs_vllm
+@pytest.mark.parametrize("shape", [dict(tp=2, ep=True), dict(tp=2), dict(dp=2, ep=True)],
+                         ids=["ep2", "tp2", "dp2-ep2"])
+def test_each_rank_reads_only_its_experts_with_the_moeconvert_load_format(convert, tmp_path, shape):
+    """vLLM's whole-model load with ``--load-format moeconvert`` (the plugin's registered model loader):
+    each rank's expert parameters hold its per-rank conversion's bytes, and what the process read while
+    loading (the kernel's rchar counter in /proc/self/io) is the rank's share of the stacked tensors plus
+    every other tensor, give or take the shard headers and a few KiB: never the other rank's experts."""
+    import struct
+
+    full = convert("qwen3-moe", "marlin-w4a16-g128")
+    manifest = _manifest(full)
+    stacked = {t["name"] for m in manifest["moe_layers"] for t in m["tensors"].values()}
+    rest = headers = 0
+    for shard in full.glob("*.safetensors"):
+        n = struct.unpack("<Q", shard.read_bytes()[:8])[0]
+        headers += 8 + n
+        header = json.loads(shard.read_bytes()[8:8 + n])
+        rest += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
+                    if k != "__metadata__" and k not in stacked)
+    E = manifest["moe_layers"][0]["num_experts_global"]
+    ranks = _ranks(full, tmp_path, mode="model", load_format="moeconvert", **shape)
+    for r, got in enumerate(ranks):
+        assert "error" not in got, got["error"]
+        if shape.get("ep"):
+            want = _expected(convert, "qwen3-moe", "marlin-w4a16-g128", list(range(r * E // 2, (r + 1) * E // 2)), 2)
+        else:
+            want = _expected(convert, "qwen3-moe", "marlin-w4a16-g128", list(range(E)), 1, tp=(2, r))
+        _assert_holds(got, want, f"rank {r}")
+        share = sum(t.numel() * t.element_size() for layer in want.values() for t in layer.values())
+        assert share + rest <= got["read_bytes"] <= share + rest + headers + 64 * 1024, (r, got["read_bytes"], share, rest)

@@ -1,0 +1,140 @@
+"""One rank of a vLLM parallel shape on the CPU platform, run by tests/test_vllm_parallel.py (N at once).
+
+``python vllm_parallel_child.py FOLDER RANK WORLD PORT SHAPE.json``: vLLM's process groups for the shape
+(``harness.process_group``: TP, PP, DP, EP, expert placement, EPLB's redundant experts), then either each MoE
+layer of the folder's manifest built by vLLM's ``FusedMoEFactory`` and loaded as the model's loader loads it
+(``"mode": "layers"``), or the whole model built and loaded by vLLM's default loader (``"mode": "model"``:
+what ``vllm serve`` does, PP included). Prints, as JSON, what this rank's vLLM holds for each MoE layer it
+built: the experts its expert map gives it, the placement vLLM chose, each parameter's sha256 and shape.
+Errors are printed as ``{"error": "..."}``.
+"""
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+def main() -> None:
+    folder, rank, world, port = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    shape = json.loads(Path(sys.argv[5]).read_text())
+    import torch
+
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExpertsBase
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonWNA16Experts
+    from vllm.plugins import load_general_plugins
+
+    # Marlin and vLLM's Triton MoE kernel need CUDA to run, not to be built (as in vllm_plugin_child.py)
+    MarlinExpertsBase._supports_current_device = staticmethod(lambda: True)
+    TritonWNA16Experts._supports_current_device = staticmethod(lambda: True)
+    torch.accelerator.empty_cache = lambda: None  # the loader empties the accelerator's cache; a CPU build has none
+    load_general_plugins()
+
+    from moeconvert.integrations.vllm.harness import process_group
+
+    out: dict = {"rank": rank, "layers": {}}
+    group = dict(rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
+                 tensor_parallel_size=shape.get("tp", 1), pipeline_parallel_size=shape.get("pp", 1),
+                 data_parallel_size=shape.get("dp", 1), enable_expert_parallel=shape.get("ep", False),
+                 expert_placement_strategy=shape.get("placement", "linear"),
+                 num_redundant_experts=shape.get("redundant", 0), load_format=shape.get("load_format", "auto"))
+    try:
+        if shape["mode"] == "model":
+            _model(folder, group, out)
+        else:
+            _layers(folder, group, out)
+    except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
+        out["error"] = f"{type(e).__name__}: {e}"
+    print(json.dumps(out))
+
+
+def _layers(folder: Path, group: dict, out: dict) -> None:
+    """Each MoE layer as the model builds it (grouped routing from config.json, EPLB's redundant experts),
+    loaded as Qwen's ``AutoWeightsLoader`` (the runner's ``load_weights``) or DeepSeek's loader (each
+    parameter's own ``weight_loader``) loads it."""
+    import torch
+
+    from moeconvert.integrations.vllm.harness import build_layer, layer_tensors, quant_config_for, process_group
+
+    hf = json.loads((folder / "config.json").read_text())
+    cfg = quant_config_for(folder)
+    with process_group("cpu", **group):
+        for m in cfg.manifest["moe_layers"]:
+            routing = {}
+            if hf.get("n_group"):
+                routing = dict(use_grouped_topk=True, num_expert_group=hf["n_group"], topk_group=hf["topk_group"])
+            if group["num_redundant_experts"]:
+                routing.update(enable_eplb=True, num_redundant_experts=group["num_redundant_experts"])
+            runner = build_layer(cfg, prefix=m["prefix"], num_experts=m["num_experts_global"], top_k=m["top_k"],
+                                 hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size_total"],
+                                 has_bias=m["has_bias"], dtype=torch.bfloat16, device="cpu", tp_size=None, **routing)
+            named = layer_tensors(folder, m["prefix"], cfg)
+            if hf.get("model_type", "").startswith("deepseek"):
+                params = dict(runner.named_parameters())
+                for name, tensor in named:
+                    params[name].weight_loader(params[name], tensor)
+            else:
+                list(runner.load_weights(named))
+            experts = runner.routed_experts
+            experts.quant_method.process_weights_after_loading(experts)
+            out["layers"][m["prefix"]] = _report(experts)
+
+
+def _model(folder: Path, group: dict, out: dict) -> None:
+    from vllm.config import ModelConfig
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.model_loader import get_model
+
+    from moeconvert.integrations.vllm.harness import process_group
+
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    # what the process reads while the loader loads the weights, from the OS's own counter (rchar: bytes
+    # read by read()-family calls; the moeconvert loader reads with preadv, vLLM's default one maps files)
+    loaders = [cls for cls in DefaultModelLoader.__subclasses__() if cls.__name__ == "MoeconvertModelLoader"]
+    for cls in [DefaultModelLoader, *loaders]:
+        def counted(self, model, model_config, _load=cls.__dict__["load_weights"]):
+            before = _rchar()
+            _load(self, model, model_config)
+            out["read_bytes"] = _rchar() - before
+
+        cls.load_weights = counted
+    mc = ModelConfig(model=str(folder), dtype="bfloat16", enforce_eager=True, max_model_len=256)
+    with process_group("cpu", model_config=mc, **group) as vc:
+        model = get_model(vllm_config=vc)
+        for name, module in model.named_modules():
+            if isinstance(module, RoutedExperts):
+                out["layers"][name.removesuffix(".routed_experts")] = _report(module)
+
+
+def _rchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no rchar")
+
+
+def _report(experts) -> dict:
+    import torch
+
+    emap = experts.expert_map_manager.expert_map
+    owned = None
+    if emap is not None:
+        idx = torch.nonzero(emap >= 0).flatten()
+        owned = idx[torch.argsort(emap[idx])].tolist()
+    pc = experts.moe_config.moe_parallel_config
+    return {
+        "placement": experts.expert_placement_strategy, "physical_experts": owned,
+        "global_num_experts": experts.global_num_experts,
+        "tp": [pc.tp_size, pc.tp_rank], "ep": [pc.ep_size, pc.ep_rank] if pc.use_ep else [1, 0],
+        "loaded": sorted(experts.quant_method.loaded),
+        "params": {n: {"sha256": hashlib.sha256(p.data.contiguous().view(torch.uint8).numpy()).hexdigest(),
+                       "shape": list(p.shape)} for n, p in experts.named_parameters()},
+    }
+
+
+if __name__ == "__main__":
+    main()
