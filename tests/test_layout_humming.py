@@ -290,8 +290,8 @@ def test_encode_equals_hummings_cuda_transform(bits, g, sym):
             tensors=tensors, shape_n=d.N, shape_k=d.K, pad_n_to_multiple=256, pad_k_to_multiple=128,
             input_schema=HummingInputSchema(), weight_schema=hs, has_bias=False, num_experts=E,
             torch_dtype=torch.bfloat16, device=torch.device("cuda"))
-        assert str(cfg.b_dtype).replace("int", "uint").replace("uuint", "uint") == shape.extra[hl.EXTRA_KEY][sub] \
-            or str(hs.b_dtype) == shape.extra[hl.EXTRA_KEY][sub]
+        assert str(hs.b_dtype) == shape.extra[hl.EXTRA_KEY][sub]  # the sign-magnitude choice
+        assert (cfg.shape_n, cfg.shape_k, cfg.pad_shape_n, cfg.pad_shape_k) == (d.Np, d.Kp, d.Np - d.N, d.Kp - d.K)
         names = hl.NAMES[sub]
         pairs = [("weight", names.weight), ("weight_scale", names.weight_scale)]
         if not sym:
