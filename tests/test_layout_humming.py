@@ -1,0 +1,302 @@
+"""The ``humming`` layout (docs/layouts/humming.md): vLLM 0.33.0's HUMMING memory for WNA16 experts.
+
+CPU: a line-by-line transcription of humming-kernels 0.1.19's ``weight_repack_nk`` (one thread at a time)
+against the vectorised gather; humming's own Python (scale, zero-point and bias transforms, the
+sign-magnitude choice) where it runs without CUDA (``MOECONVERT_HUMMING_SRC``: the wheel or a folder).
+GPU (``-m gpu``): humming's CUDA transform, called as vLLM 0.33.0 calls it, byte-identical to encode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+import types
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeconvert.canonical import ExpertBlock, LayerShape
+from moeconvert.errors import InternalError
+from moeconvert.layouts import get_layout
+from moeconvert.layouts import humming as hl
+from moeconvert.schemes import WNA16Scheme
+
+HUMMING_SRC = "MOECONVERT_HUMMING_SRC"
+
+
+def block_of(scheme: WNA16Scheme, E: int, H: int, I: int, seed: int = 0, no_zero: tuple[str, ...] = (),
+             bias: bool = False) -> ExpertBlock:
+    gen = torch.Generator().manual_seed(seed)
+    n = 1 << scheme.bits
+
+    def codes(*size, low=0):
+        return torch.randint(low, n, size, generator=gen, dtype=torch.uint8)
+
+    def scales(*size):
+        return (torch.rand(size, generator=gen) * 0.02 + 0.004).to(torch.bfloat16)
+
+    kw = dict(w13=codes(E, 2 * I, H, low=1 if "w13" in no_zero else 0),
+              w2=codes(E, H, I, low=1 if "w2" in no_zero else 0),
+              w13_scale=scales(E, 2 * I, scheme.groups(H)), w2_scale=scales(E, H, scheme.groups(I)))
+    if not scheme.symmetric:
+        kw.update(w13_zero=codes(E, 2 * I, scheme.groups(H)), w2_zero=codes(E, H, scheme.groups(I)))
+    if bias:
+        kw.update(w13_bias=torch.randn(E, 2 * I, generator=gen).to(torch.bfloat16),
+                  w2_bias=torch.randn(E, H, generator=gen).to(torch.bfloat16))
+    return ExpertBlock(scheme=scheme, **kw)
+
+
+def sizes(g: int) -> tuple[int, int]:
+    """H = 384 pads w2's N to 512; I = 192 pads w13's N to 512 and w2's K to 256 (I = 128 for g = 128)."""
+    return 384, 128 if g == 128 else 192
+
+
+def shape_of(E, H, I, bias=False, extra=None):
+    return LayerShape(num_experts=E, hidden_size=H, intermediate_size=I, has_bias=bias, extra=extra or {})
+
+
+# ---------------------------------------------------------------------------------------------------
+# weight_repack_nk<B, 16, packed=1, int2fp, zp, transpose=0, gzp, 0, 0>, interleave_mode 3, one lane at a time
+
+
+def kernel_transcription(fields: torch.Tensor, bits: int) -> torch.Tensor:
+    """The CUDA kernel's index arithmetic, scalar, for already-preprocessed fields [E, Np, Kp]."""
+    E, Np, Kp = fields.shape
+    f = fields.tolist()
+    bp, per_word = bits, 32 // bits
+    out_stride = 16 * Np * bits // 32
+    out = [0] * (E * (Kp // 16) * out_stride)
+    for bz in range(E):
+        for bx in range(Np // 64):
+            for by in range(Kp // 64):
+                for lane in range(32):
+                    tmp = [0] * 128  # [4][1][4][2][2][2]
+                    for i in range(8):
+                        row = bx * 64 + i * 8 + lane // 4
+                        for j in range(8):
+                            for k in range(2):
+                                index = j * 8 + lane % 4 * 2 + k
+                                v = f[bz][row][by * 64 + index]
+                                i1, i3, i4, i5, i6 = j // 2, (i * 8) % 64 // 16, i % 2, j % 2, k
+                                tmp[i1 * 32 + i3 * 8 + i4 * 4 + i5 * 2 + i6] = v
+                    out_arr = [0] * (4 * bp)
+                    for i in range(4):
+                        for j in range(bp):
+                            val = 0
+                            for k in range(per_word):
+                                group = per_word // 2
+                                new_k = (k % group) * 2 + k // group
+                                val |= (tmp[i * 32 + j * per_word + new_k] & ((1 << bits) - 1)) << (k * bp)
+                            out_arr[i * bp + j] = val
+                    col_offset = 16 * (64 * bx) * bits // 32
+                    for i in range(4):
+                        row = (by * 64 + bz * Kp) // 16 + i
+                        for k in range(bits):
+                            out[row * out_stride + col_offset + lane * bits + k] = out_arr[i * bits + k]
+    t = torch.tensor(out, dtype=torch.int64)
+    t = torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)
+    return t.reshape(E, Kp // 16, out_stride)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gather_equals_the_kernel_transcription(bits):
+    gen = torch.Generator().manual_seed(bits)
+    fields = torch.randint(0, 1 << bits, (2, 128, 128), generator=gen, dtype=torch.uint8)
+    assert torch.equal(hl.repack_weights(fields, bits), kernel_transcription(fields, bits))
+    assert torch.equal(hl.unrepack_weights(hl.repack_weights(fields, bits), bits, 128, 128), fields)
+
+
+def test_int2fp_and_sign_magnitude_by_hand():
+    v = torch.tensor([0, 1, 127, 128, 129, 255], dtype=torch.uint8)
+    assert hl.int2fp(v, torch.tensor(128), 8).tolist() == [255, 254, 128, 0, 1, 127]
+    assert torch.equal(hl.un_int2fp(hl.int2fp(v, torch.tensor(128), 8), torch.tensor(128), 8), v)
+    u = torch.arange(1, 16, dtype=torch.uint8)
+    assert hl.to_sign_magnitude(u, 4).tolist() == [15, 14, 13, 12, 11, 10, 9, 0, 1, 2, 3, 4, 5, 6, 7]
+    assert torch.equal(hl.from_sign_magnitude(hl.to_sign_magnitude(u, 4), 4), u)
+
+
+SCHEMES = [WNA16Scheme(bits, g, sym, "bfloat16") for bits in (4, 8) for g in (32, 64, 128, -1) for sym in (True, False)]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.describe().replace(" ", "-"))
+@pytest.mark.parametrize("no_zero", [(), ("w13", "w2"), ("w2",)], ids=["zeros", "nozero", "w2-nozero"])
+def test_roundtrip_with_the_decision(scheme, no_zero):
+    E, (H, I) = 2, sizes(scheme.group_size)
+    layout = get_layout("humming", "wna16")
+    block = block_of(scheme, E, H, I, no_zero=no_zero, bias=True)
+    decision = layout.scan_b_dtypes([block], scheme)
+    if scheme.symmetric:
+        for sub in hl.SUBLAYERS:
+            assert decision[sub].startswith("float" if sub in no_zero else "uint")
+    shape = shape_of(E, H, I, bias=True, extra={hl.EXTRA_KEY: decision})
+    enc = layout.encode(block, shape)
+    assert [(k, tuple(v.shape), v.dtype) for k, v in enc.items()] == \
+        [(s.suffix, s.shape, s.dtype) for s in layout.plan(shape, scheme)]
+    assert not layout.expected_block(block, shape).differences(layout.decode(enc, shape, scheme))
+    meta = layout.layer_metadata(shape, scheme)
+    assert meta["w2"]["shape_n"] == 512 and meta["w2"]["pad_shape_n"] == 128
+
+
+def test_a_chunk_without_a_zero_code_needs_the_layers_decision():
+    scheme = WNA16Scheme(4, 128, True, "bfloat16")
+    block = block_of(scheme, 1, 256, 256, no_zero=("w13",))
+    with pytest.raises(InternalError, match="whole layer"):
+        get_layout("humming", "wna16").encode(block, shape_of(1, 256, 256))
+
+
+# ---------------------------------------------------------------------------------------------------
+# humming's own Python as the oracle
+
+
+def humming_root() -> Path | None:
+    src = os.environ.get(HUMMING_SRC)
+    if src:
+        p = Path(src)
+        return p if p.exists() else None
+    spec = importlib.util.find_spec("humming")
+    return Path(list(spec.submodule_search_locations)[0]).parent if spec else None
+
+
+@pytest.fixture(scope="module")
+def humming_cpu(tmp_path_factory):
+    """humming 0.1.19's transform.py and schema/humming.py, importable on the CPU: its CUDA ops
+    (pack/unpack) replaced by LSB-first torch code, its device probe by 'not a PPU'."""
+    root = humming_root()
+    if root is None:
+        pytest.skip(f"set {HUMMING_SRC} to the humming-kernels 0.1.19 wheel or its folder")
+    if root.is_file():
+        dest = tmp_path_factory.mktemp("humming")
+        zipfile.ZipFile(root).extractall(dest)
+        root = dest
+    pytest.importorskip("jinja2")
+    saved = dict(sys.modules)
+    fake_ops = types.ModuleType("humming.ops")
+    from moeconvert.packing import pack_int32, unpack_int32
+    fake_ops.pack_weight = lambda x, b: pack_int32(x, b)
+    fake_ops.unpack_weight = lambda x, b: unpack_int32(x, b, x.shape[-1] * 32 // b).to(torch.int32)
+    pkg = types.ModuleType("humming")
+    pkg.__path__ = [str(root / "humming")]
+    sys.modules.update({"humming": pkg, "humming.ops": fake_ops})
+    dev = types.ModuleType("humming.device")
+    dev.current_device = types.SimpleNamespace(is_ppu=False, sm_version=90)
+    dev.DeviceInfo = lambda *a: types.SimpleNamespace(sm_version=90, sm_major=9)
+    sys.modules["humming.device"] = dev
+    try:
+        mods = {}
+        for name in ("dtypes", "schema.humming", "transform"):
+            try:
+                mods[name] = importlib.import_module(f"humming.{name}")
+            except ImportError as e:
+                pytest.skip(f"humming's {name} does not import on the CPU here: {e}")
+        yield mods
+    finally:
+        for k in [k for k in sys.modules if k == "humming" or k.startswith("humming.")]:
+            del sys.modules[k]
+        sys.modules.update({k: v for k, v in saved.items() if k.startswith("humming")})
+
+
+@pytest.mark.parametrize("g", [128, 32, -1])
+def test_scales_and_bias_equal_hummings_transform(humming_cpu, g):
+    t = humming_cpu["transform"]
+    scheme = WNA16Scheme(4, g, True, "bfloat16")
+    E, (H, I) = 2, sizes(g)
+    block = block_of(scheme, E, H, I, bias=True)
+    shape = shape_of(E, H, I, bias=True)
+    enc = get_layout("humming", "wna16").encode(block, shape)
+    for sub, d in hl.sublayers(shape, g).items():
+        scale = hl._pad(getattr(block, f"{sub}_scale"), (E, d.Np, d.Gp))
+        want = t.transform_humming_weight_scale(scale, to_apply_on_c=g == -1)
+        assert torch.equal(enc[hl.NAMES[sub].weight_scale].view(torch.int16), want.view(torch.int16))
+        bias = hl._pad(getattr(block, f"{sub}_bias"), (E, d.Np))
+        assert torch.equal(enc[hl.NAMES[sub].bias].view(torch.int16), t.transform_humming_bias(bias).view(torch.int16))
+
+
+@pytest.mark.parametrize("bits,g", [(4, 128), (4, 32), (8, 64), (4, -1)])
+def test_zero_points_equal_hummings_transform(humming_cpu, bits, g):
+    t, dtypes = humming_cpu["transform"], humming_cpu["dtypes"]
+    from moeconvert.packing import pack_int32
+    scheme = WNA16Scheme(bits, g, False, "bfloat16")
+    E, (H, I) = 2, sizes(g)
+    block = block_of(scheme, E, H, I)
+    shape = shape_of(E, H, I)
+    enc = get_layout("humming", "wna16").encode(block, shape)
+    for sub, d in hl.sublayers(shape, g).items():
+        zp = hl._pad(getattr(block, f"{sub}_zero"), (E, d.Np, d.Gp))
+        packed = pack_int32(zp.transpose(1, 2), bits).transpose(1, 2).contiguous()  # compressed-tensors form
+        want = t.transform_humming_zero_point(packed, dtypes.DataType.from_str(f"uint{bits}"), packed=True)
+        assert torch.equal(enc[hl.NAMES[sub].zero_point], want)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_sign_magnitude_choice_equals_hummings(humming_cpu, bits):
+    from moeconvert.packing import pack_int32
+    schema_mod, dtypes = humming_cpu["schema.humming"], humming_cpu["dtypes"]
+    for no_zero in (True, False):
+        codes = torch.randint(1 if no_zero else 0, 1 << bits, (2, 64, 128), dtype=torch.uint8)
+        schema = schema_mod.HummingWeightSchema(b_dtype=dtypes.DataType.from_str(f"uint{bits}"),
+                                                weight_scale_group_size=128)
+        got_schema, tensors = schema.convert_symmetric_integer_weight({"weight": pack_int32(codes, bits)})
+        want = hl.sign_magnitude_dtype(bits) if no_zero else hl.unsigned_dtype(bits)
+        assert str(got_schema.b_dtype) == want
+        sm = hl.to_sign_magnitude(codes, bits) if no_zero else codes
+        assert torch.equal(tensors["weight"], pack_int32(sm, bits))
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: humming's CUDA transform, as vLLM 0.33.0 calls it
+
+
+GPU_CASES = [(4, 128, True), (4, 128, False), (4, 32, True), (4, 32, False), (8, 128, True), (8, 64, False),
+             (4, -1, True), (8, -1, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,g,sym", GPU_CASES)
+def test_encode_equals_hummings_cuda_transform(bits, g, sym):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    humming = pytest.importorskip("humming")
+    from humming.schema import BaseWeightSchema, HummingInputSchema
+    from humming.transform import prepare_and_transform_humming_tensors
+    from moeconvert.packing import pack_int32
+
+    scheme = WNA16Scheme(bits, g, sym, "bfloat16")
+    E, (H, I) = 2, sizes(g)
+    block = block_of(scheme, E, H, I, no_zero=("w2",) if sym else ())  # w13 has 0 codes, w2 none
+    layout = get_layout("humming", "wna16")
+    shape = shape_of(E, H, I, extra={hl.EXTRA_KEY: layout.scan_b_dtypes([block], scheme)})
+    ours = layout.encode(block, shape)
+    config = {"quant_method": "compressed-tensors", "format": "pack-quantized", "type": "int", "num_bits": bits,
+              "strategy": "channel" if g == -1 else "group", "group_size": None if g == -1 else g,
+              "symmetric": sym}
+    for sub, d in hl.sublayers(shape, g).items():
+        codes = getattr(block, sub)
+        t = {"weight_packed": pack_int32(codes, bits).cuda(),  # compressed-tensors: K-packed, N-first
+             "weight_scale": getattr(block, f"{sub}_scale").cuda(),
+             "weight_shape": torch.tensor([[d.N, d.K]] * E).cuda()}
+        if not sym:
+            z = getattr(block, f"{sub}_zero")
+            t["weight_zero_point"] = pack_int32(z.transpose(1, 2), bits).transpose(1, 2).contiguous().cuda()
+        # vLLM's _process_single_sublayer: convert_humming, input-schema fallback (16-bit), then transform
+        ws = BaseWeightSchema.from_config(config)
+        stacks = [d.N // 2] * 2 if sub == "w13" else [d.N]
+        hs, tensors = ws.convert_humming(tensors=t, shape_n_stacks=stacks, shape_k_stacks=[d.K],
+                                         param_dtype=torch.bfloat16, num_experts=E)
+        cfg, out = prepare_and_transform_humming_tensors(
+            tensors=tensors, shape_n=d.N, shape_k=d.K, pad_n_to_multiple=256, pad_k_to_multiple=128,
+            input_schema=HummingInputSchema(), weight_schema=hs, has_bias=False, num_experts=E,
+            torch_dtype=torch.bfloat16, device=torch.device("cuda"))
+        assert str(hs.b_dtype) == shape.extra[hl.EXTRA_KEY][sub]  # the sign-magnitude choice
+        assert (cfg.shape_n, cfg.shape_k, cfg.pad_shape_n, cfg.pad_shape_k) == (d.Np, d.Kp, d.Np - d.N, d.Kp - d.K)
+        names = hl.NAMES[sub]
+        pairs = [("weight", names.weight), ("weight_scale", names.weight_scale)]
+        if not sym:
+            pairs.append(("zero_point", names.zero_point))
+        for theirs, mine in pairs:
+            a, b = out[theirs].cpu(), ours[mine]
+            assert a.shape == b.shape and a.dtype == b.dtype, (sub, theirs, a.shape, b.shape, a.dtype, b.dtype)
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (sub, theirs)
