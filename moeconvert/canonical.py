@@ -87,7 +87,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Partition:
-    """Which slice of a layer one output holds: vLLM's TP/EP cuts (wna16-layouts.md §2)."""
+    """Which slice of a layer one output holds: vLLM's TP/EP cuts (docs/format.md)."""
 
     tp_size: int = 1
     tp_rank: int = 0

@@ -2,7 +2,7 @@
 
 Integers in, integers out: compressed-tensors words are unpacked to the stored unsigned fields, scales
 keep their stored dtype, nothing is dequantized. TP/EP cuts follow vLLM 0.33.0's loader
-(wna16-layouts.md §2), so the block equals what one rank holds before backend processing:
+(docs/format.md), so the block equals what one rank holds before backend processing:
 
 * gate and up rows are cut contiguously per rank (``[r*I/tp, (r+1)*I/tp)`` of each);
 * down is cut along K (its I columns), its group scales / zero points on group columns;
@@ -99,7 +99,7 @@ def _check_weight_shape(source: Source, ex: dict, H: int, I: int) -> None:
 def _decode_fused(source: Source, layer: MoELayerMap, part: Partition, e0: int, e1: int) -> ExpertBlock:
     """gpt-oss: gate/up interleaved (row 2j gate j, 2j+1 up j) -> [gate; up] rows.
 
-    Float: ``gate_up_proj [E, H, 2I]`` (x @ W), ``down_proj [E, I, H]``. MXFP4 (mxfp4-layouts.md §7):
+    Float: ``gate_up_proj [E, H, 2I]`` (x @ W), ``down_proj [E, I, H]``. MXFP4 (docs/format.md):
     ``gate_up_proj_blocks [E, 2I, H/32, 16]`` / ``_scales [E, 2I, H/32]``, ``down_proj_blocks
     [E, H, I/32, 16]`` / ``_scales [E, H, I/32]``. vLLM's gpt-oss loader gives the down bias to TP rank
     0 only (the others hold zeros, so the all-reduce adds it once).

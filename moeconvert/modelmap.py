@@ -506,7 +506,7 @@ def _map_fused(source: Source, fam: Family, cfg: dict, sizes: ConfigSizes) -> li
         gu, dn = names.get("gate_up_proj", {}), names.get("down_proj", {})
         mxfp4 = any(k in by for by in (gu, dn) for k in ("_blocks", "_scales"))
         if mxfp4:
-            # gpt-oss' own MXFP4 form (mxfp4-layouts.md §7): N-first, rows of gate_up interleaved
+            # gpt-oss' own MXFP4 form (docs/quantize.md): N-first, rows of gate_up interleaved
             # gate/up, low nibble = even k, e8m0 scales per 32 along K
             for proj, by in (("gate_up_proj", gu), ("down_proj", dn)):
                 for suffix in ("_blocks", "_scales"):

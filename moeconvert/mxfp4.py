@@ -6,7 +6,7 @@ all described bit for bit in ``docs/mxfp4-rounding.md``:
 
 ``"vllm"`` (default)
     What vLLM 0.33.0's online MoE quantizer (``Mxfp4OnlineMoEMethod`` → ``mxfp4_utils.py:
-    downcast_to_mxfp``) writes (mxfp4-layouts.md §2.2): the block max is rounded to one mantissa bit
+    downcast_to_mxfp``) writes (docs/mxfp4-rounding.md): the block max is rounded to one mantissa bit
     ("even" scale), ``S = max(E - 2, 0)`` (254 when E = 255), elements round half to even and
     saturate at ±6, the sign bit is kept on zero. Where the compiled CUDA kernel and the spec's
     reading differ, this follows the kernel as measured on an H200: S = 0 blocks come out as all ±0
@@ -41,7 +41,7 @@ from moeconvert.errors import MoeConvertError
 MXFP4_BLOCK_SIZE = 32
 ROUNDINGS = ("vllm", "ocp", "triton_kernels")
 
-#: E2M1 code (0..15) -> value; bit 3 is the sign (mxfp4-layouts.md §1.1).
+#: E2M1 code (0..15) -> value; bit 3 is the sign (docs/mxfp4-rounding.md).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 _INF = 0x7F800000  # fp32 bits of +inf; anything above is a NaN
@@ -105,7 +105,7 @@ def quantize_mxfp4(
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``E2M1(code) * 2^(S - 127)`` per element (mxfp4-layouts.md §3.1), exact in fp32.
+    """``E2M1(code) * 2^(S - 127)`` per element (docs/mxfp4-rounding.md), exact in fp32.
 
     Scale byte 0 means 2^-127 (OCP; triton_kernels' own upcast reads it as 0), 255 means NaN.
     S = 254 with a magnitude >= 2 overflows to inf. The fp32 result is cast to ``dtype``.
@@ -209,7 +209,7 @@ def nonfinite_experts(w: torch.Tensor) -> dict[int, int]:
 
 
 def require_finite(w: torch.Tensor, *, tensor: str, expert_offset: int = 0) -> None:
-    """Refuse NaN/inf weights (mxfp4-layouts.md §8: vLLM quantizes them silently to ±6 or S = 254).
+    """Refuse NaN/inf weights (docs/mxfp4-rounding.md: vLLM quantizes them silently to ±6 or S = 254).
 
     ``w`` is a chunk of experts ``[E, ...]`` whose first expert is ``expert_offset`` in the layer.
     """
@@ -262,7 +262,7 @@ def _fp32_magnitude_bits(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _block_max(mag: torch.Tensor, drop_nan: bool) -> torch.Tensor:
     """Block max of the magnitude bits, int64 ``[..., nb]``.
 
-    ``drop_nan``: like Triton's ``tl.max`` in both kernels, NaN elements are ignored (mxfp4-layouts.md
+    ``drop_nan``: like Triton's ``tl.max`` in both kernels, NaN elements are ignored (docs/mxfp4-rounding.md
     §2.2 step 1). The max of an all-NaN block is the GPU's canonical NaN 0x7FFFFFFF (the CPU
     interpreter would return the input's NaN payload instead).
     """

@@ -1,4 +1,4 @@
-"""Bit packing of integer codes into int32 words, LSB-first (compressed-tensors' rule, wna16-layouts.md §1.3).
+"""Bit packing of integer codes into int32 words, LSB-first (compressed-tensors' rule, docs/format.md).
 
 Along the packed dimension, element ``j`` goes to word ``j // pf`` at bits ``[b*(j % pf), b*(j % pf) + b)``
 with ``pf = 32 // b``. All functions are whole-tensor shifts and masks.

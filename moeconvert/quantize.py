@@ -1,7 +1,7 @@
 """Output blocks of quantized layouts: padding, casting and MXFP4 quantization of a canonical chunk.
 
 ``moeconvert quantize --format mxfp4`` does, once, what vLLM 0.33.0's ``Mxfp4OnlineMoEMethod`` does at
-every start (mxfp4-layouts.md §5):
+every start (docs/quantize.md):
 
 1. the experts are cast to the model dtype (the engine's parameters are in it; an fp32 checkpoint runs
    in bf16 unless ``--dtype`` says otherwise, as vLLM's ``dtype=auto`` does). A finite value the cast

@@ -4,7 +4,7 @@ A scheme says what the canonical expert block holds (see ``canonical.py``):
 
 * :class:`FloatScheme`  – bf16/fp16/fp32 weights.
 * :class:`WNA16Scheme`  – integer codes with group (or channel) scales, optional zero points
-  (compressed-tensors ``pack-quantized``; ../specs wna16-layouts.md §1).
+  (compressed-tensors ``pack-quantized``; docs/format.md).
 * :class:`MXFP4Scheme`  – e2m1 values with one e8m0 scale per 32 along K.
 
 The config is read by our own parser of compressed-tensors' models and target matching (below), which

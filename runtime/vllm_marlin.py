@@ -5,7 +5,7 @@ Only vLLM's compiled MoE ops library is loaded (``torch.ops.load_library`` of ``
 never the ``vllm`` Python package: ``$MOECONVERT_VLLM_MOE_LIB`` names the file, else it is looked up
 next to an installed ``vllm`` (found with ``importlib.util.find_spec``, which does not import it).
 
-The calls are those of vLLM's ``_fused_marlin_moe`` (wna16-layouts.md §3.7), with the 0.33.0
+The calls are those of vLLM's ``_fused_marlin_moe`` (docs/layouts/marlin.md), with the 0.33.0
 argument list of ``torch.ops._moe_C.moe_wna16_marlin_gemm``::
 
     (a, c_or_none, b_q_weight, b_bias, b_scales, a_scales, global_scale, b_zeros, workspace,

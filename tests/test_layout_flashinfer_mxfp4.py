@@ -1,6 +1,6 @@
 """The MXFP4 layouts ``flashinfer-cutlass`` (SM90) and ``flashinfer-trtllm`` (Blackwell).
 
-Proved by: vectors worked out by hand from mxfp4-layouts.md §6.3/§6.6 (single-bit probes of the fp4
+Proved by: vectors worked out by hand from docs/layouts/flashinfer-mxfp4.md (single-bit probes of the fp4
 interleave, one-hot probes of the row orders and the scale layouts), a literal port of FlashInfer's
 CUDA interleave kernel, and (optional, when the sources are found) vLLM
 0.33.0's own conversion functions run with FlashInfer's own pure-torch helpers on the same tensors.
@@ -409,7 +409,7 @@ def test_trtllm_check_reports_every_violation_at_once():
     assert any("rows = 16 must be divisible by 32" in p for p in TRTLLM.check(layer(1, 16, 128), MX))
     assert TRTLLM.check(layer(1, 256, 128), MX) == []
     assert TRTLLM.check(layer(1, 128, 128), MX) == ["hidden_size Hp = 128 must be a multiple of 256 (vLLM 0.33.0 "
-                                                    "pads it to 256 for this backend; mxfp4-layouts.md §5.3)"]
+                                                    "pads it to 256 for this backend; docs/layouts/flashinfer-mxfp4.md)"]
 
 
 # ---------------------------------------------------------------------------------------------------

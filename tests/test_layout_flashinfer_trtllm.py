@@ -1,5 +1,5 @@
 """The ``flashinfer-trtllm`` WNA16 layout: what FlashInfer's TRT-LLM MxInt4 MoE kernel reads, as vLLM
-0.33.0 prepares it (wna16-layouts.md §4).
+0.33.0 prepares it (docs/layouts/flashinfer-trtllm.md).
 
 Proved four ways: the spec's vectors (§7.3 item 6, written out by hand from the spec text), the
 spec's closed forms read back out of our bytes (nibbles, row order, 128x4 scale offsets), an

@@ -1,4 +1,4 @@
-"""The ``marlin`` layout: what vLLM 0.33.0's Marlin MoE kernel reads (wna16-layouts.md §3).
+"""The ``marlin`` layout: what vLLM 0.33.0's Marlin MoE kernel reads (docs/layouts/marlin.md).
 
 Proved four ways: the spec's reference vectors (§7.1, §7.2, copied from the spec, which took them
 from vLLM's reference code), the spec's closed forms and invariants (§7.3), vLLM's own Python (when

@@ -1,4 +1,4 @@
-"""The ``marlin`` layout for MXFP4 experts: what vLLM 0.33.0's Marlin MoE kernel reads (mxfp4-layouts.md §6.2).
+"""The ``marlin`` layout for MXFP4 experts: what vLLM 0.33.0's Marlin MoE kernel reads (docs/layouts/marlin-mxfp4.md).
 
 Proved three ways (decode(encode(x)) == x and the rest every layout owes: tests/test_layout_contract.py):
 the spec's closed forms (§6.2), written out by hand here and read back out of our bytes; vLLM's own

@@ -1,4 +1,4 @@
-"""The ``triton`` layout: what vLLM 0.33.0's Triton WNA16 MoE kernel reads (wna16-layouts.md §5).
+"""The ``triton`` layout: what vLLM 0.33.0's Triton WNA16 MoE kernel reads (docs/layouts/triton.md).
 
 Proved four ways: bytes written out by hand from the spec's rules (§1.3 words, §5 nibble order),
 the checkpoint's own int32 words read as bytes (packed by compressed-tensors itself), an end-to-end

@@ -1,5 +1,5 @@
 """The ``triton`` layout for MXFP4 experts: triton_kernels' Hopper swizzle as vLLM 0.33.0 holds it
-(mxfp4-layouts.md §6.4, §6.5, §9).
+(docs/layouts/triton-mxfp4.md).
 
 Proved four ways: positions worked out by hand from the spec's index maps and bit table,
 decode(encode(x)) == x over sizes that need every kind of storage padding (sizes below the kernel's

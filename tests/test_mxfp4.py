@@ -1,4 +1,4 @@
-"""moeconvert.mxfp4: the three MXFP4 rules, bit for bit (docs/mxfp4-rounding.md, mxfp4-layouts.md §2-§3, §8).
+"""moeconvert.mxfp4: the three MXFP4 rules, bit for bit (docs/mxfp4-rounding.md, docs/mxfp4-rounding.md).
 
 The oracle tests run the engines' own Triton quantizers on CPU under ``TRITON_INTERPRET=1`` in a
 subprocess (this file, run as a script) and require zero differing bytes. They need vLLM 0.33.0's
@@ -52,7 +52,7 @@ def _block(values, dtype=torch.bfloat16) -> torch.Tensor:
 
 
 # ==================================================================================================
-# 1. The hand-computed vectors of mxfp4-layouts.md §3.2 (vllm, triton_kernels) and their OCP twins
+# 1. The hand-computed vectors of docs/mxfp4-rounding.md (vllm, triton_kernels) and their OCP twins
 #    (computed by hand in docs/mxfp4-rounding.md). Bytes in memory order.
 
 VECTOR_A = [0, .25, .5, .75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7,
@@ -139,7 +139,7 @@ def test_scale_extremes_and_non_finite_follow_the_engines(dtype):
 
 
 # ==================================================================================================
-# 2. The invariants of mxfp4-layouts.md §8
+# 2. The invariants of docs/mxfp4-rounding.md
 
 
 def _random_weights(shape, dtype, seed, spread=12):
@@ -529,7 +529,7 @@ def test_cpu_and_cuda_give_identical_bytes(rule):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_vllm_rule_matches_vllms_kernel_compiled_for_the_gpu(tmp_path):
-    """The same oracle, compiled (no interpreter): settles mxfp4-layouts.md §11.1 on this GPU."""
+    """The same oracle, compiled (no interpreter): settles docs/mxfp4-rounding.md on this GPU."""
     cases = {k: v for k, v in _gpu_inputs().items()}
     results = _run_oracles(tmp_path, cases, "cuda")
     assert _compare(results, cases) == []
@@ -549,7 +549,7 @@ def test_vllm_rule_matches_vllms_kernel_compiled_for_the_gpu(tmp_path):
 #                                         is_torch_equal_or_newer() = True
 # Under TRITON_INTERPRET=1 the child makes two interpreter primitives behave as on the GPU; the
 # kernels themselves are untouched:
-#   * bf16 -> fp32: the Triton 3.9 interpreter widens bf16 subnormals wrongly (mxfp4-layouts.md
+#   * bf16 -> fp32: the Triton 3.9 interpreter widens bf16 subnormals wrongly (docs/mxfp4-rounding.md
 #     §10.3); replaced by the exact 16-bit shift the GPU does, so subnormal inputs can be compared.
 #   * tl.exp2 on fp32: compiled for NVIDIA it is ex2.approx.ftz.f32 (Triton's default
 #     enable_reflect_ftz), so vLLM's exp2(-127) for S = 0 is 0, not numpy's exact 2^-127 (measured

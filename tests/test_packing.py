@@ -1,4 +1,4 @@
-"""Bit packing equals compressed-tensors' pack_to_int32 (wna16-layouts.md §1.3, vectors verified there
+"""Bit packing equals compressed-tensors' pack_to_int32 (docs/format.md, vectors verified there
 by running compressed-tensors 0.17.0) and inverts exactly."""
 
 import torch

@@ -1,4 +1,4 @@
-"""The package's structure, asserted by importing (DESIGN.md, "Repository layout"): the runtime reads the
+"""The package's structure, asserted by importing (docs/architecture.md): the runtime reads the
 format, the layouts, the canonical block and the errors, never the converter; nothing but the CLI's
 ``bench`` verbs imports ``moeconvert.bench``."""
 

@@ -1,6 +1,6 @@
 """The engines' fused-MoE kernels, driven for ``moeconvert bench kernel`` on the same layer shapes.
 
-Each contender is run the way vLLM 0.33.0 runs it (wna16-layouts.md, mxfp4-layouts.md), as a whole
+Each contender is run the way vLLM 0.33.0 runs it (docs/layouts/), as a whole
 layer from ``(x, topk_weights, topk_ids)`` (and the router logits for triton_kernels, whose routing
 step takes them), so that the bench times the same work for everyone under one CUDA graph:
 
@@ -391,7 +391,7 @@ def triton_kernels(p: Problem, device):
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(0)
     cap = torch.cuda.get_device_capability(dev)
-    if cap == (9, 0):  # vLLM's Hopper settings (mxfp4-layouts.md §6)
+    if cap == (9, 0):  # vLLM's Hopper settings (docs/layouts/)
         opt_flags.update_opt_flags_constraints({"split_k": 1})
     elif cap[0] in (10, 12):
         opt_flags.update_opt_flags_constraints({"is_persistent": True, "epilogue_subtile": 1})

@@ -85,7 +85,7 @@ def round_up(x: int, m: int) -> int:
 
 
 def padded_sizes(hidden_size: int, intermediate_size: int, multiples: tuple[int, int]) -> tuple[int, int]:
-    """(Hp, Ip) for one TP rank's I (mxfp4-layouts.md §5.3), ``multiples`` a layout's ``pad_multiples``."""
+    """(Hp, Ip) for one TP rank's I (docs/quantize.md), ``multiples`` a layout's ``pad_multiples``."""
     return round_up(hidden_size, multiples[0]), round_up(intermediate_size, multiples[1])
 
 
@@ -127,7 +127,7 @@ class Layout(ABC):
     #: (``moeconvert[vllm]``, docs/vllm.md), and the plugin builds this method for the layer
     vllm_method: ClassVar[str | None] = None
     #: for layouts of quantized-at-conversion experts (``quantize``): the multiples the engine rounds
-    #: (H, I per TP rank) up to before quantizing (mxfp4-layouts.md §5.3); the canonical block the layout
+    #: (H, I per TP rank) up to before quantizing (docs/quantize.md); the canonical block the layout
     #: gets is already zero-padded to them, and ``LayerShape`` carries the padded sizes
     pad_multiples: ClassVar[tuple[int, int]] = (1, 1)
 

@@ -1,4 +1,4 @@
-"""``emulation`` for MXFP4 experts: what vLLM 0.33.0's MXFP4 EMULATION backend holds (mxfp4-layouts.md §6.1).
+"""``emulation`` for MXFP4 experts: what vLLM 0.33.0's MXFP4 EMULATION backend holds (docs/layouts/emulation.md).
 
 ``convert_weight_to_mxfp4_moe_kernel_format`` returns the plain packed tensors unchanged for
 EMULATION (and XPU); ``OCP_MXQuantizationEmulationTritonExperts`` dequantizes them at run time. So the

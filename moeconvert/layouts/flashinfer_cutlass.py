@@ -1,4 +1,4 @@
-"""``flashinfer-cutlass``: MXFP4 experts as FlashInfer's CUTLASS MoE kernel reads them (mxfp4-layouts.md §6.3).
+"""``flashinfer-cutlass``: MXFP4 experts as FlashInfer's CUTLASS MoE kernel reads them (docs/layouts/flashinfer-mxfp4.md).
 
 The bytes equal what vLLM 0.33.0 holds after ``convert_weight_to_mxfp4_moe_kernel_format`` (and, for
 gpt-oss, ``convert_gpt_oss_weight_to_mxfp4_moe_kernel_format``, which ends in the same bytes) for

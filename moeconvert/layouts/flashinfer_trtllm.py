@@ -1,5 +1,5 @@
 """``flashinfer-trtllm`` for WNA16: int4 experts as FlashInfer's TRT-LLM MxInt4 MoE kernel reads them
-(wna16-layouts.md §4).
+(docs/layouts/flashinfer-trtllm.md).
 
 The bytes equal what vLLM 0.33.0 holds after ``_process_weights_flashinfer``
 (``prepare_static_weights_for_trtllm_mxint4_moe``, backend FLASHINFER_TRTLLM), the operands of

@@ -1,4 +1,4 @@
-"""``marlin``: WNA16 experts as vLLM 0.33.0's Marlin MoE kernel reads them (wna16-layouts.md §3).
+"""``marlin``: WNA16 experts as vLLM 0.33.0's Marlin MoE kernel reads them (docs/layouts/marlin.md).
 
 The bytes equal what vLLM holds after ``_process_weights_marlin`` (MARLIN and BATCHED_MARLIN backends,
 16-bit activations), with one deliberate exception where vLLM's own choice makes its kernel compute

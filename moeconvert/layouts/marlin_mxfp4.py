@@ -1,4 +1,4 @@
-"""``marlin`` for MXFP4 experts: what vLLM 0.33.0's Marlin MoE kernel reads (mxfp4-layouts.md §6.2).
+"""``marlin`` for MXFP4 experts: what vLLM 0.33.0's Marlin MoE kernel reads (docs/layouts/marlin-mxfp4.md).
 
 The bytes equal what vLLM holds after ``prepare_moe_mxfp4_layer_for_marlin`` (MARLIN and
 BATCHED_MARLIN backends, 16-bit activations, ``VLLM_MARLIN_INPUT_DTYPE`` unset, i.e.

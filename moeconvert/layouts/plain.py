@@ -1,7 +1,7 @@
 """``plain``: the canonical block stacked per layer under vLLM's FusedMoE parameter names.
 
-This is what vLLM 0.33.0 holds *before* any backend processing (wna16-layouts.md §2; for MXFP4 the
-plain packed layout of mxfp4-layouts.md §2.3, which is also what its EMULATION backend keeps), so it is
+This is what vLLM 0.33.0 holds *before* any backend processing (docs/layouts/plain.md; for MXFP4 the
+plain packed layout of docs/layouts/plain.md, which is also what its EMULATION backend keeps), so it is
 the reference format of the runtime and the input every other layout can be derived from.
 
 =================  ===============================  =========================================

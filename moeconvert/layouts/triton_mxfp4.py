@@ -1,5 +1,5 @@
 """``triton`` for MXFP4: experts as OpenAI triton_kernels' Hopper ``matmul_ogs`` reads them
-(mxfp4-layouts.md §6.4, §6.5, §9).
+(docs/layouts/triton-mxfp4.md).
 
 The bytes equal the storage of the ``triton_kernels.tensor.Tensor`` objects vLLM 0.33.0 builds in
 ``_swizzle_mxfp4`` on an SM90 GPU (``HopperMXValueLayout(mx_axis=1)``, ``HopperMXScaleLayout(mx_axis=1,

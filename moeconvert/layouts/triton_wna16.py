@@ -1,4 +1,4 @@
-"""``triton``: WNA16 experts as vLLM 0.33.0's Triton WNA16 MoE kernel reads them (wna16-layouts.md §5).
+"""``triton``: WNA16 experts as vLLM 0.33.0's Triton WNA16 MoE kernel reads them (docs/layouts/triton.md).
 
 The bytes equal what vLLM holds after ``convert_to_wna16_moe_kernel_format`` (TRITON branch), the
 tensors ``TritonWNA16Experts`` hands to ``fused_moe_kernel_gptq_awq``. Nothing moves: the weights stay
