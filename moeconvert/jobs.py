@@ -42,7 +42,7 @@ from moeconvert import __version__
 from moeconvert.canonical import Partition
 from moeconvert.errors import InternalError, MoeConvertError
 
-from moeconvert.plan import DEFAULT_CHUNK_BYTES, DEFAULT_JOB_BYTES, JOBS_DIR, PLAN_FILE  # noqa: F401
+from moeconvert.plan import DEFAULT_CHUNK_BYTES, DEFAULT_JOB_BYTES, JOBS_DIR, PLAN_FILE, read_small_file  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -358,29 +358,6 @@ def write_record(staging: Path, index: int, record: dict) -> None:
 
 RECORD_MAX_BYTES = 64 << 20  # a copy job of a million small tensors stays far below
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-def read_small_file(path: Path, limit: int) -> bytes | None:
-    """The bytes of ``path`` if it is a regular file (not a link, a FIFO, a device) of at most ``limit``
-    bytes, else None. A damaged staging folder can hold anything under a record's name: reading one must
-    neither block (FIFO), nor follow a link, nor fill the memory (a device)."""
-    try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            return None
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)  # what was opened, in case the name was swapped after the lstat
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            return None
-        data = os.read(fd, limit + 1)
-        return data if len(data) <= limit else None
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def job_tensors(plan, job: Job) -> list:

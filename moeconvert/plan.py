@@ -10,6 +10,9 @@ plan: :mod:`moeconvert.jobs` cuts it into jobs, :mod:`moeconvert.writer` makes i
 from __future__ import annotations
 
 import json
+import os
+import stat
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from moeconvert.canonical import LayerShape, Partition
@@ -236,3 +239,26 @@ def plan_conversion(source: Source, backend: str, part: Partition = Partition(),
         taken[t.name] = t
     return ConversionPlan(source, model, layout, part, layers, tensors, layout_shards(tensors, max_shard_size),
                           dtype, quant)
+
+
+def read_small_file(path: Path, limit: int) -> bytes | None:
+    """The bytes of ``path`` if it is a regular file (not a link, a FIFO, a device) of at most ``limit``
+    bytes, else None. A damaged staging folder can hold anything under a record's name: reading one must
+    neither block (FIFO), nor follow a link, nor fill the memory (a device)."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)  # what was opened, in case the name was swapped after the lstat
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        data = os.read(fd, limit + 1)
+        return data if len(data) <= limit else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

@@ -24,7 +24,8 @@ import torch
 from moeconvert.errors import MoeConvertError
 from moeconvert.format import INDEX_NAME, MANIFEST_NAME
 # the plan's file layout: re-exported, it was defined here before moeconvert.plan existed
-from moeconvert.plan import JOBS_DIR, PLAN_FILE, PlannedTensor, Shard, dtype_code, layout_shards  # noqa: F401
+from moeconvert.plan import (JOBS_DIR, PLAN_FILE, PlannedTensor, Shard, dtype_code, layout_shards,  # noqa: F401
+                             read_small_file)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -129,7 +130,7 @@ def _claim_partial(out: Path, staging: Path, plan: dict) -> Path | None:
     refusals = []
     for cand in _dead_partials(out):
         jobs_dir = cand / JOBS_DIR
-        data = None if os.path.islink(jobs_dir) else _read_plan_file(jobs_dir / PLAN_FILE)
+        data = None if os.path.islink(jobs_dir) else read_small_file(jobs_dir / PLAN_FILE, PLAN_MAX_BYTES)
         try:
             earlier = json.loads(data) if data is not None else None
         except (ValueError, RecursionError):
@@ -158,27 +159,6 @@ def _claim_partial(out: Path, staging: Path, plan: dict) -> Path | None:
 
 
 PLAN_MAX_BYTES = 1 << 20
-
-
-def _read_plan_file(path: Path) -> bytes | None:
-    """The job plan's bytes if it is a regular file of sane size; None for anything else (a link, a
-    FIFO, a device, a huge file): reading those would follow, block or fill the memory."""
-    try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > PLAN_MAX_BYTES:
-            return None
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        data = os.read(fd, PLAN_MAX_BYTES + 1)
-        return data if len(data) <= PLAN_MAX_BYTES else None
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def _plan_well_formed(p) -> bool:
