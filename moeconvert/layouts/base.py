@@ -200,3 +200,16 @@ class Layout(ABC):
         rank = dataclasses.replace(shape, intermediate_size=I // tp_size)
         problems = self.check(rank, scheme)
         return NotASlice(f"a TP rank of {tp_size} cannot hold this layer: {problems[0]}", False) if problems else rank
+
+
+#: the model dtypes vLLM's WNA16 loaders cast scales and biases to
+PARAMS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def scales_and_biases_in_model_dtype(block: ExpertBlock, shape: LayerShape) -> ExpertBlock:
+    """``block`` with its scales and biases cast to the model dtype, as the engine's loader casts them when it
+    copies them into its parameters (round to nearest even): what such a layout's decode gives back."""
+    dt = PARAMS_DTYPES[shape.dtype]
+    cast = {name: getattr(block, name).to(dt) for name in ("w13_scale", "w2_scale", "w13_bias", "w2_bias")
+            if getattr(block, name) is not None}
+    return dataclasses.replace(block, **cast)

@@ -36,12 +36,11 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError
 from moeconvert.layouts import register
-from moeconvert.layouts.base import Layout, TensorSpec, round_up
+from moeconvert.layouts.base import PARAMS_DTYPES, Layout, TensorSpec, round_up, scales_and_biases_in_model_dtype
 from moeconvert.layouts.marlin import grouped_perm, single_perm
 from moeconvert.packing import pack_int32, unpack_int32
 from moeconvert.schemes import Scheme, WNA16Scheme
 
-PARAMS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
 PAD_N, PAD_K = 256, 128  # vLLM's _prepare_and_transform_sublayer: pad_n_to_multiple, pad_k_to_multiple
 EXTRA_KEY = "humming_b_dtype"
@@ -329,11 +328,7 @@ class HummingLayout(Layout):
         return out
 
     def expected_block(self, block: ExpertBlock, shape: LayerShape) -> ExpertBlock:
-        """Scales and biases in the model dtype (vLLM's loader casts them)."""
-        dt = PARAMS_DTYPES[shape.dtype]
-        cast = {name: getattr(block, name).to(dt) for name in ("w13_scale", "w2_scale", "w13_bias", "w2_bias")
-                if getattr(block, name) is not None}
-        return dataclasses.replace(block, **cast)
+        return scales_and_biases_in_model_dtype(block, shape)
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:
         assert isinstance(scheme, WNA16Scheme)

@@ -29,7 +29,6 @@ per (size_k, size_n, bits).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -38,12 +37,12 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError
 from moeconvert.layouts import register
-from moeconvert.layouts.base import W2, W13, Layout, NotASlice, TensorSpec, TPCut
+from moeconvert.layouts.base import (PARAMS_DTYPES, W2, W13, Layout, NotASlice, TensorSpec, TPCut,
+                                     scales_and_biases_in_model_dtype)
 from moeconvert.packing import LITTLE_ENDIAN, pack_int32, pair_nibbles_at, split_nibbles_at, unpack_int32
 from moeconvert.schemes import Scheme, WNA16Scheme
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)  # marlin_utils.py:MARLIN_SUPPORTED_GROUP_SIZES
-PARAMS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 DEVIATION = (
     "w13 scales use the grouped permutation where vLLM 0.33.0 uses the single one (I == group_size); "
@@ -357,12 +356,7 @@ class MarlinLayout(Layout):
         return out
 
     def expected_block(self, block: ExpertBlock, shape: LayerShape) -> ExpertBlock:
-        """The source block with its scales and biases in the model dtype: the loader's ``copy_`` casts
-        them (round to nearest even, spec §3.4), so that is what decode gives back."""
-        dt = PARAMS_DTYPES[shape.dtype]
-        cast = {name: getattr(block, name).to(dt) for name in ("w13_scale", "w2_scale", "w13_bias", "w2_bias")
-                if getattr(block, name) is not None}
-        return dataclasses.replace(block, **cast)
+        return scales_and_biases_in_model_dtype(block, shape)
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:
         """Back to the canonical block, unpadded; scales and biases stay in the file's (model) dtype."""
