@@ -16,6 +16,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from moeconvert.errors import MoeConvertError
 from moeconvert.integrations.vllm import SUPPORTED_VLLM
+from moeconvert.integrations.vllm.scope import method_name, refusal
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # our stacked names under a layer's experts container -> the parameter of vLLM's RoutedExperts child
@@ -39,14 +40,6 @@ def _refuse(key: str, expected: str, found: object, file: str = "config.json") -
     """One line, as vLLM shows a config it cannot take: the file, the key, expected vs found, the fix."""
     return ValueError(f"moeconvert: {file}: quantization_config.{key}: expected {expected}, found {_show(found)}; "
                       f"{_CONVERT_AGAIN}")
-
-
-def _method_name(layout: str, kind: str | None) -> str | None:
-    """The plugin method the layout declares for experts of this scheme kind (``Layout.vllm_method``)."""
-    from moeconvert.layouts import get_layout
-
-    found = get_layout(layout, kind)
-    return found.vllm_method if kind in found.schemes else None
 
 
 class MoeconvertConfig(QuantizationConfig):
@@ -168,14 +161,10 @@ class MoeconvertConfig(QuantizationConfig):
             if mine != theirs:
                 raise _refuse(key, f"{_show(theirs)}, what moeconvert.json says", mine)
         kind = (manifest["scheme"] or {}).get("kind")
-        if _method_name(manifest["layout"]["name"], kind) is None:
-            raise ValueError(f"moeconvert: the vLLM plugin serves Marlin WNA16, Marlin MXFP4 and Triton WNA16 folders; "
-                             f"this one is {manifest['layout']['name']} {kind or 'of mixed schemes'}")
-        if manifest["family"] == "gpt-oss":
-            raise ValueError("moeconvert: gpt-oss folders are not served yet: vLLM 0.33.0's gpt-oss loader slices "
-                             "and permutes every tensor named w13_weight / w2_weight itself, whatever its layout")
-        if any(m["activation"] != "silu" for m in manifest["moe_layers"]):
-            raise ValueError("moeconvert: the vLLM plugin serves SiLU-and-mul experts only")
+        why = refusal(manifest["layout"]["name"], kind, manifest["family"],
+                      {m["activation"] for m in manifest["moe_layers"]})
+        if why is not None:
+            raise ValueError(f"moeconvert: {why}")
         if manifest["dtype"] != self.raw["dtype"]:
             raise ValueError(f"moeconvert: config.json says dtype {self.raw['dtype']}, the manifest {manifest['dtype']}")
         self.manifest = manifest
@@ -256,7 +245,7 @@ class MoeconvertConfig(QuantizationConfig):
             entry = self.layers.get(owner)
             if entry is None:
                 raise ValueError(f"moeconvert: {owner} is an MoE layer the folder's manifest does not hold")
-            method = getattr(methods, _method_name(self.manifest["layout"]["name"], entry["scheme"]["kind"]))
+            method = getattr(methods, method_name(self.manifest["layout"]["name"], entry["scheme"]["kind"]))
             share = self._check_parallel(owner, layer, entry, method)
             return method(layer.moe_config, entry, self.manifest, share)
         if self.inner is not None:

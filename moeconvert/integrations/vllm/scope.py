@@ -1,8 +1,7 @@
 """Which folders the vLLM plugin serves, decided from what a conversion plans (no vLLM import).
 
-The converter names the plugin in an output's config.json only when this says nothing against it, and
-the plugin refuses every other folder with the same sentence: a config.json never points vLLM at a
-method that would turn the folder away.
+The plugin refuses a folder with these sentences when it reads its manifest; they need no vLLM, so that
+the converter can ask the same question of a plan.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ def refusal(layout: str, kind: str | None, family: str, activations: set[str]) -
     if family == "gpt-oss":
         # vLLM 0.33.0's GptOssModel.load_weights slices and transposes any tensor named w13_weight / w2_weight
         # itself, whatever its layout (model_executor/models/gpt_oss.py)
-        return ("gpt-oss folders are not served by the vLLM plugin yet: vLLM's gpt-oss loader slices and "
-                "permutes every tensor named w13_weight / w2_weight itself, whatever its layout")
+        return ("gpt-oss folders are not served yet: vLLM 0.33.0's gpt-oss loader slices and permutes every "
+                "tensor named w13_weight / w2_weight itself, whatever its layout")
     if activations - {"silu"}:
-        return f"the vLLM plugin serves SiLU-and-mul experts only; this folder's are {', '.join(sorted(activations))}"
+        return "the vLLM plugin serves SiLU-and-mul experts only"
     return None
