@@ -34,7 +34,7 @@ import functools
 import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
-from moeconvert.errors import InternalError
+from moeconvert.errors import InternalError, MoeConvertError
 from moeconvert.layouts import register
 from moeconvert.layouts.base import PARAMS_DTYPES, Layout, TensorSpec, round_up, scales_and_biases_in_model_dtype
 from moeconvert.layouts.marlin import grouped_perm, single_perm
@@ -276,10 +276,10 @@ class HummingLayout(Layout):
             return given
         if has_zero:
             return unsigned_dtype(scheme.bits)
-        raise InternalError(
-            f"{sub}: no code of this chunk is 0, so humming's sign-magnitude choice depends on the other "
-            f"experts of the layer; the converter must decide it over the whole layer (scan_b_dtypes) and "
-            f"pass it as LayerShape.extra[{EXTRA_KEY!r}]")
+        # the converter does not yet scan a layer before encoding it (scan_b_dtypes): refuse, never guess
+        raise MoeConvertError(
+            f"{sub}: no code of this chunk of experts is 0, so humming's sign-magnitude choice depends on the "
+            f"rest of the layer, which the humming layout cannot decide while streaming yet; use --backend marlin")
 
     @staticmethod
     def scan_b_dtypes(blocks, scheme: WNA16Scheme) -> dict[str, str]:
