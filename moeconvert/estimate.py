@@ -16,7 +16,9 @@ import hashlib
 import time
 
 PROCESS_BYTES = 512 << 20  # a worker process's own memory (interpreter, torch) beside its job's
-MEASURE_BYTES = 256 << 20  # the most working memory measuring one expert may take (a dry run stays light)
+# the most working memory measuring one expert may take: a DeepSeek-V3 expert quantized to MXFP4 takes about
+# 2.1 GB and is measured; an expert beyond any published model is not, rather than a dry run failing
+MEASURE_BYTES = 4 << 30
 
 
 def _expert_working_bytes(lp) -> int:

@@ -3,7 +3,7 @@
 #   * the test extras (pytest, transformers) and Ray (the `--executor ray` tests start a local Ray head);
 #   * the engines' sources the oracle tests read as the reference, downloaded once into .oracles/
 #     (tests/conftest.py finds them there): vLLM's wheel (its Python, and triton_kernels as vendored in
-#     vllm/third_party) and FlashInfer's Python (flashinfer-python, at the version vLLM pins);
+#     vllm/third_party), FlashInfer's Python (flashinfer-python) and humming-kernels, at the versions vLLM pins;
 #   * vLLM's Python on the CPU in an environment of its own, .venv-vllm-cpu/, for the tests that run vLLM's
 #     MoE layer and model loader with moeconvert's plugin (vLLM pins its own torch, transformers and
 #     compressed-tensors; about 3 GB). MOECONVERT_SKIP_VLLM=1 leaves it out, and those tests then skip
@@ -17,7 +17,7 @@ PY=${PYTHON:-python3}
 
 # the oracle sources; .oracles/.complete marks a finished download
 vllm_pin=$(grep -oE '"vllm==[0-9][0-9.]*"' pyproject.toml | tr -d '"')  # the [vllm] extra's pin
-if [ ! -e .oracles/.complete ] || ! ls .oracles/"${vllm_pin/==/-}"-*.whl >/dev/null 2>&1; then
+if [ ! -e .oracles/.complete ] || ! ls .oracles/"${vllm_pin/==/-}"-*.whl .oracles/humming_kernels-*.whl >/dev/null 2>&1; then
   rm -rf .oracles && mkdir -p .oracles
   "$PY" -m pip download -q --no-deps "$vllm_pin" -d .oracles
   wheel=$(ls .oracles/"${vllm_pin/==/-}"-*.whl)
@@ -28,12 +28,14 @@ import re, subprocess, sys, zipfile
 wheel = sys.argv[1]
 with zipfile.ZipFile(wheel) as z:
     meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-    pin = re.search(r"^Requires-Dist: (flashinfer-python==\S+)", z.read(meta).decode(), re.M).group(1)
+    text = z.read(meta).decode()
+    pin = re.search(r"^Requires-Dist: (flashinfer-python==\S+)", text, re.M).group(1)
+    humming = "humming-kernels" + re.search(r"^Requires-Dist: humming-kernels(?:\[[^\]]*\])?(==[^\s;]+)", text, re.M).group(1)
     prefix = "vllm/third_party/triton_kernels/"
     for name in z.namelist():
         if name.startswith(prefix):
             z.extract(name, ".oracles/triton_kernels-from-vllm")
-subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", pin, "-d", ".oracles"], check=True)
+subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", pin, humming, "-d", ".oracles"], check=True)
 PYEOF
   touch .oracles/.complete
 fi

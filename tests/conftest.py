@@ -14,6 +14,7 @@ ORACLE_DEFAULTS = {
     "MOECONVERT_VLLM_SRC": "vllm-0.33.0-*.whl",
     "MOECONVERT_FLASHINFER_SRC": "flashinfer_python-*.whl",
     "MOECONVERT_TRITON_KERNELS_SRC": "triton_kernels-from-vllm/vllm/third_party",  # holds triton_kernels/
+    "MOECONVERT_HUMMING_SRC": "humming_kernels-*.whl",
 }
 for _env, _pattern in ORACLE_DEFAULTS.items():
     _found = sorted(ORACLES.glob(_pattern))

@@ -74,7 +74,10 @@ def test_worker_processes_write_the_same_bytes(cases, case, workers, tmp_path):
     p = _run(_cmd(verb, src, out, backend, "--workers", workers, "--json"))
     summary = json.loads(p.stdout)
     assert summary["jobs"]["ran"] == summary["jobs"]["total"] > 4
-    assert f"{workers} local worker process" in summary["executor"]
+    # --workers is capped by this machine's cores (a 2-core machine runs 2 for --workers 3, and says so)
+    from moeconvert.executors import available_cores
+
+    assert f"{min(workers, available_cores())} local worker process" in summary["executor"]
     _assert_identical(ref, out)
     assert _leftovers(tmp_path) == []
 

@@ -31,7 +31,7 @@ def common_problems(layout: str, shape: LayerShape, pads: tuple[int, int]) -> li
             problems.append(f"{name} = {k} must be a multiple of the MXFP4 block {MXFP4_BLOCK}")
         if k % pad:
             problems.append(f"{name} = {k} must be a multiple of {pad} (vLLM 0.33.0 pads it to {pad} for this "
-                            "backend; docs/quantize.md)")
+                            "backend; docs/layouts/flashinfer-mxfp4.md)")
     return problems
 
 
