@@ -22,9 +22,7 @@ from typing import Union
 import torch
 
 from moeconvert.errors import MoeConvertError
-from moeconvert.format import CONFIG_NAME, config_int, config_number, config_value, show_value
-
-FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+from moeconvert.format import CONFIG_NAME, FLOAT_DTYPES, config_int, config_number, config_value, show_value
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """verify: is a converted folder exactly what its manifest says, and exactly its source?
 
-1. Everything but the tensor data is checked by :func:`moeconvert.format.check_output`, the same
+1. Everything but the tensor data is checked by :func:`moeconvert.layouts.output.check_output`, the same
    check ``load`` makes: every manifest field, the manifest against the partition and the layouts'
    plans, every shard header's sha256 (``__metadata__`` and padding included) and its tensors' names,
    files, shapes and dtypes, config.json's sha256. A failure there is an error (the folder cannot be
@@ -21,7 +21,7 @@ import torch
 
 from moeconvert.canonical import Partition
 from moeconvert.decode import decode_chunk
-from moeconvert.format import check_output
+from moeconvert.layouts.output import check_output
 from moeconvert.modelmap import map_model
 from moeconvert.quantize import Quality, Quantization, output_block
 from moeconvert.sources import Source, open_source

@@ -1,6 +1,6 @@
 """The manifest as the runtime reads it: checked once, then trusted (docs/runtime.md, "Refusals").
 
-:func:`read_checked` is :func:`moeconvert.format.check_output` (every field validated, the manifest
+:func:`read_checked` is :func:`moeconvert.layouts.output.check_output` (every field validated, the manifest
 checked against itself, against each layer's layout plan and against the shard headers, the output's
 config.json parsed) plus what only a loader refuses: a layout made for other kernel library versions
 (``layout.made_for``), and a partition other than the one asked for. With ``verify=True`` the shard
@@ -15,7 +15,8 @@ from pathlib import Path
 
 from moeconvert.canonical import LayerShape
 from moeconvert.errors import MoeConvertError
-from moeconvert.format import MANIFEST_NAME, TensorInfo, check_output
+from moeconvert.format import MANIFEST_NAME, TensorInfo
+from moeconvert.layouts.output import check_output
 from moeconvert.layouts import Layout
 from moeconvert.schemes import Scheme
 

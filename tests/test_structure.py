@@ -82,3 +82,22 @@ def test_the_plan_is_beneath_jobs_and_the_writer():
                 parts = name.split(".")
                 assert not (parts[0] == "moeconvert" and len(parts) > 1 and parts[1] in higher), \
                     f"{module}.py:{node.lineno} imports {name}"
+
+
+def test_the_format_is_the_bottom_layer():
+    """format/ imports nothing of moeconvert but its own modules and the error type (lazy imports inside
+    functions included), and importing it loads nothing else of ours: the layouts and the schemes read the
+    format, never the other way round."""
+    import moeconvert.format
+
+    for path in sorted(Path(moeconvert.format.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            for name in names:
+                if name.startswith("moeconvert"):
+                    assert name == "moeconvert.errors" or name.startswith("moeconvert.format"), \
+                        f"format/{path.name}:{node.lineno} imports {name}"
+    mods = imported("import moeconvert.format")
+    assert "moeconvert.format.manifest" in mods
+    assert [m for m in mods if m not in ("moeconvert", "moeconvert.errors") and not m.startswith("moeconvert.format")] == []

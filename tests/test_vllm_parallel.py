@@ -62,7 +62,7 @@ def _manifest(folder: Path) -> dict:
 
 
 def _layout_and_shape(manifest: dict, entry: dict):
-    from moeconvert.format.manifest import layer_shape_from_manifest, parse_scheme
+    from moeconvert.layouts.output import layer_shape_from_manifest, parse_scheme
     from moeconvert.layouts import get_layout
 
     scheme = parse_scheme(entry["scheme"], "scheme")

@@ -185,7 +185,7 @@ def _gpu(mode: str, folder: Path, src: Path) -> dict:
             from moeconvert.bench.vllm_startup import bench_vllm_startup
 
             return bench_vllm_startup(src, folder, device="cuda", tokens=32)
-        from moeconvert.format.manifest import check_output
+        from moeconvert.layouts.output import check_output
         from moeconvert.integrations.vllm import register
         from moeconvert.integrations.vllm.harness import build_load_process, layer_tensors, one_process, quant_config_for, run_experts
         from moeconvert.runtime.reference import activation_fn, reference_moe

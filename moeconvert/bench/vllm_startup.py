@@ -85,7 +85,7 @@ def bench_vllm_startup(src: Path | str, out_dir: Path, *, device: str, layers: i
                        moe_backend: str | None = None, progress=None) -> dict:
     import vllm
 
-    from moeconvert.format.manifest import check_output
+    from moeconvert.layouts.output import check_output
     from moeconvert.integrations.vllm import SUPPORTED_VLLM, register
     from moeconvert.integrations.vllm.harness import build_load_process, layer_tensors, one_process, quant_config_for, run_experts
     from moeconvert.modelmap import map_model

@@ -1,23 +1,16 @@
 """The output format, in one place (docs/format.md): safetensors headers (read and validated), config.json
-values, and the manifest ``moeconvert.json`` (its name, version, reading and checking). The converter
-(sources, writer, convert), ``verify`` and the runtime all read these names from here."""
+values, and the manifest ``moeconvert.json`` (its name, version, reading and field validation). The
+converter (sources, writer, convert), ``verify`` and the runtime all read these names from here.
+
+This is the bottom layer: it imports nothing of moeconvert but its error type. Checking an output against
+the layouts that wrote it is ``moeconvert.layouts.output.check_output``."""
 
 from moeconvert.format.config import CONFIG_NAME, MODEL_TYPES, config_int, config_number, config_value, family_name
-from moeconvert.format.safetensors import DTYPES, INDEX_NAME, TORCH_TO_CODE, TensorInfo, read_header, show_value
+from moeconvert.format.manifest import (FORMAT_VERSION, HEADER_CHECKSUMS_SINCE, MANIFEST_NAME, header_sha256,
+                                        read_manifest)
+from moeconvert.format.safetensors import (DTYPES, FLOAT_DTYPES, INDEX_NAME, TORCH_TO_CODE, TensorInfo, read_header,
+                                           show_value)
 
-# The manifest's names load on first use: the manifest checker reads the canonical block and the
-# layouts, whose schemes read config values from here (an eager import would be a cycle).
-_MANIFEST = ("FORMAT_VERSION", "HEADER_CHECKSUMS_SINCE", "MANIFEST_NAME", "CheckedLayer", "CheckedOutput",
-             "check_output", "header_sha256", "read_manifest")
-
-
-def __getattr__(name: str):
-    if name in _MANIFEST:
-        from moeconvert.format import manifest
-
-        return getattr(manifest, name)
-    raise AttributeError(f"module 'moeconvert.format' has no attribute {name!r}")
-
-
-__all__ = ["CONFIG_NAME", "DTYPES", "INDEX_NAME", "MODEL_TYPES", "TORCH_TO_CODE", "TensorInfo", "config_int",
-           "config_number", "config_value", "family_name", "read_header", "show_value", *_MANIFEST]
+__all__ = ["CONFIG_NAME", "DTYPES", "FLOAT_DTYPES", "FORMAT_VERSION", "HEADER_CHECKSUMS_SINCE", "INDEX_NAME",
+           "MANIFEST_NAME", "MODEL_TYPES", "TORCH_TO_CODE", "TensorInfo", "config_int", "config_number",
+           "config_value", "family_name", "header_sha256", "read_header", "read_manifest", "show_value"]

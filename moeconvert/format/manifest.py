@@ -1,14 +1,12 @@
-"""``moeconvert.json``: read it, validate every field, and check it against the shards (docs/format.md).
+"""``moeconvert.json``: read it, validate every field, and check the shards against it (docs/format.md).
 
-``moeconvert verify`` and ``moeconvert.runtime.load`` both go through :func:`check_output`, so what one
-accepts the other accepts. Each refusal is one :class:`MoeConvertError` line naming the field:
+The bottom layer, like the rest of ``moeconvert.format``: it knows the file, not the layouts. What needs
+them (scheme objects parsed, each layer against its layout's plan) is ``moeconvert.layouts.output``,
+whose ``check_output`` runs these checks first. Each refusal is one :class:`MoeConvertError` line naming
+the field:
 
 * a field missing, of the wrong type or out of range
   (``moeconvert.json: moe_layers[3].num_experts: expected a positive int, found "x"``);
-* a manifest that disagrees with itself or with the tensors it describes: the partition against each
-  layer's expert range and per-rank intermediate size; each layer's sizes against the shapes and dtypes
-  its layout plans for them (``Layout.plan``, the same call the conversion made); ``layout_metadata``
-  against what the layout states for those sizes;
 * shards missing, of another size, whose header bytes (the 8-byte length and the JSON, ``__metadata__``
   and padding included) hash to another sha256 than recorded, or whose tensors (names, files, shapes,
   dtypes) disagree with the manifest;
@@ -28,14 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from moeconvert.canonical import LayerShape, Partition
 from moeconvert.errors import MoeConvertError
-from moeconvert.format.config import CONFIG_NAME, family_name
-from moeconvert.format.safetensors import DTYPES, TORCH_TO_CODE, TensorInfo, read_header
-from moeconvert.layouts import Layout, get_layout
-from moeconvert.layouts.base import padded_sizes
-from moeconvert.mxfp4 import ROUNDINGS
-from moeconvert.schemes import FLOAT_DTYPES, FloatScheme, MXFP4Scheme, Scheme, WNA16Scheme
+from moeconvert.format.config import CONFIG_NAME
+from moeconvert.format.safetensors import DTYPES, FLOAT_DTYPES, TensorInfo, read_header
 
 MANIFEST_NAME = "moeconvert.json"
 #: Version of the output format (the layout of ``moeconvert.json`` and the tensor naming contract).
@@ -112,7 +105,8 @@ def read_output_config(root: Path, digest: dict | None = None) -> dict:
 
 # -- field validation -----------------------------------------------------------------------------
 
-def _show(v: object) -> str:
+def show_field(v: object) -> str:
+    """A JSON value for a message, cut at 60 characters."""
     try:
         text = json.dumps(v)
     except (TypeError, ValueError):
@@ -125,7 +119,7 @@ def field_error(where: str, message: str) -> MoeConvertError:
     return MoeConvertError(message, file=MANIFEST_NAME, tensor=where)
 
 
-def _is_int(v: object) -> bool:
+def is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -136,9 +130,9 @@ def _is_num(v: object) -> bool:
 _RULES: dict[str, tuple[Callable[[object], bool], str]] = {
     "str": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
     "str|null": (lambda v: v is None or (isinstance(v, str) and v != ""), "a non-empty string or null"),
-    "int>0": (lambda v: _is_int(v) and v > 0, "a positive int"),
-    "int>=0": (lambda v: _is_int(v) and v >= 0, "a non-negative int"),
-    "int>0|null": (lambda v: v is None or (_is_int(v) and v > 0), "a positive int or null"),
+    "int>0": (lambda v: is_int(v) and v > 0, "a positive int"),
+    "int>=0": (lambda v: is_int(v) and v >= 0, "a non-negative int"),
+    "int>0|null": (lambda v: v is None or (is_int(v) and v > 0), "a positive int or null"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "dict": (lambda v: isinstance(v, dict), "an object"),
     "list": (lambda v: isinstance(v, list), "a list"),
@@ -148,12 +142,12 @@ _RULES: dict[str, tuple[Callable[[object], bool], str]] = {
     "float_dtype": (lambda v: v in FLOAT_DTYPES, " | ".join(FLOAT_DTYPES)),
     "float_dtype|null": (lambda v: v is None or v in FLOAT_DTYPES, " | ".join(FLOAT_DTYPES) + " or null"),
     "st_dtype": (lambda v: isinstance(v, str) and v in DTYPES, "a safetensors dtype code (" + ", ".join(DTYPES) + ")"),
-    "shape": (lambda v: isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v),
+    "shape": (lambda v: isinstance(v, list) and all(is_int(x) and x >= 0 for x in v),
               "a list of non-negative ints"),
 }
 
 
-def _get(obj: dict, key: str, path: str, rule: str, default: object = _MISSING):
+def get_field(obj: dict, key: str, path: str, rule: str, default: object = _MISSING):
     """``obj[key]`` if it satisfies ``rule``; else a MoeConvertError naming ``path.key``."""
     where = f"{path}.{key}" if path else key
     ok, what = _RULES[rule]
@@ -163,335 +157,191 @@ def _get(obj: dict, key: str, path: str, rule: str, default: object = _MISSING):
         raise field_error(where, f"missing (expected {what})")
     value = obj[key]
     if not ok(value):
-        raise field_error(where, f"expected {what}, found {_show(value)}")
+        raise field_error(where, f"expected {what}, found {show_field(value)}")
     return value
 
 
-def _one_of(obj: dict, key: str, path: str, allowed: tuple) -> object:
+def one_of(obj: dict, key: str, path: str, allowed: tuple) -> object:
+    """``obj[key]`` if it is one of ``allowed``; else a MoeConvertError naming ``path.key``."""
     where = f"{path}.{key}" if path else key
     if key not in obj:
         raise field_error(where, f"missing (expected {' | '.join(map(str, allowed))})")
     if isinstance(obj[key], bool) or obj[key] not in allowed:
-        raise field_error(where, f"expected {' | '.join(map(str, allowed))}, found {_show(obj[key])}")
+        raise field_error(where, f"expected {' | '.join(map(str, allowed))}, found {show_field(obj[key])}")
     return obj[key]
 
 
-def _exact_keys(obj: dict, path: str, keys: set[str]) -> None:
+def exact_keys(obj: dict, path: str, keys: set[str]) -> None:
+    """A MoeConvertError naming the first field of ``obj`` not in ``keys``."""
     extra = sorted(set(obj) - keys)
     if extra:
         raise field_error(f"{path}.{extra[0]}", f"unknown field (expected only {', '.join(sorted(keys))})")
 
 
-def parse_scheme(obj: object, path: str) -> Scheme:
-    """A scheme object (``{"kind": ...}``), every field checked, no unknown field."""
-    if not isinstance(obj, dict):
-        raise field_error(path, f"expected an object, found {_show(obj)}")
-    kind = _one_of(obj, "kind", path, ("float", "wna16", "mxfp4"))
-    if kind == "float":
-        _exact_keys(obj, path, {"kind", "dtype"})
-        return FloatScheme(dtype=_get(obj, "dtype", path, "float_dtype"))
-    if kind == "wna16":
-        _exact_keys(obj, path, {"kind", "bits", "group_size", "symmetric", "scale_dtype"})
-        bits = _one_of(obj, "bits", path, (2, 4, 8))
-        group = obj.get("group_size", _MISSING)
-        if group is _MISSING:
-            raise field_error(f"{path}.group_size", "missing (expected -1 or a positive int)")
-        if not (_is_int(group) and (group == -1 or group > 0)):
-            raise field_error(f"{path}.group_size", f"expected -1 or a positive int, found {_show(group)}")
-        return WNA16Scheme(bits=bits, group_size=group, symmetric=_get(obj, "symmetric", path, "bool"),
-                           scale_dtype=_get(obj, "scale_dtype", path, "float_dtype"))
-    _exact_keys(obj, path, {"kind", "block_size"})
-    return MXFP4Scheme(block_size=_one_of(obj, "block_size", path, (32,)))
-
-
 def _tensor_entry(e: object, path: str, shard_files: set[str]) -> dict:
     if not isinstance(e, dict):
-        raise field_error(path, f"expected an object, found {_show(e)}")
-    _get(e, "name", path, "str")
-    file = _get(e, "file", path, "str")
+        raise field_error(path, f"expected an object, found {show_field(e)}")
+    get_field(e, "name", path, "str")
+    file = get_field(e, "file", path, "str")
     if file not in shard_files:
-        raise field_error(f"{path}.file", f"names no shard of the manifest's shards list, found {_show(file)}")
-    _get(e, "shape", path, "shape")
-    _get(e, "dtype", path, "st_dtype")
-    _get(e, "sha256", path, "sha256")
+        raise field_error(f"{path}.file", f"names no shard of the manifest's shards list, found {show_field(file)}")
+    get_field(e, "shape", path, "shape")
+    get_field(e, "dtype", path, "st_dtype")
+    get_field(e, "sha256", path, "sha256")
     return e
 
 
 def _check_quality(q: object, path: str) -> None:
     if not isinstance(q, dict) or not all(isinstance(v, dict) and all(_is_num(x) for x in v.values())
                                           for v in q.values()):
-        raise field_error(path, f"expected an object of objects of numbers, found {_show(q)}")
+        raise field_error(path, f"expected an object of objects of numbers, found {show_field(q)}")
 
 
 def validate_fields(m: dict) -> None:
     """Every field of the manifest present, of its type and in its range (docs/format.md)."""
-    _get(m, "tool_version", "", "str")
-    src = _get(m, "source", "", "dict")
-    _get(src, "id", "source", "str")
-    _get(src, "revision", "source", "str|null")
-    for name, d in _get(src, "files", "source", "dict").items():
-        p = f"source.files[{_show(name)}]"
+    get_field(m, "tool_version", "", "str")
+    src = get_field(m, "source", "", "dict")
+    get_field(src, "id", "source", "str")
+    get_field(src, "revision", "source", "str|null")
+    for name, d in get_field(src, "files", "source", "dict").items():
+        p = f"source.files[{show_field(name)}]"
         if not isinstance(d, dict):
-            raise field_error(p, f"expected an object, found {_show(d)}")
-        _get(d, "sha256", p, "sha256")
-        _get(d, "size", p, "int>=0")
-    _get(m, "family", "", "str")
-    _get(m, "dtype", "", "float_dtype")
+            raise field_error(p, f"expected an object, found {show_field(d)}")
+        get_field(d, "sha256", p, "sha256")
+        get_field(d, "size", p, "int>=0")
+    get_field(m, "family", "", "str")
+    get_field(m, "dtype", "", "float_dtype")
     if "quantization" not in m:
         raise field_error("quantization", "missing (expected an object or null)")
     quant = m["quantization"]
     if quant is not None:
         if not isinstance(quant, dict):
-            raise field_error("quantization", f"expected an object or null, found {_show(quant)}")
-        _exact_keys(quant, "quantization", {"format", "rounding"})
-        _one_of(quant, "format", "quantization", _QUANT_FORMATS)
-        _one_of(quant, "rounding", "quantization", tuple(ROUNDINGS))
+            raise field_error("quantization", f"expected an object or null, found {show_field(quant)}")
+        exact_keys(quant, "quantization", {"format", "rounding"})
+        one_of(quant, "format", "quantization", _QUANT_FORMATS)
+        get_field(quant, "rounding", "quantization", "str")  # which roundings exist: layouts/output.py
     if "scheme" not in m:
         raise field_error("scheme", "missing (expected a scheme object or null)")
-    if m["scheme"] is not None:
-        parse_scheme(m["scheme"], "scheme")
-    _get(m, "backend", "", "str")
-    lay = _get(m, "layout", "", "dict")
-    _get(lay, "name", "layout", "str")
-    _get(lay, "version", "layout", "int>0")
-    _get(lay, "kernel", "layout", "str")
-    made_for = _get(lay, "made_for", "layout", "dict")
+    if m["scheme"] is not None and not isinstance(m["scheme"], dict):
+        raise field_error("scheme", f"expected a scheme object or null, found {show_field(m['scheme'])}")
+    get_field(m, "backend", "", "str")
+    lay = get_field(m, "layout", "", "dict")
+    get_field(lay, "name", "layout", "str")
+    get_field(lay, "version", "layout", "int>0")
+    get_field(lay, "kernel", "layout", "str")
+    made_for = get_field(lay, "made_for", "layout", "dict")
     for k, v in made_for.items():
         if not isinstance(v, str):
-            raise field_error(f"layout.made_for.{k}", f"expected a version string, found {_show(v)}")
-    part = _get(m, "partition", "", "dict")
-    _exact_keys(part, "partition", {"tp_size", "tp_rank", "ep_size", "ep_rank"})
+            raise field_error(f"layout.made_for.{k}", f"expected a version string, found {show_field(v)}")
+    part = get_field(m, "partition", "", "dict")
+    exact_keys(part, "partition", {"tp_size", "tp_rank", "ep_size", "ep_rank"})
     for size, rank in (("tp_size", "tp_rank"), ("ep_size", "ep_rank")):
-        n = _get(part, size, "partition", "int>0")
-        r = _get(part, rank, "partition", "int>=0")
+        n = get_field(part, size, "partition", "int>0")
+        r = get_field(part, rank, "partition", "int>=0")
         if r >= n:
             raise field_error(f"partition.{rank}", f"expected a rank below partition.{size} {n}, found {r}")
-    shards = _get(m, "shards", "", "list")
+    shards = get_field(m, "shards", "", "list")
     if not shards:
         raise field_error("shards", "expected at least one shard, found []")
     files: set[str] = set()
     for i, s in enumerate(shards):
         p = f"shards[{i}]"
         if not isinstance(s, dict):
-            raise field_error(p, f"expected an object, found {_show(s)}")
-        f = _get(s, "file", p, "str")
+            raise field_error(p, f"expected an object, found {show_field(s)}")
+        f = get_field(s, "file", p, "str")
         if Path(f).name != f or f in (".", ".."):
-            raise field_error(f"{p}.file", f"names a path outside the output folder, found {_show(f)}")
+            raise field_error(f"{p}.file", f"names a path outside the output folder, found {show_field(f)}")
         if f in files:
-            raise field_error(f"{p}.file", f"the same shard is listed twice, found {_show(f)}")
+            raise field_error(f"{p}.file", f"the same shard is listed twice, found {show_field(f)}")
         files.add(f)
-        _get(s, "size", p, "int>0")
-        _get(s, "header_sha256", p, "sha256")
+        get_field(s, "size", p, "int>0")
+        get_field(s, "header_sha256", p, "sha256")
     seen: dict[str, str] = {}
 
     def once(name: str, where: str) -> None:
         if name in seen:
-            raise field_error(f"{where}.name", f"tensor listed twice (also at {seen[name]}), found {_show(name)}")
+            raise field_error(f"{where}.name", f"tensor listed twice (also at {seen[name]}), found {show_field(name)}")
         seen[name] = where
 
-    for key, e in _get(m, "tensors", "", "dict").items():
-        p = f"tensors[{_show(key)}]"
+    for key, e in get_field(m, "tensors", "", "dict").items():
+        p = f"tensors[{show_field(key)}]"
         _tensor_entry(e, p, files)
         if e["name"] != key:
-            raise field_error(f"{p}.name", f"expected the entry's key {_show(key)}, found {_show(e['name'])}")
+            raise field_error(f"{p}.name", f"expected the entry's key {show_field(key)}, found {show_field(e['name'])}")
         once(key, p)
-    layers = _get(m, "moe_layers", "", "list")
+    layers = get_field(m, "moe_layers", "", "list")
     if not layers:
         raise field_error("moe_layers", "expected at least one MoE layer, found []")
     numbers: dict[object, str] = {}
     for i, raw in enumerate(layers):
         p = f"moe_layers[{i}]"
         if not isinstance(raw, dict):
-            raise field_error(p, f"expected an object, found {_show(raw)}")
-        prefix = _get(raw, "prefix", p, "str")
-        number = _get(raw, "layer", p, "int>=0")
+            raise field_error(p, f"expected an object, found {show_field(raw)}")
+        prefix = get_field(raw, "prefix", p, "str")
+        number = get_field(raw, "layer", p, "int>=0")
         for key, value in (("prefix", prefix), ("layer", number)):
             if (key, value) in numbers:  # load(layers=[3]) must mean one layer
-                raise field_error(f"{p}.{key}", f"also the {key} of {numbers[key, value]}, found {_show(value)}")
+                raise field_error(f"{p}.{key}", f"also the {key} of {numbers[key, value]}, found {show_field(value)}")
             numbers[key, value] = p
         named = re.search(r"(?:^|\.)layers\.(\d+)\.", prefix)
         if named and int(named[1]) != number:
             raise field_error(f"{p}.layer", f"expected {named[1]} (the prefix's layer), found {number}")
-        n = _get(raw, "num_experts", p, "int>0")
-        n_global = _get(raw, "num_experts_global", p, "int>0")
-        e0 = _get(raw, "expert_offset", p, "int>=0")
+        n = get_field(raw, "num_experts", p, "int>0")
+        n_global = get_field(raw, "num_experts_global", p, "int>0")
+        e0 = get_field(raw, "expert_offset", p, "int>=0")
         if e0 + n > n_global:
             raise field_error(f"{p}.num_experts", f"experts {e0}..{e0 + n - 1} run past num_experts_global "
                               f"{n_global}")
-        top_k = _get(raw, "top_k", p, "int>0|null")
+        top_k = get_field(raw, "top_k", p, "int>0|null")
         if top_k is not None and top_k > n_global:
             raise field_error(f"{p}.top_k", f"expected at most num_experts_global {n_global}, found {top_k}")
-        sizes = {k: _get(raw, k, p, "int>0") for k in ("hidden_size", "intermediate_size", "intermediate_size_total",
+        sizes = {k: get_field(raw, k, p, "int>0") for k in ("hidden_size", "intermediate_size", "intermediate_size_total",
                                                       "intermediate_size_padded", "hidden_size_padded")}
         for real, padded in (("hidden_size", "hidden_size_padded"), ("intermediate_size", "intermediate_size_padded")):
             if sizes[padded] < sizes[real]:
                 raise field_error(f"{p}.{padded}", f"expected at least {real} {sizes[real]}, found {sizes[padded]}")
-        activation = _one_of(raw, "activation", p, tuple(_ACTIVATIONS))
-        params = _get(raw, "activation_params", p, "dict")
+        activation = one_of(raw, "activation", p, tuple(_ACTIVATIONS))
+        params = get_field(raw, "activation_params", p, "dict")
         for k, v in params.items():
             if k not in _ACTIVATIONS[activation]:
                 raise field_error(f"{p}.activation_params.{k}", f"unknown parameter of {activation} (expected "
                                   f"{', '.join(_ACTIVATIONS[activation]) or 'none'})")
             if not _is_num(v):
-                raise field_error(f"{p}.activation_params.{k}", f"expected a number, found {_show(v)}")
-        _get(raw, "has_bias", p, "bool")
-        _get(raw, "bias_dtype", p, "float_dtype|null")
+                raise field_error(f"{p}.activation_params.{k}", f"expected a number, found {show_field(v)}")
+        get_field(raw, "has_bias", p, "bool")
+        get_field(raw, "bias_dtype", p, "float_dtype|null")
         for key in ("scheme", "source_scheme"):
-            if key not in raw:
-                raise field_error(f"{p}.{key}", "missing (expected a scheme object)")
-            parse_scheme(raw[key], f"{p}.{key}")
-        _get(raw, "router", p, "list[str]")
-        _get(raw, "shared_experts", p, "list[str]")
-        _get(raw, "layout_metadata", p, "dict")
-        _get(raw, "warnings", p, "list[str]")
+            get_field(raw, key, p, "dict")  # its fields: layouts/output.py (parse_scheme)
+        get_field(raw, "router", p, "list[str]")
+        get_field(raw, "shared_experts", p, "list[str]")
+        get_field(raw, "layout_metadata", p, "dict")
+        get_field(raw, "warnings", p, "list[str]")
         if "quality" in raw:
             _check_quality(raw["quality"], f"{p}.quality")
-        tensors = _get(raw, "tensors", p, "dict")
+        tensors = get_field(raw, "tensors", p, "dict")
         if not tensors:
             raise field_error(f"{p}.tensors", "expected the layer's expert tensors, found {}")
         for suffix, e in tensors.items():
             tp = f"{p}.tensors.{suffix}"
             _tensor_entry(e, tp, files)
             if e["name"] != f"{prefix}.{suffix}":
-                raise field_error(f"{tp}.name", f"expected {_show(prefix + '.' + suffix)}, found {_show(e['name'])}")
+                raise field_error(f"{tp}.name", f"expected {show_field(prefix + '.' + suffix)}, found {show_field(e['name'])}")
             once(e["name"], tp)
         for key in ("router", "shared_experts"):
             for name in raw[key]:
                 if name not in m["tensors"]:
-                    raise field_error(f"{p}.{key}", f"names a tensor the manifest does not list, found {_show(name)}")
-    copied = _get(m, "copied_files", "", "dict")
+                    raise field_error(f"{p}.{key}", f"names a tensor the manifest does not list, found {show_field(name)}")
+    copied = get_field(m, "copied_files", "", "dict")
     if CONFIG_NAME not in copied:  # every source has one, and routing reads it: its checksum is not optional
-        raise field_error("copied_files", f"expected an entry for {CONFIG_NAME}, found {_show(sorted(copied))}")
+        raise field_error("copied_files", f"expected an entry for {CONFIG_NAME}, found {show_field(sorted(copied))}")
     for name, d in copied.items():
-        p = f"copied_files[{_show(name)}]"
+        p = f"copied_files[{show_field(name)}]"
         if Path(name).name != name or name in (".", ".."):
             raise field_error(p, "names a path outside the output folder")
         if not isinstance(d, dict):
-            raise field_error(p, f"expected an object, found {_show(d)}")
-        _get(d, "sha256", p, "sha256")
-        _get(d, "size", p, "int>=0")
-
-
-# -- consistency ----------------------------------------------------------------------------------
-
-@dataclass
-class CheckedLayer:
-    """One MoE layer of a validated manifest, with what its tensors are decoded with."""
-
-    where: str  # "moe_layers[i]", for messages
-    raw: dict
-    scheme: Scheme
-    layout: Layout
-    shape: LayerShape  # what the layout planned with (padded H, I for MXFP4)
-
-
-def layer_shape_from_manifest(entry: dict, dtype: str) -> LayerShape:
-    """The LayerShape the layout planned with: padded sizes (and the real ones in ``extra``) for MXFP4."""
-    H, I, extra = entry["hidden_size"], entry["intermediate_size"], {}
-    if entry["scheme"]["kind"] == "mxfp4":
-        extra = {"hidden_size_unpadded": H, "intermediate_size_unpadded": I}
-        H, I = entry["hidden_size_padded"], entry["intermediate_size_padded"]
-    return LayerShape(num_experts=entry["num_experts"], hidden_size=H, intermediate_size=I,
-                      has_bias=entry["has_bias"], activation=entry["activation"], dtype=dtype,
-                      bias_dtype=entry.get("bias_dtype"), extra=extra)
-
-
-def check_layout(manifest: dict, kind: str, made_for: bool = True) -> Layout:
-    """The registered layout of this name for this scheme kind, if the file's layout version (and, with
-    ``made_for``, the kernel library versions it was made for) are this moeconvert's."""
-    info = manifest["layout"]
-    layout = get_layout(info["name"], kind)
-    if kind not in layout.schemes:
-        raise MoeConvertError("this moeconvert has no layout of that name for these experts", file=MANIFEST_NAME,
-                              tensor=f"layout {layout.name}", expected=", ".join(layout.schemes), found=kind)
-    if info["version"] != layout.version:
-        newer = info["version"] > layout.version
-        raise MoeConvertError(
-            "layout version " + ("is newer than this moeconvert knows (upgrade moeconvert)" if newer
-                                 else "differs from this moeconvert's (convert the checkpoint again)"),
-            file=MANIFEST_NAME, tensor=f"layout {layout.name}", expected=layout.version, found=info["version"])
-    if made_for and dict(info["made_for"]) != dict(layout.made_for):
-        raise MoeConvertError(
-            "layout was made for other kernel library versions than this moeconvert's layout targets "
-            "(its bytes may not be what those kernels read; convert again)", file=MANIFEST_NAME,
-            tensor=f"layout {layout.name} made_for", expected=dict(layout.made_for), found=dict(info["made_for"]))
-    return layout
-
-
-def _json_equal(a: object, b: object) -> bool:
-    return json.loads(json.dumps(a)) == json.loads(json.dumps(b))
-
-
-def check_layer(manifest: dict, i: int, made_for: bool = True) -> CheckedLayer:
-    """One layer's fields against the partition and against the shapes its layout plans for its sizes."""
-    raw, p = manifest["moe_layers"][i], f"moe_layers[{i}]"
-    part = Partition(**manifest["partition"])
-    n, n_global, e0 = raw["num_experts"], raw["num_experts_global"], raw["expert_offset"]
-    if part.ep_size > n_global:
-        raise field_error("partition.ep_size", f"expected at most {p}.num_experts_global {n_global}, "
-                          f"found {part.ep_size}")
-    a, b = part.expert_range(n_global)
-    if (e0, e0 + n) != (a, b):
-        raise field_error(f"{p}.num_experts", f"{n} experts from expert_offset {e0} disagree with the partition "
-                          f"(ep_size {part.ep_size}, ep_rank {part.ep_rank} of num_experts_global {n_global} hold "
-                          f"{b - a} experts from {a})")
-    # the layer's block (``model.layers.3.mlp``) holds its experts, its router and its shared experts:
-    # a tensor of the block in neither list would be silently left out of ``block()``
-    block = raw["prefix"].rsplit(".", 1)[0] + "."
-    named = set(raw["router"]) | set(raw["shared_experts"])
-    for name in manifest["tensors"]:
-        if name.startswith(block) and not name.startswith(raw["prefix"] + ".") and name not in named:
-            raise field_error(p, f"{name} belongs to the layer's block {block[:-1]} but is in neither router nor "
-                              "shared_experts")
-    I, I_total = raw["intermediate_size"], raw["intermediate_size_total"]
-    if I * part.tp_size != I_total:
-        raise field_error(f"{p}.intermediate_size", f"{I} per TP rank x partition.tp_size {part.tp_size} != "
-                          f"intermediate_size_total {I_total}")
-    scheme = parse_scheme(raw["scheme"], f"{p}.scheme")
-    layout = check_layout(manifest, scheme.kind, made_for)
-    if manifest["backend"] != layout.name:
-        raise field_error("backend", f"expected the layout's name {_show(layout.name)}, found {_show(manifest['backend'])}")
-    if scheme.kind == "mxfp4":
-        # MXFP4 outputs hold H and I zero-padded to the layout's multiples (convert.layer_shape)
-        want = padded_sizes(raw["hidden_size"], I, layout.pad_multiples)
-        for key, size in zip(("hidden_size_padded", "intermediate_size_padded"), want):
-            if raw[key] != size:
-                raise field_error(f"{p}.{key}", f"expected {size} for layout {layout.name}, found {raw[key]}")
-    if raw["has_bias"] != (raw["bias_dtype"] is not None):
-        raise field_error(f"{p}.bias_dtype", f"expected {'a dtype' if raw['has_bias'] else 'null'} with has_bias "
-                          f"{json.dumps(raw['has_bias'])}, found {_show(raw['bias_dtype'])}")
-    shape = layer_shape_from_manifest(raw, manifest["dtype"])
-    sizes = (f"num_experts {n}, hidden_size {shape.hidden_size}, intermediate_size {shape.intermediate_size}, "
-             f"{scheme.describe()}")
-    try:
-        problems = layout.check(shape, scheme)
-        if problems:
-            raise field_error(p, f"layout {layout.name} cannot hold a layer of {sizes}: {problems[0]}")
-        specs = {s.suffix: s for s in layout.plan(shape, scheme)}
-        metadata = layout.layer_metadata(shape, scheme)
-    except MoeConvertError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a layout's own assertion on sizes no conversion could write
-        raise field_error(p, f"layout {layout.name} cannot plan a layer of {sizes}: {e}") from e
-    tensors = raw["tensors"]
-    if set(tensors) != set(specs):
-        raise field_error(f"{p}.tensors", f"layout {layout.name} writes {sorted(specs)} for this layer, "
-                          f"found {sorted(tensors)}")
-    for suffix, spec in specs.items():
-        e = tensors[suffix]
-        if not e["shape"] or e["shape"][0] != n:
-            raise field_error(f"{p}.num_experts", f"{n} disagrees with the leading dim of {suffix} {e['shape']}")
-        if list(spec.shape) != e["shape"] or TORCH_TO_CODE[spec.dtype] != e["dtype"]:
-            raise field_error(f"{p}.tensors.{suffix}", f"layout {layout.name} plans {list(spec.shape)} "
-                              f"{TORCH_TO_CODE[spec.dtype]} for {sizes}, found {e['shape']} {e['dtype']}")
-    if not _json_equal(raw["layout_metadata"], metadata):
-        raise field_error(f"{p}.layout_metadata", f"expected what layout {layout.name} states for {sizes}: "
-                          f"{_show(metadata)}, found {_show(raw['layout_metadata'])}")
-    for key, size in (("hidden_size_padded", metadata.get("hidden_size_padded", shape.hidden_size)),
-                      ("intermediate_size_padded", metadata.get("intermediate_size_padded", shape.intermediate_size))):
-        if raw[key] != size:
-            raise field_error(f"{p}.{key}", f"expected {size} for layout {layout.name}, found {raw[key]}")
-    return CheckedLayer(p, raw, scheme, layout, shape)
+            raise field_error(p, f"expected an object, found {show_field(d)}")
+        get_field(d, "sha256", p, "sha256")
+        get_field(d, "size", p, "int>=0")
 
 
 # -- the shards -----------------------------------------------------------------------------------
@@ -528,7 +378,7 @@ def check_shards(root: Path, manifest: dict, hash_headers: bool = True) -> dict[
                                       expected=f"sha256 {shard['header_sha256'][:16]}…", found=f"sha256 {got[:16]}…")
         infos.update(read_header(path))
     listed: dict[str, TensorInfo] = {}
-    entries = [(f"tensors[{_show(k)}]", e) for k, e in manifest["tensors"].items()]
+    entries = [(f"tensors[{show_field(k)}]", e) for k, e in manifest["tensors"].items()]
     entries += [(f"moe_layers[{i}].tensors.{suffix}", e) for i, raw in enumerate(manifest["moe_layers"])
                 for suffix, e in raw["tensors"].items()]
     for where, e in entries:
@@ -547,47 +397,3 @@ def check_shards(root: Path, manifest: dict, hash_headers: bool = True) -> dict[
         raise MoeConvertError("tensor in a shard but not in the manifest", file=infos[unlisted[0]].file.name,
                               tensor=unlisted[0])
     return listed
-
-
-# -- all of it ------------------------------------------------------------------------------------
-
-@dataclass
-class CheckedOutput:
-    """A converted folder whose manifest, layers, shards and config were checked (:func:`check_output`)."""
-
-    root: Path
-    manifest: dict
-    layers: list[CheckedLayer]
-    infos: dict[str, TensorInfo]  # every tensor of the output, name -> where its bytes are
-    sha256: dict[str, str]  # every tensor of the output, name -> the manifest's sha256
-    config: dict
-
-
-def check_output(root: Path, *, hash_headers: bool = True, made_for: bool = True) -> CheckedOutput:
-    """Read and check everything but the tensor data (see the module docstring). ``hash_headers``:
-    compare each shard header's sha256 with the manifest's, and config.json's with ``copied_files``."""
-    manifest = read_manifest(root)
-    validate_fields(manifest)
-    infos = check_shards(root, manifest, hash_headers)
-    layers = [check_layer(manifest, i, made_for) for i in range(len(manifest["moe_layers"]))]
-    schemes = list(dict.fromkeys(cl.scheme for cl in layers))
-    common = schemes[0] if len(schemes) == 1 else None
-    if (parse_scheme(manifest["scheme"], "scheme") if manifest["scheme"] is not None else None) != common:
-        raise field_error("scheme", "expected " + ("the layers' scheme " + _show(common.to_json()) if common else
-                                                   "null (the layers' schemes differ)")
-                          + f", found {_show(manifest['scheme'])}")
-    config = read_output_config(root, manifest["copied_files"][CONFIG_NAME] if hash_headers else None)
-    family = family_name(config)  # the conversion's own reading of the config
-    if family != manifest["family"]:
-        raise field_error("family", f"expected {_show(family)} (what config.json describes), "
-                          f"found {_show(manifest['family'])}")
-    text = config.get("text_config")
-    routing = text if isinstance(text, dict) and "num_experts_per_tok" not in config else config
-    top_k = routing.get("num_experts_per_tok")
-    for cl in layers:  # the conversion took top_k from there; the runtime's router uses the manifest's
-        if _is_int(top_k) and cl.raw["top_k"] != top_k:
-            raise field_error(f"{cl.where}.top_k", f"expected {top_k} (config.json num_experts_per_tok), "
-                              f"found {_show(cl.raw['top_k'])}")
-    sha = {e["name"]: e["sha256"] for e in manifest["tensors"].values()}
-    sha.update({e["name"]: e["sha256"] for raw in manifest["moe_layers"] for e in raw["tensors"].values()})
-    return CheckedOutput(root, manifest, layers, infos, sha, config)

@@ -40,6 +40,8 @@ DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
     "F8_E8M0": (1, getattr(torch, "float8_e8m0fnu", None)),
 }
 TORCH_TO_CODE = {dt: code for code, (_, dt) in DTYPES.items() if dt is not None}
+#: the floating dtypes a model (and a manifest's ``dtype``) may name, by torch's name
+FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 
 #: bits per element of every dtype safetensors 0.8 knows (its ``Dtype`` enum). A header naming any
 #: other string does not parse there, so it is refused here; the sub-byte ones pass through unread.

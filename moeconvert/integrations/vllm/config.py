@@ -131,7 +131,7 @@ class MoeconvertConfig(QuantizationConfig):
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
         """Read the folder's manifest (checked as ``moeconvert verify`` checks it, without hashing data)."""
-        from moeconvert.format.manifest import check_output
+        from moeconvert.layouts.output import check_output
 
         root = Path(model_name).expanduser()
         if not root.is_dir():
@@ -182,7 +182,7 @@ class MoeconvertConfig(QuantizationConfig):
         ``FusedMoEParallelConfig.make``), whatever the expert placement, since the loader takes the experts
         vLLM's own expert map gives the layer; and the TP sizes whose cuts the layout declares exact
         (``Layout.tp_cuts``; DP without EP is TP across DP there)."""
-        from moeconvert.format.manifest import layer_shape_from_manifest, parse_scheme
+        from moeconvert.layouts.output import layer_shape_from_manifest, parse_scheme
         from moeconvert.integrations.vllm.method import RankShare
         from moeconvert.layouts import get_layout
 
