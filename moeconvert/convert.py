@@ -164,6 +164,16 @@ def served_config(plan: ConversionPlan) -> bytes | None:
     return (json.dumps(config, indent=2) + "\n").encode()
 
 
+def tp_size_entry(st, entry) -> dict:
+    """A layer's ``tp_sizes`` value for one TP size: cut from the full tensors, or stored (docs/format.md)."""
+    if st is None:
+        return {"stored": False}
+    return {"stored": True, "intermediate_size": st.unpadded[1],
+            "intermediate_size_padded": st.metadata.get("intermediate_size_padded", st.shape.intermediate_size),
+            "hidden_size_padded": st.metadata.get("hidden_size_padded", st.shape.hidden_size),
+            "layout_metadata": st.metadata, "tensors": {suffix: entry(t) for suffix, t in st.tensors.items()}}
+
+
 def build_manifest(plan: ConversionPlan, digests: dict[str, str], quality: dict[str, dict], source_digests: dict,
                    copies: list[Path], rewritten: dict[str, bytes] | None = None) -> dict:
     """The manifest (docs/format.md): every tensor's sha256 as written, every shard header's, and those
@@ -202,6 +212,8 @@ def build_manifest(plan: ConversionPlan, digests: dict[str, str], quality: dict[
             "warnings": lp.warnings,
             "tensors": {suffix: entry(t) for suffix, t in lp.tensors.items()},
             **({"quality": quality[m.prefix]} if lp.quantized else {}),
+            **({"tp_sizes": {str(T): tp_size_entry(st, entry) for T, st in lp.tp_sizes.items()}}
+               if lp.tp_sizes else {}),
         })
     return {
         "format": "moeconvert",

@@ -64,6 +64,7 @@ class Request:
     dtype: str | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     job_bytes: int = DEFAULT_JOB_BYTES
+    tp_sizes: tuple[int, ...] = ()  # --tp-sizes, those above 1
 
     def open(self):
         """``(plan, jobs)`` exactly as the driver made them."""
@@ -80,13 +81,15 @@ class Request:
 
             dtype = resolve_model_dtype(model.dtype, dtype)
         plan = plan_conversion(source, self.backend, self.partition, self.max_shard_size, model=model,
-                               quant=self.quant, dtype=dtype)
+                               quant=self.quant, dtype=dtype, tp_sizes=self.tp_sizes)
         return plan, plan_jobs(plan, self.chunk_bytes, self.job_bytes)
 
     def to_json(self) -> dict:
         d = asdict(self)
         d.pop("src_path")  # where the folder is does not change what is written
         d["quant"] = self.quant.to_json() if self.quant is not None else None
+        if not self.tp_sizes:
+            d.pop("tp_sizes")  # a folder without --tp-sizes keeps the fingerprint it always had
         return d
 
 
@@ -113,6 +116,11 @@ class Job:
                 "write_bytes": self.write_bytes, "peak_bytes": self.peak_bytes}
 
 
+def layer_passes(lp) -> int:
+    """How many times a layer job reads its experts: the full tensors, then one pass per stored TP size."""
+    return 1 + sum(1 for st in lp.tp_sizes.values() if st)
+
+
 def experts_per_chunk(lp, chunk_bytes: int) -> int:
     per_expert = sum(s.nbytes for s in lp.specs) // max(lp.shape.num_experts, 1)
     # decoding holds unpacked codes and the source words beside the encoded chunk: about 4x the output;
@@ -130,9 +138,10 @@ def plan_jobs(plan, chunk_bytes: int = DEFAULT_CHUNK_BYTES, job_bytes: int = DEF
     source = plan.source
     jobs: list[Job] = []
     for i, lp in enumerate(plan.layers):
-        write = sum(t.nbytes for t in lp.tensors.values())
-        read = sum(source.info(n).nbytes for n in lp.map.source_tensors())
-        per_expert = write // max(lp.shape.num_experts, 1)
+        write = sum(t.nbytes for t in lp.all_tensors())
+        # the source experts are read once for the full tensors and once more for each stored TP size
+        read = sum(source.info(n).nbytes for n in lp.map.source_tensors()) * layer_passes(lp)
+        per_expert = sum(t.nbytes for t in lp.tensors.values()) // max(lp.shape.num_experts, 1)
         peak = experts_per_chunk(lp, chunk_bytes) * per_expert * chunk_factor(lp)
         jobs.append(Job(len(jobs), "layer", lp.map.prefix, read, write, layer=i, peak_bytes=peak))
     run: list[int] = []
@@ -270,18 +279,30 @@ def run_job(plan, job: Job, staging: Path, key: str, chunk_bytes: int = DEFAULT_
             quality = _fresh_quality(lp)
             step = experts_per_chunk(lp, chunk_bytes)
             n = lp.shape.num_experts
-            for a in range(0, n, step):
-                b = min(n, a + step)
-                block = layer_output_block(plan, lp, a, b, quality)
-                encoded = plan.layout.encode(block, lp.shape)
-                del block
-                _check_encoded(lp, encoded, a, b)
-                for spec in lp.specs:
-                    t = lp.tensors[spec.suffix]
-                    writer.write(t, a * (t.nbytes // n), tensor_bytes(encoded[spec.suffix]))
-                del encoded
-                progress(job.read_bytes * b // n - job.read_bytes * a // n)  # sums to read_bytes exactly
-            record["tensors"] = {t.name: writer.digest(t) for t in lp.tensors.values()}
+            # the full tensors, then rank by rank each stored TP size: (partition, shape, unpadded, specs,
+            # tensors, ranks stacked in front of each tensor (1: none), this rank's place there, quality)
+            passes = [(plan.partition, lp.shape, lp.unpadded, lp.specs, lp.tensors, 1, 0, quality)]
+            for T, st in lp.tp_sizes.items():
+                if st:
+                    passes += [(Partition(T, r), st.shape, st.unpadded, st.specs, st.tensors, T, r, None)
+                               for r in range(T)]
+            done, total = 0, n * len(passes)
+            for part, shape, unpadded, specs, tensors, ranks, r, q in passes:
+                for a in range(0, n, step):
+                    b = min(n, a + step)
+                    block = layer_output_block(plan, lp, a, b, q, part=part, shape=shape, unpadded=unpadded)
+                    encoded = plan.layout.encode(block, shape)
+                    del block
+                    _check_encoded(lp, encoded, a, b, specs)
+                    for spec in specs:
+                        t = tensors[spec.suffix]
+                        per_rank = t.nbytes // ranks
+                        writer.write(t, r * per_rank + a * (per_rank // n), tensor_bytes(encoded[spec.suffix]))
+                    del encoded
+                    # the source bytes of these experts, once per pass: sums to read_bytes exactly
+                    progress(job.read_bytes * (done + b - a) // total - job.read_bytes * done // total)
+                    done += b - a
+            record["tensors"] = {t.name: writer.digest(t) for t in lp.all_tensors()}
             if quality is not None:
                 record["quality"] = quality.to_json()
         elif job.kind == "copy":
@@ -305,15 +326,16 @@ def run_job(plan, job: Job, staging: Path, key: str, chunk_bytes: int = DEFAULT_
     return record
 
 
-def layer_output_block(plan, lp, a: int, b: int, quality):
-    """Local experts [a, b) of a layer as the canonical block its layout encodes."""
+def layer_output_block(plan, lp, a: int, b: int, quality, part=None, shape=None, unpadded=None):
+    """Local experts [a, b) of a layer as the canonical block its layout encodes: for the plan's partition,
+    or (``--tp-sizes``) for another TP rank ``part`` of the rank's ``shape`` and ``unpadded`` sizes."""
     from moeconvert.decode import decode_chunk
     from moeconvert.quantize import output_block
     from moeconvert.schemes import MXFP4Scheme
 
-    block = decode_chunk(plan.source, lp.map, plan.partition, lp.expert_start + a, lp.expert_start + b)
+    block = decode_chunk(plan.source, lp.map, part or plan.partition, lp.expert_start + a, lp.expert_start + b)
     if isinstance(lp.scheme, MXFP4Scheme):
-        block = output_block(block, lp.shape, lp.unpadded, plan.quant, prefix=lp.map.prefix,
+        block = output_block(block, shape or lp.shape, unpadded or lp.unpadded, plan.quant, prefix=lp.map.prefix,
                              expert_offset=lp.expert_start + a, quality=quality)
     return block
 
@@ -332,10 +354,11 @@ def _fresh_quality(lp):
     return Quality()
 
 
-def _check_encoded(lp, encoded: dict, a: int, b: int) -> None:
-    if set(encoded) != {s.suffix for s in lp.specs}:
-        raise InternalError(f"{lp.map.prefix}: layout wrote {sorted(encoded)}, planned {[s.suffix for s in lp.specs]}")
-    for spec in lp.specs:
+def _check_encoded(lp, encoded: dict, a: int, b: int, specs=None) -> None:
+    specs = lp.specs if specs is None else specs
+    if set(encoded) != {s.suffix for s in specs}:
+        raise InternalError(f"{lp.map.prefix}: layout wrote {sorted(encoded)}, planned {[s.suffix for s in specs]}")
+    for spec in specs:
         t = encoded[spec.suffix]
         want = (b - a, *spec.shape[1:])
         if tuple(t.shape) != want or t.dtype != spec.dtype:
@@ -363,7 +386,7 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 def job_tensors(plan, job: Job) -> list:
     """The planned tensors a layer or copy job writes."""
     if job.kind == "layer":
-        return list(plan.layers[job.layer].tensors.values())
+        return plan.layers[job.layer].all_tensors()
     return [plan.tensors[i] for i in job.tensors]
 
 

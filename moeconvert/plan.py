@@ -91,6 +91,19 @@ def dtype_code(dt) -> str:
 
 
 @dataclass
+class StoredTP:
+    """A TP size whose rank tensors are not a slice of the full ones (``Layout.tp_cuts``), stored in the same
+    folder: ``{prefix}.tp{T}.{suffix}`` of shape ``[T, E, ...]``, rank r's encoding at ``[r]``."""
+
+    tp_size: int
+    shape: LayerShape  # one rank's (every rank's sizes are the same)
+    unpadded: tuple[int, int]  # one rank's real (H, I)
+    specs: list[TensorSpec]  # one rank's tensors
+    metadata: dict  # what the layout states for one rank's sizes
+    tensors: dict[str, PlannedTensor]  # suffix -> the stacked [T, E, ...] output tensor
+
+
+@dataclass
 class LayerPlan:
     map: MoELayerMap
     shape: LayerShape
@@ -102,6 +115,13 @@ class LayerPlan:
     scheme: Scheme  # of the output (MXFP4 for quantize), the source's otherwise
     unpadded: tuple[int, int]  # this rank's real (H, I); shape holds the padded ones for MXFP4 output
     quantized: bool = False  # float experts quantized here (the manifest gets a quality report)
+    #: ``--tp-sizes``: each TP size > 1 asked for -> None (a rank's tensors are the layout's cut of the full
+    #: ones) or what is stored for it
+    tp_sizes: dict[int, StoredTP | None] = field(default_factory=dict)
+
+    def all_tensors(self) -> list[PlannedTensor]:
+        """Every tensor the layer's job writes: the full ones, then each stored TP size's."""
+        return list(self.tensors.values()) + [t for st in self.tp_sizes.values() if st for t in st.tensors.values()]
 
 
 @dataclass
@@ -191,15 +211,46 @@ def check_layers(model: ModelMap, layout: Layout, part: Partition, quant: Quanti
     return problems
 
 
+def tp_size_plan(layer: MoELayerMap, layout: Layout, shape: LayerShape, scheme: Scheme, tp_size: int,
+                 dtype: str, quant: Quantization | None = None) -> tuple[LayerShape, tuple[int, int]] | None:
+    """``--tp-sizes``: None when a TP rank of ``tp_size`` is the layout's cut of the full tensors, else the
+    rank's (shape, unpadded sizes) to store; a TP size no rank can hold is refused in one line."""
+    cuts = layout.tp_cuts(shape, scheme, tp_size)
+    if isinstance(cuts, dict):
+        return None
+    why = [cuts.reason] if not cuts.convertible else []
+    try:
+        rank, _ = layer_shape(layer, Partition(tp_size, 0), dtype, layout, quant)
+    except MoeConvertError as e:
+        rank, why = None, [e.what()]
+    if rank is not None and not why:
+        why = decoder_problems(layer) + layout.check(rank, scheme)
+        if isinstance(scheme, MXFP4Scheme):
+            why = output_problems(layer.scheme, rank, quant) + why
+    if why:
+        raise MoeConvertError(f"--tp-sizes {tp_size}: a TP rank of {tp_size} cannot hold this layer in layout "
+                              f"{layout.name}: {why[0]}", tensor=layer.prefix)
+    unpadded = (rank.extra.get("hidden_size_unpadded", rank.hidden_size),
+                rank.extra.get("intermediate_size_unpadded", rank.intermediate_size))
+    return rank, unpadded
+
+
 def plan_conversion(source: Source, backend: str, part: Partition = Partition(),
                     max_shard_size: int = 5 * 10**9, model: ModelMap | None = None,
-                    quant: Quantization | None = None, dtype: str | None = None) -> ConversionPlan:
+                    quant: Quantization | None = None, dtype: str | None = None,
+                    tp_sizes: tuple[int, ...] = ()) -> ConversionPlan:
     """``backend``: the ``--backend`` word; the layout is the one registered under it for the output's
     scheme kind (the only lookup on the way to the encoder). ``quant``: quantize float experts
-    (``moeconvert quantize``); ``dtype``: the model dtype the output is for (default: the checkpoint's)."""
+    (``moeconvert quantize``); ``dtype``: the model dtype the output is for (default: the checkpoint's).
+    ``tp_sizes``: the TP sizes > 1 a full folder serves (``--tp-sizes``); each layer stores the rank
+    tensors of those its layout cannot cut out of the full ones (docs/format.md)."""
     model = model or map_model(source)
     dtype = dtype or model.dtype
     layout = get_layout(backend, scheme_kind(model, quant))
+    if tp_sizes and part != Partition():
+        raise MoeConvertError("--tp-sizes makes a full folder that serves several TP sizes; it takes no "
+                              "--tp-size/--tp-rank/--ep-size/--ep-rank", expected="TP 1, EP 1",
+                              found=f"TP {part.tp_size} rank {part.tp_rank}, EP {part.ep_size} rank {part.ep_rank}")
     problems = check_layers(model, layout, part, quant, dtype)
     if problems:
         n = sum(len(v) for v in problems.values())
@@ -227,9 +278,24 @@ def plan_conversion(source: Source, backend: str, part: Partition = Partition(),
                 tensors.append(t)
             unpadded = (shape.extra.get("hidden_size_unpadded", shape.hidden_size),
                         shape.extra.get("intermediate_size_unpadded", shape.intermediate_size))
+            stored: dict[int, StoredTP | None] = {}
+            for T in tp_sizes:
+                rank = tp_size_plan(layer, layout, shape, scheme, T, dtype, quant)
+                if rank is None:
+                    stored[T] = None
+                    continue
+                rank_shape, rank_unpadded = rank
+                rank_specs = layout.plan(rank_shape, scheme)
+                st = StoredTP(T, rank_shape, rank_unpadded, rank_specs, layout.layer_metadata(rank_shape, scheme), {})
+                for spec in rank_specs:
+                    t = PlannedTensor(f"{layer.prefix}.tp{T}.{spec.suffix}", dtype_code(spec.dtype),
+                                      (T, *spec.shape), T * spec.nbytes, layer=len(layers), suffix=spec.suffix)
+                    st.tensors[spec.suffix] = t
+                    tensors.append(t)
+                stored[T] = st
             layers.append(LayerPlan(layer, shape, e0, specs, layout.layer_metadata(shape, scheme),
                                     layout.warnings(shape, scheme), planned, scheme, unpadded,
-                                    quant is not None and isinstance(layer.scheme, FloatScheme)))
+                                    quant is not None and isinstance(layer.scheme, FloatScheme), stored))
         elif name not in moe_names:
             tensors.append(PlannedTensor(name, info.dtype, info.shape, info.nbytes, source=name))
     taken = {}

@@ -21,7 +21,7 @@ import torch
 
 from moeconvert.canonical import Partition
 from moeconvert.decode import decode_chunk
-from moeconvert.layouts.output import check_output
+from moeconvert.layouts.output import check_output, rank_shape
 from moeconvert.modelmap import map_model
 from moeconvert.quantize import Quality, Quantization, output_block
 from moeconvert.sources import Source, open_source
@@ -135,7 +135,8 @@ def verify_output(out: Path, against: str | None = None, revision: str | None = 
     reports = []
     for cl in checked.layers:
         entry, layout, scheme, shape = cl.raw, cl.layout, cl.scheme, cl.shape
-        rep = LayerReport(entry["prefix"], len(entry["tensors"]))
+        rep = LayerReport(entry["prefix"], len(entry["tensors"]) + sum(
+            len(v["tensors"]) for v in entry.get("tp_sizes", {}).values() if v["stored"]))
         reports.append(rep)
         src_layer = by_prefix.get(entry["prefix"])
         decoding = True
@@ -174,6 +175,10 @@ def verify_output(out: Path, against: str | None = None, revision: str | None = 
                 rep.differences += [f"experts {a}..{b - 1}: {d}" for d in diffs]
         rep.checksum_errors = [f"{suffix}: sha256 mismatch" for suffix, h in hashes.items()
                                if h.hexdigest() != entry["tensors"][suffix]["sha256"]]
+        for key, stored in entry.get("tp_sizes", {}).items():
+            if stored["stored"]:
+                _verify_tp_size(rep, produced, entry, int(key), stored, cl, source, src_layer, quant,
+                                decoding and not rep.checksum_errors, progress)
         if rep.checksum_errors:
             # not the bytes that were converted: what decoding them said is beside the point
             rep.decode_errors, rep.differences, rep.compared = [], [], False
@@ -182,3 +187,38 @@ def verify_output(out: Path, against: str | None = None, revision: str | None = 
             rep.quality = quality.to_json()
             rep.differences += _quality_differences(entry["quality"], rep.quality)
     return VerifyReport(str(out), against, reports, len(manifest["tensors"]), other_errors)
+
+
+def _verify_tp_size(rep: LayerReport, produced: Source, entry: dict, T: int, stored: dict, cl, source, src_layer,
+                    quant, decoding: bool, progress) -> None:
+    """A stored TP size (``--tp-sizes``): each rank's block ``[r]`` of its ``[T, E, ...]`` tensors hashed in
+    order, decoded with the rank's sizes and, with a source, compared with the source cut for that rank."""
+    layout, scheme = cl.layout, cl.scheme
+    shape = rank_shape(cl.shape, layout, scheme, T)
+    hashes = {suffix: hashlib.sha256() for suffix in stored["tensors"]}
+    n, e0 = shape.num_experts, entry["expert_offset"]
+    for r in range(T):
+        blocks = {suffix: produced.read(e["name"], rows=(r, r + 1))[0] for suffix, e in stored["tensors"].items()}
+        for suffix, t in blocks.items():
+            _update(hashes[suffix], t)
+        progress(sum(t.numel() * t.element_size() for t in blocks.values()))
+        per_expert = sum(t.numel() * t.element_size() for t in blocks.values()) // max(n, 1)
+        step = max(1, min(n, CHUNK_EXPERTS_BYTES // max(4 * per_expert, 1)))
+        for a in range(0, n, step) if decoding else ():
+            b = min(n, a + step)
+            try:
+                block = layout.decode({suffix: t[a:b] for suffix, t in blocks.items()}, shape, scheme)
+            except (RuntimeError, ValueError, KeyError, IndexError) as exc:
+                rep.decode_errors.append(f"TP {T} rank {r}, experts {a}..{b - 1}: {exc}")
+                decoding = False
+                break
+            if source is None:
+                continue
+            want = decode_chunk(source, src_layer, Partition(T, r), e0 + a, e0 + b)
+            if scheme.kind == "mxfp4":
+                unpadded = (shape.extra["hidden_size_unpadded"], shape.extra["intermediate_size_unpadded"])
+                want = output_block(want, shape, unpadded, quant, prefix=entry["prefix"], expert_offset=e0 + a)
+            diffs = layout.expected_block(want, shape).differences(block)
+            rep.differences += [f"TP {T} rank {r}, experts {a}..{b - 1}: {d}" for d in diffs]
+    rep.checksum_errors += [f"tp{T}.{suffix}: sha256 mismatch" for suffix, h in hashes.items()
+                            if h.hexdigest() != stored["tensors"][suffix]["sha256"]]

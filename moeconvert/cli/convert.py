@@ -13,8 +13,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from moeconvert.cli.app import app
-from moeconvert.cli.options import (EP_RANK, EP_SIZE, JSON, REVISION, TP_RANK, TP_SIZE, _human, _partition,
-                                    _print_quality, _progress, err, out, parse_size)
+from moeconvert.cli.options import (EP_RANK, EP_SIZE, JSON, REVISION, TP_RANK, TP_SIZE, TP_SIZES, _human,
+                                    _partition, _print_quality, _progress, err, out, parse_size, parse_tp_sizes)
 
 WORKERS = typer.Option("auto", "--workers", help="auto or 0 (best on one machine): jobs on threads of this process, "
                        "one per core (fewer if the memory is short). N: N worker processes, at most one per core and "
@@ -74,6 +74,7 @@ def repack(
     tp_rank: int = TP_RANK,
     ep_size: int = EP_SIZE,
     ep_rank: int = EP_RANK,
+    tp_sizes: Optional[str] = TP_SIZES,
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard, e.g. 5GB, 500MB."),
     chunk_mb: int = typer.Option(256, "--chunk-mb", min=1, help="Working-memory budget per expert chunk (MB)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (layers, jobs, bytes, memory, estimated time); write nothing."),
@@ -88,7 +89,8 @@ def repack(
 ):
     """Relay a checkpoint's experts out for a backend, without changing their values."""
     _convert(src, out_dir, backend, revision, _partition(tp_size, tp_rank, ep_size, ep_rank), max_shard_size,
-             chunk_mb, dry_run, overwrite, verify, json_out, run=(workers, executor, ray_address, resume, estimate))
+             chunk_mb, dry_run, overwrite, verify, json_out, run=(workers, executor, ray_address, resume, estimate),
+             tp_sizes=parse_tp_sizes(tp_sizes))
 
 
 @app.command(cls=_QuantizeBackendHelp)
@@ -105,6 +107,7 @@ def quantize(
     tp_rank: int = TP_RANK,
     ep_size: int = EP_SIZE,
     ep_rank: int = EP_RANK,
+    tp_sizes: Optional[str] = TP_SIZES,
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard, e.g. 5GB, 500MB."),
     chunk_mb: int = typer.Option(256, "--chunk-mb", min=1, help="Working-memory budget per expert chunk (MB)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (layers, jobs, bytes, memory, estimated time); write nothing."),
@@ -131,7 +134,7 @@ def quantize(
     quant = Quantization(fmt, rounding, device)
     _convert(src, out_dir, backend, revision, _partition(tp_size, tp_rank, ep_size, ep_rank), max_shard_size,
              chunk_mb, dry_run, overwrite, verify, json_out, quant=quant, dtype=dtype,
-             run=(workers, executor, ray_address, resume, estimate))
+             run=(workers, executor, ray_address, resume, estimate), tp_sizes=parse_tp_sizes(tp_sizes))
 
 
 def _executor(workers: str, executor: str, ray_address, plan_jobs, peak_per_job: int):
@@ -200,7 +203,7 @@ def _available_memory() -> int | None:
 
 
 def _convert(src, out_dir, backend, revision, part, max_shard_size, chunk_mb, dry_run, overwrite, verify, json_out,
-             quant=None, dtype=None, run=("auto", "local", None, False, True)):
+             quant=None, dtype=None, run=("auto", "local", None, False, True), tp_sizes=()):
     from pathlib import Path as _Path
 
     from moeconvert.convert import plan_conversion, run_conversion
@@ -225,11 +228,11 @@ def _convert(src, out_dir, backend, revision, part, max_shard_size, chunk_mb, dr
         from moeconvert.quantize import resolve_model_dtype
 
         dtype = resolve_model_dtype(model.dtype, dtype)
-    plan = plan_conversion(source, backend, part, shard_limit, model=model, quant=quant, dtype=dtype)
+    plan = plan_conversion(source, backend, part, shard_limit, model=model, quant=quant, dtype=dtype, tp_sizes=tp_sizes)
     local = _Path(src).expanduser()
     request = Request(src, backend, src_path=str(local.resolve()) if source.revision is None else None,
                       revision=source.revision, partition=part, max_shard_size=shard_limit, quant=quant, dtype=dtype,
-                      chunk_bytes=chunk_mb << 20)
+                      chunk_bytes=chunk_mb << 20, tp_sizes=tp_sizes)
     jobs = plan_jobs(plan, request.chunk_bytes, request.job_bytes)
     peak = max((j.peak_bytes for j in jobs), default=0)
     executor = _executor(workers, executor_name, ray_address, jobs, peak)

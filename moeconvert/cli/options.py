@@ -23,6 +23,8 @@ TP_SIZE = typer.Option(1, "--tp-size", min=1, help="Tensor-parallel size the out
 TP_RANK = typer.Option(0, "--tp-rank", min=0, help="The TP rank this output holds.")
 EP_SIZE = typer.Option(1, "--ep-size", min=1, help="Expert-parallel size (linear expert placement).")
 EP_RANK = typer.Option(0, "--ep-rank", min=0, help="The EP rank this output holds.")
+TP_SIZES = typer.Option(None, "--tp-sizes", help="TP sizes one full folder serves, e.g. 1,2,4,8: each a layout "
+                        "cannot cut out of the full tensors is stored beside them (docs/format.md).")
 
 
 def parse_size(text: str) -> int:
@@ -54,6 +56,19 @@ def _partition(tp_size, tp_rank, ep_size, ep_rank):
     if ep_rank >= ep_size:
         raise MoeConvertError("--ep-rank must be below --ep-size", expected=f"< {ep_size}", found=ep_rank)
     return Partition(tp_size, tp_rank, ep_size, ep_rank)
+
+
+def parse_tp_sizes(text: str | None) -> tuple[int, ...]:
+    """``--tp-sizes 1,2,4`` -> (2, 4): the sizes above 1, in order, each once (TP 1 is the full folder)."""
+    if text is None:
+        return ()
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(n < 1 for n in sizes):
+        raise MoeConvertError("bad TP sizes", tensor="--tp-sizes", expected="positive ints, e.g. 1,2,4,8", found=text)
+    return tuple(sorted({n for n in sizes if n > 1}))
 
 
 def _print_quality(quality: dict) -> None:

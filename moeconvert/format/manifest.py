@@ -197,6 +197,47 @@ def _check_quality(q: object, path: str) -> None:
         raise field_error(path, f"expected an object of objects of numbers, found {show_field(q)}")
 
 
+_TP_STORED_KEYS = {"stored", "intermediate_size", "intermediate_size_padded", "hidden_size_padded", "layout_metadata",
+                   "tensors"}
+
+
+def _tp_sizes(raw: dict, p: str, prefix: str, files: set[str], once: Callable[[str, str], None]) -> None:
+    """A layer's ``tp_sizes`` (``--tp-sizes``): TP size -> ``{"stored": false}`` or what is stored for it."""
+    for key, v in get_field(raw, "tp_sizes", p, "dict").items():
+        tp = f"{p}.tp_sizes[{show_field(key)}]"
+        if not (key.isdigit() and str(int(key)) == key and int(key) > 1):
+            raise field_error(tp, f"expected a TP size above 1 as the key, found {show_field(key)}")
+        if not isinstance(v, dict):
+            raise field_error(tp, f"expected an object, found {show_field(v)}")
+        if not get_field(v, "stored", tp, "bool"):
+            exact_keys(v, tp, {"stored"})
+            continue
+        exact_keys(v, tp, _TP_STORED_KEYS)
+        for k in ("intermediate_size", "intermediate_size_padded", "hidden_size_padded"):
+            get_field(v, k, tp, "int>0")
+        get_field(v, "layout_metadata", tp, "dict")
+        tensors = get_field(v, "tensors", tp, "dict")
+        if not tensors:
+            raise field_error(f"{tp}.tensors", "expected the stored rank tensors, found {}")
+        for suffix, e in tensors.items():
+            where = f"{tp}.tensors.{suffix}"
+            _tensor_entry(e, where, files)
+            want = f"{prefix}.tp{key}.{suffix}"
+            if e["name"] != want:
+                raise field_error(f"{where}.name", f"expected {show_field(want)}, found {show_field(e['name'])}")
+            once(e["name"], where)
+
+
+def layer_tensor_entries(raw: dict, i: int) -> list[tuple[str, dict]]:
+    """``(where, entry)`` of every tensor layer entry ``i`` lists: its full tensors, then each stored TP size's."""
+    p = f"moe_layers[{i}]"
+    out = [(f"{p}.tensors.{suffix}", e) for suffix, e in raw["tensors"].items()]
+    for key, v in raw.get("tp_sizes", {}).items():
+        if v.get("stored"):
+            out += [(f"{p}.tp_sizes[{show_field(key)}].tensors.{suffix}", e) for suffix, e in v["tensors"].items()]
+    return out
+
+
 def validate_fields(m: dict) -> None:
     """Every field of the manifest present, of its type and in its range (docs/format.md)."""
     get_field(m, "tool_version", "", "str")
@@ -327,6 +368,8 @@ def validate_fields(m: dict) -> None:
             if e["name"] != f"{prefix}.{suffix}":
                 raise field_error(f"{tp}.name", f"expected {show_field(prefix + '.' + suffix)}, found {show_field(e['name'])}")
             once(e["name"], tp)
+        if "tp_sizes" in raw:
+            _tp_sizes(raw, p, prefix, files, once)
         for key in ("router", "shared_experts"):
             for name in raw[key]:
                 if name not in m["tensors"]:
@@ -379,8 +422,8 @@ def check_shards(root: Path, manifest: dict, hash_headers: bool = True) -> dict[
         infos.update(read_header(path))
     listed: dict[str, TensorInfo] = {}
     entries = [(f"tensors[{show_field(k)}]", e) for k, e in manifest["tensors"].items()]
-    entries += [(f"moe_layers[{i}].tensors.{suffix}", e) for i, raw in enumerate(manifest["moe_layers"])
-                for suffix, e in raw["tensors"].items()]
+    for i, raw in enumerate(manifest["moe_layers"]):
+        entries += layer_tensor_entries(raw, i)
     for where, e in entries:
         info = infos.get(e["name"])
         if info is None:

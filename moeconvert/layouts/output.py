@@ -22,7 +22,8 @@ from moeconvert.canonical import LayerShape, Partition
 from moeconvert.errors import MoeConvertError
 from moeconvert.format import CONFIG_NAME, TORCH_TO_CODE, TensorInfo, family_name
 from moeconvert.format.manifest import (MANIFEST_NAME, check_shards, exact_keys, field_error, get_field, is_int,
-                                        one_of, read_manifest, read_output_config, show_field, validate_fields)
+                                        layer_tensor_entries, one_of, read_manifest, read_output_config, show_field,
+                                        validate_fields)
 from moeconvert.layouts import Layout, get_layout
 from moeconvert.layouts.base import padded_sizes
 from moeconvert.mxfp4 import ROUNDINGS
@@ -188,7 +189,66 @@ def check_layer(manifest: dict, i: int, made_for: bool = True) -> CheckedLayer:
                       ("intermediate_size_padded", metadata.get("intermediate_size_padded", shape.intermediate_size))):
         if raw[key] != size:
             raise field_error(f"{p}.{key}", f"expected {size} for layout {layout.name}, found {raw[key]}")
+    if "tp_sizes" in raw:
+        _check_tp_sizes(manifest, raw, p, layout, scheme, shape)
     return CheckedLayer(p, raw, scheme, layout, shape)
+
+
+def rank_shape(shape: LayerShape, layout: Layout, scheme: Scheme, tp_size: int) -> LayerShape:
+    """One TP rank's LayerShape, from the full layer's (MXFP4: the rank's real I padded by the layout)."""
+    H = shape.extra.get("hidden_size_unpadded", shape.hidden_size)
+    I = shape.extra.get("intermediate_size_unpadded", shape.intermediate_size) // tp_size
+    extra = {}
+    if isinstance(scheme, MXFP4Scheme):
+        extra = {"hidden_size_unpadded": H, "intermediate_size_unpadded": I}
+        H, I = padded_sizes(H, I, layout.pad_multiples)
+    return LayerShape(num_experts=shape.num_experts, hidden_size=H, intermediate_size=I, has_bias=shape.has_bias,
+                      activation=shape.activation, dtype=shape.dtype, bias_dtype=shape.bias_dtype, extra=extra)
+
+
+def _check_tp_sizes(manifest: dict, raw: dict, p: str, layout: Layout, scheme: Scheme, shape: LayerShape) -> None:
+    """``tp_sizes`` against the layout: a size is stored exactly where the layout cannot cut it out of the full
+    tensors, and what is stored is what the layout plans for one rank, stacked ``[T, ...]``."""
+    if manifest["partition"] != {"tp_size": 1, "tp_rank": 0, "ep_size": 1, "ep_rank": 0}:
+        raise field_error(f"{p}.tp_sizes", f"only a full folder (TP 1, EP 1) holds TP sizes, this one is "
+                          f"{show_field(manifest['partition'])}")
+    I_total = raw["intermediate_size_total"]
+    for key, v in raw["tp_sizes"].items():
+        T, tp = int(key), f"{p}.tp_sizes[{show_field(key)}]"
+        if I_total % T:
+            raise field_error(tp, f"intermediate_size_total {I_total} is not divisible by TP size {T}")
+        cuts = layout.tp_cuts(shape, scheme, T)
+        if isinstance(cuts, dict) == v["stored"]:
+            raise field_error(f"{tp}.stored", f"layout {layout.name} " + (
+                f"cuts TP {T} out of the full tensors exactly, expected false" if v["stored"]
+                else f"cannot cut TP {T} out of the full tensors ({cuts}), expected true and the rank tensors"))
+        if not v["stored"]:
+            continue
+        rank = rank_shape(shape, layout, scheme, T)
+        sizes = f"TP {T}: intermediate_size {rank.intermediate_size}, {scheme.describe()}"
+        problems = layout.check(rank, scheme)
+        if problems:
+            raise field_error(tp, f"layout {layout.name} cannot hold a rank of {sizes}: {problems[0]}")
+        if v["intermediate_size"] != I_total // T:
+            raise field_error(f"{tp}.intermediate_size", f"expected {I_total // T}, found {v['intermediate_size']}")
+        specs = {s.suffix: s for s in layout.plan(rank, scheme)}
+        metadata = layout.layer_metadata(rank, scheme)
+        if set(v["tensors"]) != set(specs):
+            raise field_error(f"{tp}.tensors", f"layout {layout.name} writes {sorted(specs)} for a rank, "
+                              f"found {sorted(v['tensors'])}")
+        for suffix, spec in specs.items():
+            e = v["tensors"][suffix]
+            want = [T, *spec.shape]
+            if e["shape"] != want or TORCH_TO_CODE[spec.dtype] != e["dtype"]:
+                raise field_error(f"{tp}.tensors.{suffix}", f"layout {layout.name} plans {want} "
+                                  f"{TORCH_TO_CODE[spec.dtype]} for {sizes}, found {e['shape']} {e['dtype']}")
+        if not _json_equal(v["layout_metadata"], metadata):
+            raise field_error(f"{tp}.layout_metadata", f"expected what layout {layout.name} states for {sizes}: "
+                              f"{show_field(metadata)}, found {show_field(v['layout_metadata'])}")
+        for key2, size in (("hidden_size_padded", metadata.get("hidden_size_padded", rank.hidden_size)),
+                           ("intermediate_size_padded", metadata.get("intermediate_size_padded", rank.intermediate_size))):
+            if v[key2] != size:
+                raise field_error(f"{tp}.{key2}", f"expected {size} for layout {layout.name}, found {v[key2]}")
 
 
 # -- all of it ------------------------------------------------------------------------------------
@@ -232,5 +292,6 @@ def check_output(root: Path, *, hash_headers: bool = True, made_for: bool = True
             raise field_error(f"{cl.where}.top_k", f"expected {top_k} (config.json num_experts_per_tok), "
                               f"found {show_field(cl.raw['top_k'])}")
     sha = {e["name"]: e["sha256"] for e in manifest["tensors"].values()}
-    sha.update({e["name"]: e["sha256"] for raw in manifest["moe_layers"] for e in raw["tensors"].values()})
+    sha.update({e["name"]: e["sha256"] for i, raw in enumerate(manifest["moe_layers"])
+                for _, e in layer_tensor_entries(raw, i)})
     return CheckedOutput(root, manifest, layers, infos, sha, config)

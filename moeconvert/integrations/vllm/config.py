@@ -217,20 +217,28 @@ class MoeconvertConfig(QuantizationConfig):
         cuts = layout.tp_cuts(layer_shape_from_manifest(entry, self.manifest["dtype"]),
                               parse_scheme(entry["scheme"], "scheme"), have["tp_size"])
         if not isinstance(cuts, dict):
-            fix = (f"or convert a folder per TP rank: {self._command(tp=(have['tp_size'], have['tp_rank']))}"
-                   if cuts.convertible else f"a TP rank of {have['tp_size']} cannot hold it in this layout at all")
+            T = have["tp_size"]
+            stored = entry.get("tp_sizes", {}).get(str(T))
+            if stored and stored["stored"]:
+                return RankShare(experts_from_layer=True, tp_size=T, tp_rank=have["tp_rank"], stored=stored)
+            fix = (f"or convert once more adding this TP size: {self._command(tp_sizes=T)}"
+                   if cuts.convertible else f"a TP rank of {T} cannot hold it in this layout at all")
             raise ValueError(
                 f"moeconvert: {prefix}: this vLLM builds the layer for {shape}; this folder holds the full (TP 1) "
-                f"tensors and a {layout_name} TP rank of {have['tp_size']} is not a slice of them ({cuts}): serve "
-                f"with --enable-expert-parallel (any EP size), {fix}")
+                f"tensors, a {layout_name} TP rank of {T} is not a slice of them ({cuts}) and the folder stores "
+                f"no TP {T} tensors: serve with --enable-expert-parallel (any EP size), {fix}")
         return RankShare(experts_from_layer=True, tp_size=have["tp_size"], tp_rank=have["tp_rank"], cuts=cuts)
 
-    def _command(self, backend: str | None = None, tp: tuple[int, int] | None = None) -> str:
-        """The conversion that made this folder, for a refusal to name (with another backend or TP rank)."""
+    def _command(self, backend: str | None = None, tp: tuple[int, int] | None = None, tp_sizes: int | None = None) -> str:
+        """The conversion that made this folder, for a refusal to name (with another backend, TP rank, or one
+        more of ``--tp-sizes``)."""
         m = self.manifest or {}
         verb = (f"quantize {m['source']['id']} OUT --format {m['quantization']['format']}" if m.get("quantization")
                 else f"repack {(m.get('source') or {}).get('id', 'SRC')} OUT")
         cmd = f"moeconvert {verb} --backend {backend or m.get('backend', 'marlin')}"
+        if tp_sizes:
+            have = {int(k) for m2 in m.get("moe_layers", []) for k in m2.get("tp_sizes", {})}
+            cmd += " --tp-sizes " + ",".join(str(n) for n in sorted({1, tp_sizes} | have))
         return cmd + (f" --tp-size {tp[0]} --tp-rank {tp[1]}" if tp else "")
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):

@@ -11,6 +11,7 @@ pipeline stage) are not read at all.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+from moeconvert.format.manifest import layer_tensor_entries
 from moeconvert.format.safetensors import TensorInfo, read_header
 
 
@@ -89,22 +91,27 @@ class MoeconvertModelLoader(DefaultModelLoader):
         infos: dict[str, TensorInfo] = {}
         for shard in _shards(folder):
             infos.update(read_header(shard))
-        stacked = {t["name"] for m in config.manifest["moe_layers"] for t in m["tensors"].values()}
+        stacked = {e["name"] for i, m in enumerate(config.manifest["moe_layers"]) for _, e in layer_tensor_entries(m, i)}
         fds: dict[Path, int] = {}
         try:
             for prefix, module in ours.items():
                 method = module.quant_method
                 experts = (local_experts(module) if method.share.experts_from_layer
                            else list(range(method.entry["num_experts"])))
-                for suffix, t in method.entry["tensors"].items():
+                share = method.share
+                for suffix, t in share.tensors(method.entry).items():
                     info = infos[t["name"]]
                     if list(info.shape) != list(t["shape"]) or info.dtype != t["dtype"]:
                         raise method._refuse(f"{suffix}: the file holds {list(info.shape)} {info.dtype}, the manifest "
                                              f"{t['shape']} {t['dtype']}")
                     fd = fds.setdefault(info.file, os.open(info.file, os.O_RDONLY))
                     param = getattr(module, suffix)
-                    cut = method.share.cuts.get(suffix) if method.share.tp_size > 1 else None
-                    ranges = _ranges(info, experts, cut, method.share.tp_size, method.share.tp_rank)
+                    cut = share.cuts.get(suffix) if share.tp_size > 1 and not share.stored else None
+                    if share.stored:  # this rank's block [r] of the stored [T, E, ...] tensor
+                        block = info.nbytes // share.tp_size
+                        info = dataclasses.replace(info, shape=tuple(info.shape[1:]), start=info.start + share.tp_rank * block,
+                                                   end=info.start + (share.tp_rank + 1) * block)
+                    ranges = _ranges(info, experts, cut, share.tp_size, share.tp_rank)
                     if param.device.type == "cpu" and param.is_contiguous():
                         _read_into(fd, param.data, ranges)
                     else:  # an accelerator: through one host buffer

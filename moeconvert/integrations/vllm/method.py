@@ -30,6 +30,28 @@ class RankShare:
     tp_size: int = 1
     tp_rank: int = 0
     cuts: dict[str, TPCut] = field(default_factory=dict)
+    #: the layer's ``tp_sizes`` entry for ``tp_size`` where its rank tensors are stored (``--tp-sizes``):
+    #: ``{prefix}.tp{T}.{suffix}``, ``[T, E, ...]``, this rank's at ``[tp_rank]``
+    stored: dict | None = None
+
+    def tensors(self, entry: dict) -> dict[str, dict]:
+        """suffix -> the manifest entry of the folder tensor this rank reads for it."""
+        return self.stored["tensors"] if self.stored else entry["tensors"]
+
+    def names(self, entry: dict) -> dict[str, str]:
+        """The layer-relative names of the tensors this rank reads -> their parameter (suffix)."""
+        if self.stored:
+            return {f"tp{self.tp_size}.{suffix}": suffix for suffix in self.stored["tensors"]}
+        return {suffix: suffix for suffix in entry["tensors"]}
+
+
+def other_tensors(entry: dict) -> set[str]:
+    """Layer-relative names of every stacked tensor of a layer entry (the full ones, each stored TP size's)."""
+    names = set(entry["tensors"])
+    for key, v in entry.get("tp_sizes", {}).items():
+        if v["stored"]:
+            names |= {f"tp{key}.{suffix}" for suffix in v["tensors"]}
+    return names
 
 
 def local_experts(layer) -> list[int]:
@@ -115,12 +137,12 @@ class _FinalLayoutMethod(FusedMoEMethodBase):
             if vllm_has != folder_has:
                 raise self._refuse(f"vLLM builds this layer with {what} {vllm_has}; the folder was converted for "
                                    f"{folder_has} ({held})")
-        for suffix, t in e["tensors"].items():
+        for suffix, t in share.tensors(e).items():
             dtype = DTYPES[t["dtype"]][1]
-            shape = list(t["shape"])
+            shape = list(t["shape"][1:] if share.stored else t["shape"])
             if experts is not None:
                 shape[0] = len(experts)
-            cut = share.cuts.get(suffix) if T > 1 else None
+            cut = share.cuts.get(suffix) if T > 1 and not share.stored else None
             if cut is not None:
                 shape = list(cut.rank_shape(tuple(shape), T))
             param = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
@@ -133,18 +155,19 @@ class _FinalLayoutMethod(FusedMoEMethodBase):
         per-expert and fused checkpoint names and drops a stacked ``w13_weight`` without a word, so our
         tensors (names relative to the layer, or to its runner) go to their parameters here and anything
         else to vLLM's."""
-        ours = set(self.entry["tensors"])
+        ours = self.share.names(self.entry)
+        skip = other_tensors(self.entry) - set(ours)  # the full tensors a stored TP size replaces, other sizes'
         theirs = type(layer).load_weights
 
         def load_weights(weights):
             rest = []
             for name, tensor in weights:
-                suffix = name.removeprefix("routed_experts.")
-                if suffix in ours:
-                    param = getattr(layer, suffix)
+                rel = name.removeprefix("routed_experts.")
+                if rel in ours:
+                    param = getattr(layer, ours[rel])
                     param.weight_loader(param, tensor)
-                    yield suffix
-                else:
+                    yield ours[rel]
+                elif rel not in skip:
                     rest.append((name, tensor))
             if rest:
                 yield from theirs(layer, rest)
@@ -161,6 +184,8 @@ class _FinalLayoutMethod(FusedMoEMethodBase):
             if tuple(loaded_weight.shape) != shape or loaded_weight.dtype != dtype:
                 raise self._refuse(f"{suffix}: the file holds {tuple(loaded_weight.shape)} {loaded_weight.dtype}, "
                                    f"the layout {shape} {dtype}")
+            if share.stored:
+                loaded_weight = loaded_weight[share.tp_rank]  # this rank's block of [T, E, ...]
             runs = _expert_runs(local_experts(layer)) if share.experts_from_layer else [(0, slice(None))]
             for slot, rows in runs:
                 src = loaded_weight[rows]
