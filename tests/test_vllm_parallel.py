@@ -311,6 +311,9 @@ REFUSED = {  # case: (folder, shape, the one line's telling part)
                        "only): serve without --enable-eplb, or convert with --backend triton (moeconvert repack "),
     "tp-not-a-slice": (("qwen3-moe", "marlin-w4a16-g128", dict(intermediate_size=256)), dict(tp=2),
                        "a marlin TP rank of 2 is not a slice of them (a TP rank holds one w2 scale group"),
+    "tp-stored-default-loader": (("qwen3-moe", "marlin-w4a16-g128", dict(intermediate_size=256), "--tp-sizes", "1,2"),
+                                 dict(tp=2), "the folder stores its TP 2 rank tensors beside the full ones, which only "
+                                 "moeconvert's model loader reads: serve with --load-format moeconvert"),
     "one-rank-folder": (("qwen3-moe", "marlin-w4a16-g128", "--ep-size", "2", "--ep-rank", "0"), dict(tp=2),
                         "this folder was converted for TP 1 rank 0, EP 2 rank 0; this vLLM builds the layer for TP 2"),
 }
@@ -320,17 +323,17 @@ REFUSED = {  # case: (folder, shape, the one line's telling part)
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_shapes_a_folder_does_not_cover_are_refused_in_one_line(convert, example_ckpt, tmp_path, case):
     what, shape, want = REFUSED[case]
-    if len(what) > 2 and isinstance(what[2], dict):  # a folder of other sizes
+    if len(what) > 2 and isinstance(what[2], dict):  # a folder of other sizes (and options)
         kw, verb = SCHEMES[what[1]]
         folder = tmp_path / "full"
-        cli(verb[0], example_ckpt(what[0], **{**kw, **what[2]}), folder, *verb[1:], expect=0)
+        cli(verb[0], example_ckpt(what[0], **{**kw, **what[2]}), folder, *verb[1:], *what[3:], expect=0)
     else:
         folder = convert(*what)
     for r, got in enumerate(_ranks(folder, tmp_path, **shape)):
         assert "\n" not in got["error"] and want in got["error"], got["error"]
         assert got["error"].startswith("ValueError: moeconvert: model.layers.")
-        if case == "tp-not-a-slice":  # names the conversion for this very rank
-            assert got["error"].endswith(f"--backend marlin --tp-size 2 --tp-rank {r}"), got["error"]
+        if case == "tp-not-a-slice":  # names the conversion that adds this TP size to the folder
+            assert got["error"].endswith("--backend marlin --tp-sizes 1,2"), got["error"]
         assert got["layers"] == {}
 
 
@@ -366,6 +369,60 @@ def test_each_rank_reads_only_its_experts_with_the_moeconvert_load_format(conver
             want = _expected(convert, "qwen3-moe", "marlin-w4a16-g128", list(range(r * E // 2, (r + 1) * E // 2)), 2)
         else:
             want = _expected(convert, "qwen3-moe", "marlin-w4a16-g128", list(range(E)), 1, tp=(2, r))
+        _assert_holds(got, want, f"rank {r}")
+        share = sum(t.numel() * t.element_size() for layer in want.values() for t in layer.values())
+        assert share + rest <= got["read_bytes"] <= share + rest + headers + 64 * 1024, (r, got["read_bytes"], share, rest)
+
+
+# ---------------------------------------------------------------------------------------------------
+# --tp-sizes: a TP size the layout cannot cut, stored in the same folder
+
+
+STORED_TP = {  # case: (scheme, example sizes where a TP 2 rank is not a slice of the full tensors)
+    "marlin-channel-rank-padded": ("marlin-w4a16-channel", dict(intermediate_size=192)),
+    "marlin-g128-one-w2-group": ("marlin-w4a16-g128", dict(intermediate_size=256)),
+    "marlin-mxfp4-rank-padded": ("marlin-mxfp4", dict(intermediate_size=128)),
+}
+
+
+def _stacked_and_rest(full: Path) -> tuple[int, int]:
+    """(bytes of every tensor but the stacked expert tensors, bytes of the shards' headers)."""
+    import struct
+
+    from moeconvert.format.manifest import layer_tensor_entries
+
+    manifest = _manifest(full)
+    stacked = {e["name"] for i, m in enumerate(manifest["moe_layers"]) for _, e in layer_tensor_entries(m, i)}
+    rest = headers = 0
+    for shard in full.glob("*.safetensors"):
+        n = struct.unpack("<Q", shard.read_bytes()[:8])[0]
+        headers += 8 + n
+        header = json.loads(shard.read_bytes()[8:8 + n])
+        rest += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
+                    if k != "__metadata__" and k not in stacked)
+    return rest, headers
+
+
+@needs_vllm
+@pytest.mark.parametrize("case", sorted(STORED_TP))
+def test_tp2_stored_by_tp_sizes_each_rank_reads_only_its_conversion(example_ckpt, tmp_path, case):
+    """``convert --tp-sizes 1,2`` where Marlin cannot cut TP 2 out of the full tensors, then vLLM's whole-model
+    load at TP 2 with ``--load-format moeconvert``: each rank's parameters hold ``--tp-size 2 --tp-rank r``'s
+    bytes, read from the rank's stored block and nothing of the other rank's or of the full tensors."""
+    scheme, sizes = STORED_TP[case]
+    kw, verb = SCHEMES[scheme]
+    src = example_ckpt("qwen3-moe", **{**kw, **sizes})
+    full = tmp_path / "full"
+    cli(verb[0], src, full, *verb[1:], "--tp-sizes", "1,2", expect=0)
+    assert all(m["tp_sizes"]["2"]["stored"] for m in _manifest(full)["moe_layers"])
+    rest, headers = _stacked_and_rest(full)
+    for r, got in enumerate(_ranks(full, tmp_path, mode="model", load_format="moeconvert", tp=2)):
+        assert "error" not in got, got["error"]
+        out = tmp_path / f"rank{r}"
+        cli(verb[0], src, out, *verb[1:], "--tp-size", "2", "--tp-rank", str(r), expect=0)
+        files = st_tensors(out)
+        want = {m["prefix"]: {s: files[t["name"]] for s, t in m["tensors"].items()} for m in _manifest(out)["moe_layers"]}
+        assert all(layer["tp"] == [2, r] for layer in got["layers"].values())
         _assert_holds(got, want, f"rank {r}")
         share = sum(t.numel() * t.element_size() for layer in want.values() for t in layer.values())
         assert share + rest <= got["read_bytes"] <= share + rest + headers + 64 * 1024, (r, got["read_bytes"], share, rest)

@@ -21,6 +21,9 @@ from moeconvert.integrations.vllm.scope import method_name, refusal
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # our stacked names under a layer's experts container -> the parameter of vLLM's RoutedExperts child
 _STACKED = re.compile(r"\.experts\.((?:w13|w2)_(?:weight|weight_scale|weight_zero_point|bias))$")
+#: a stored TP size's rank tensors (``--tp-sizes``): read only by ``--load-format moeconvert``, which takes
+#: every stacked tensor itself; any other loader never hands them to the model
+_STORED_TP = re.compile(r"\.experts\.tp\d+\.((?:w13|w2)_(?:weight|weight_scale|weight_zero_point|bias))$")
 
 
 #: what ends every refusal of a folder's own files: they are made by the conversion, never by hand
@@ -123,7 +126,7 @@ class MoeconvertConfig(QuantizationConfig):
         # vLLM's own mapper (it drops activation-order metadata), then ours: a stacked MoE tensor goes to
         # the RoutedExperts child that holds the parameter (idempotent: the new name no longer matches)
         return QuantizationConfig.get_checkpoint_weight_mapper() | WeightsMapper(
-            orig_to_new_regex={_STACKED: r".experts.routed_experts.\1"})
+            orig_to_new_regex={_STACKED: r".experts.routed_experts.\1", _STORED_TP: None})
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         if self.inner is not None:
@@ -220,6 +223,15 @@ class MoeconvertConfig(QuantizationConfig):
             T = have["tp_size"]
             stored = entry.get("tp_sizes", {}).get(str(T))
             if stored and stored["stored"]:
+                from vllm.config import get_current_vllm_config_or_none
+
+                vc = get_current_vllm_config_or_none()
+                load_format = vc.load_config.load_format if vc is not None else None
+                if load_format != "moeconvert":
+                    raise ValueError(
+                        f"moeconvert: {prefix}: this vLLM builds the layer for {shape}; the folder stores its TP {T} "
+                        f"rank tensors beside the full ones, which only moeconvert's model loader reads: serve with "
+                        f"--load-format moeconvert (this vLLM loads with {load_format!r})")
                 return RankShare(experts_from_layer=True, tp_size=T, tp_rank=have["tp_rank"], stored=stored)
             fix = (f"or convert once more adding this TP size: {self._command(tp_sizes=T)}"
                    if cuts.convertible else f"a TP rank of {T} cannot hold it in this layout at all")

@@ -111,9 +111,11 @@ class _FinalLayoutMethod(FusedMoEMethodBase):
 
         return MarlinExperts
 
-    def _sizes(self) -> tuple[int, int]:
-        """(H, I per partition) the layer's parameters are made for."""
-        return self.entry["hidden_size"], self.entry["intermediate_size"]
+    def _sizes(self, entry: dict | None = None) -> tuple[int, int]:
+        """(H, I per partition) the layer's parameters are made for, from the layer's entry (or a stored TP
+        size's entry over it)."""
+        e = entry or self.entry
+        return e["hidden_size"], e["intermediate_size"]
 
     def _refuse(self, what: str) -> ValueError:
         return ValueError(f"moeconvert: {self.entry['prefix']}: {what}")
@@ -123,8 +125,11 @@ class _FinalLayoutMethod(FusedMoEMethodBase):
         e, share = self.entry, self.share
         H, I = self._sizes()
         T = share.tp_size
+        per_partition = I // T if I % T == 0 else I / T
+        if share.stored:  # the rank's own sizes (MXFP4: its I padded on its own)
+            H, per_partition = self._sizes({**e, **share.stored})
         want = {"hidden size": (hidden_size, H), "intermediate size per partition": (intermediate_size_per_partition,
-                                                                                     I // T if I % T == 0 else I / T)}
+                                                                                     per_partition)}
         if share.experts_from_layer:
             experts = local_experts(layer)
             want["experts on this rank"] = (num_experts, len(experts))
@@ -277,8 +282,9 @@ class MarlinMXFP4Method(_FinalLayoutMethod):
                                            moe_parallel_config)
         return mxfp4_round_up_hidden_size_and_intermediate_size(Mxfp4MoeBackend.MARLIN, H, I)
 
-    def _sizes(self) -> tuple[int, int]:
-        return self.entry["hidden_size_padded"], self.entry["intermediate_size_padded"]
+    def _sizes(self, entry: dict | None = None) -> tuple[int, int]:
+        e = entry or self.entry
+        return e["hidden_size_padded"], e["intermediate_size_padded"]
 
     def get_fused_moe_quant_config(self, layer):
         from vllm.model_executor.layers.fused_moe.config import mxfp4_w4a16_moe_quant_config
