@@ -202,8 +202,9 @@ def test_deepseek_v3_loads_through_each_parameters_own_loader(example_ckpt, tmp_
 def test_a_vllm_started_for_another_tp_size_is_refused_before_loading(folders):
     _, out = folders["w4a16-g128"]
     got = _child(out, "--tp-size", "2")
-    assert ("this vLLM builds the layer for TP 2 rank 0, EP 1 rank 0; this folder holds the full (TP 1) tensors and a "
+    assert ("this vLLM builds the layer for TP 2 rank 0, EP 1 rank 0; this folder holds the full (TP 1) tensors, a "
             "marlin TP rank of 2 is not a slice of them (a TP rank of 2 cannot hold this layer") in got["error"]
+    assert got["error"].endswith("a TP rank of 2 cannot hold it in this layout at all"), got["error"]
     assert got["layers"] == {}
 
 
