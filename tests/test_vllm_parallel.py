@@ -349,18 +349,9 @@ def test_each_rank_reads_only_its_experts_with_the_moeconvert_load_format(conver
     each rank's expert parameters hold its per-rank conversion's bytes, and what the process read while
     loading (the kernel's rchar counter in /proc/self/io) is the rank's share of the stacked tensors plus
     every other tensor, give or take the shard headers and a few KiB: never the other rank's experts."""
-    import struct
-
     full = convert("qwen3-moe", "marlin-w4a16-g128")
     manifest = _manifest(full)
-    stacked = {t["name"] for m in manifest["moe_layers"] for t in m["tensors"].values()}
-    rest = headers = 0
-    for shard in full.glob("*.safetensors"):
-        n = struct.unpack("<Q", shard.read_bytes()[:8])[0]
-        headers += 8 + n
-        header = json.loads(shard.read_bytes()[8:8 + n])
-        rest += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
-                    if k != "__metadata__" and k not in stacked)
+    rest, headers = _stacked_and_rest(full)
     E = manifest["moe_layers"][0]["num_experts_global"]
     ranks = _ranks(full, tmp_path, mode="model", load_format="moeconvert", **shape)
     for r, got in enumerate(ranks):
