@@ -204,3 +204,79 @@ def test_a_signal_mid_run_ends_in_our_line_and_no_staging(cases, ray_head, tmp_p
     assert proc.returncode == 128 + signum, stderr
     assert lines == [f"moeconvert: interrupted ({name}); no unfinished output was left behind"], stderr
     assert _leftovers(tmp_path) == [] and not out.exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# stopping the tasks of a run that ends early (a signal, a failed job): no Ray force-cancel in the way
+
+
+class _FakeRay:
+    """What ``RayExecutor._stop`` calls of Ray, recorded; ``wait`` ends the tasks in ``ends``."""
+
+    def __init__(self, ends: set, stop_file: Path):
+        self.ends, self.stop_file = ends, stop_file
+        self.waited: list[tuple] = []
+        self.cancelled: list = []
+
+    def wait(self, refs, num_returns, timeout):
+        self.waited.append((list(refs), num_returns, timeout, self.stop_file.exists()))
+        return [r for r in refs if r in self.ends], [r for r in refs if r not in self.ends]
+
+    def cancel(self, ref, force):
+        self.cancelled.append((ref, force))
+
+
+def _stop_with(tmp_path: Path, ends: set) -> _FakeRay:
+    from moeconvert.executors.ray import STOP_WAIT_S, RayExecutor
+    from moeconvert.plan import JOBS_DIR
+
+    (tmp_path / JOBS_DIR).mkdir()
+    fake = _FakeRay(ends, tmp_path / JOBS_DIR / "stop-x")
+    RayExecutor._stop(fake, tmp_path, "stop-x", ["a", "b", "c"])
+    assert fake.waited == [(["a", "b", "c"], 3, STOP_WAIT_S, True)]  # waited for all, with the file there
+    assert not fake.stop_file.exists()  # removed once the tasks are over: a resumed run is not stopped
+    return fake
+
+
+def test_stopping_tasks_that_end_cancels_nothing(tmp_path):
+    assert _stop_with(tmp_path, {"a", "b", "c"}).cancelled == []
+
+
+def test_stopping_cancels_only_the_tasks_still_running_after_the_wait(tmp_path):
+    assert _stop_with(tmp_path, {"a", "c"}).cancelled == [("b", True)]
+
+
+def test_a_task_ends_at_its_next_progress_step_once_the_stop_file_appears(tmp_path, monkeypatch):
+    """``_task`` on this process, with the job itself stood in for: the file appears during the second
+    progress step and the task raises there (STOP_POLL_S = 0: it looks at every step), so the job's
+    three other steps and its record never come."""
+    from moeconvert.executors import ray as rx
+    from moeconvert.plan import JOBS_DIR
+
+    (tmp_path / JOBS_DIR).mkdir()
+    stop_file = tmp_path / JOBS_DIR / "stop-x"
+    steps = []
+
+    class _Reporter:
+        class set:  # noqa: N801 (the actor method's name)
+            @staticmethod
+            def remote(index, done):
+                steps.append(done)
+                if len(steps) == 2:
+                    stop_file.touch()
+
+    def job(plan, job, staging, key, chunk_bytes, progress):
+        for _ in range(5):
+            progress(1)
+        return {"record": "written"}
+
+    monkeypatch.setattr(rx, "STOP_POLL_S", 0.0)
+    monkeypatch.setattr(rx, "run_job", job)
+    monkeypatch.setitem(rx._plans, "k", (object(), [object()]))
+    with pytest.raises(rx._Stopped):
+        rx._task(type("R", (), {"chunk_bytes": 1})(), "k", str(tmp_path), 0, _Reporter, "stop-x")
+    assert steps == [1, 2]
+    # and a task that starts after the file appeared does not start the job at all
+    with pytest.raises(rx._Stopped):
+        rx._task(None, "k", str(tmp_path), 0, _Reporter, "stop-x")
+    assert steps == [1, 2]

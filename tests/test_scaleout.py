@@ -160,6 +160,29 @@ def _records(staging: Path) -> dict[str, int]:
     return kinds
 
 
+def _wait_until_the_group_is_dead(pgid: int, timeout: float = 30.0) -> None:
+    """Until no process of group ``pgid`` runs (only zombies, or none, are left): read from /proc."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = (Path("/proc") / entry / "stat").read_text()
+            except OSError:
+                continue  # it ended while we looked
+            # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses, so split after its last ')'
+            state, _, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
+            if int(pgrp) == pgid and state not in ("Z", "X"):
+                alive.append(int(entry))
+        if not alive:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"processes {alive} of the killed run still run {timeout:g} s after SIGKILL")
+        time.sleep(0.01)
+
+
 def _kill_run_after_some_jobs(cmd: list[str], parent: Path) -> tuple[Path, int]:
     """Start ``cmd`` in its own process group, SIGKILL the whole group once every source digest and at
     least one layer or copy job have their record and some jobs have not; returns the staging folder
@@ -177,10 +200,13 @@ def _kill_run_after_some_jobs(cmd: list[str], parent: Path) -> tuple[Path, int]:
                     kinds, plan = {}, None
                 others = sum(v for k, v in kinds.items() if k != "digest")
                 if plan and kinds.get("digest", 0) == digests and 1 <= others and sum(kinds.values()) < plan["jobs"] - 1:
-                    os.killpg(proc.pid, signal.SIGSTOP)  # freeze everything, count, then kill
-                    kinds = _records(staging)
+                    # kill, then count once no process of the run can still write: kill(2) returns before
+                    # a process on another core has stopped, so a record counted right after it may be
+                    # joined by one more renamed into place
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+                    _wait_until_the_group_is_dead(proc.pid)
+                    kinds = _records(staging)
                     return staging, sum(v for k, v in kinds.items() if k != "digest")
             time.sleep(0.002)
     finally:

@@ -18,18 +18,34 @@ import socket
 import sys
 import tempfile
 import threading
+import time
+import uuid
 from pathlib import Path
 
 from moeconvert.errors import InternalError, MoeConvertError
 from moeconvert.jobs import Job, plan_key, run_job
+from moeconvert.plan import JOBS_DIR
 
 _plans: dict[str, tuple] = {}  # plan key -> (plan, jobs), per worker process
 
+#: how often a running task looks for its run's stop file (seconds), and how long a stopping run waits for
+#: its tasks to see it before it cancels the ones left through Ray
+STOP_POLL_S = 0.2
+STOP_WAIT_S = 60.0
 
-def _task(request, key: str, staging: str, index: int, reporter) -> dict:
-    """One job, on a Ray worker."""
+
+class _Stopped(Exception):
+    """A task saw its run's stop file: the driver is ending the run and takes no more records."""
+
+
+def _task(request, key: str, staging: str, index: int, reporter, stop: str) -> dict:
+    """One job, on a Ray worker. It ends early, writing no record, once the file ``stop`` exists in the
+    staging folder's job folder (:meth:`RayExecutor._stop`)."""
     from moeconvert.executors import one_torch_thread
 
+    stop_file = Path(staging) / JOBS_DIR / stop
+    if stop_file.exists():
+        raise _Stopped(index)
     one_torch_thread()
     if key not in _plans:
         plan, jobs = request.open()
@@ -40,11 +56,16 @@ def _task(request, key: str, staging: str, index: int, reporter) -> dict:
         _plans[key] = (plan, jobs)
     plan, jobs = _plans[key]
     done = 0
+    looked = time.monotonic()
 
     def progress(n: int) -> None:
-        nonlocal done
+        nonlocal done, looked
         done += n
         reporter.set.remote(index, done)
+        if time.monotonic() - looked >= STOP_POLL_S:
+            looked = time.monotonic()
+            if stop_file.exists():
+                raise _Stopped(index)
 
     return run_job(plan, jobs[index], Path(staging), key, request.chunk_bytes, progress)
 
@@ -130,6 +151,7 @@ class RayExecutor:
         if not jobs:
             return {}
         in_flight: dict = {}
+        stop = f"stop-{uuid.uuid4().hex}"  # this run's own: a stale one from another run stops nothing
         try:
             self._connect(ray, signals)
             reporter = ray.remote(num_cpus=0)(_Reporter).remote()
@@ -142,7 +164,7 @@ class RayExecutor:
             while queue or in_flight:
                 while queue and len(in_flight) < limit:
                     j = queue.pop(0)
-                    in_flight[task.remote(request, key, str(staging), j.index, reporter)] = j
+                    in_flight[task.remote(request, key, str(staging), j.index, reporter, stop)] = j
                 ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=0.5)
                 signals.deliver()  # here, in Python between Ray's calls, never inside one
                 for ref in ready:
@@ -166,10 +188,31 @@ class RayExecutor:
             return out
         finally:
             if ray.is_initialized():
-                for ref in in_flight:  # a failed run stops the rest: nothing keeps writing into its staging folder
-                    ray.cancel(ref, force=True)
+                if in_flight:  # a failed run stops the rest: nothing keeps writing into its staging folder
+                    self._stop(ray, staging, stop, list(in_flight))
                 ray.shutdown()
             signals.deliver()  # a signal that came while Ray shut down
+
+    @staticmethod
+    def _stop(ray, staging: Path, stop: str, refs: list) -> None:
+        """End the tasks ``refs`` before the staging folder goes: each sees the stop file at its next
+        progress step (or before it starts) and ends without a record. Only a task that has not ended
+        within ``STOP_WAIT_S`` (a worker stuck in I/O) is cancelled through Ray, which kills its worker:
+        Ray's force-cancel of a task that is finishing at that moment can abort the driver ("Tried to
+        complete task that was not pending"), so it is the last resort, not the way."""
+        stop_file = staging / JOBS_DIR / stop
+        try:
+            stop_file.touch()
+        except OSError:
+            pass  # the staging folder is gone or read-only: cancelling below is all that is left
+        try:
+            if stop_file.exists():
+                _, refs = ray.wait(refs, num_returns=len(refs), timeout=STOP_WAIT_S)
+            for ref in refs:
+                ray.cancel(ref, force=True)
+        finally:
+            with contextlib.suppress(OSError):
+                stop_file.unlink()
 
 
 # --------------------------------------------------------------------------------------------------
