@@ -100,10 +100,12 @@ class _Chunk:
         return self.pieces[0][0].info.name
 
 
-def plan_chunks(segments: list[_Segment], chunk_bytes: int) -> list[_Chunk]:
-    """Runs of nearby segments per file, cut into chunks of at most ``chunk_bytes`` (aligned in the file)."""
-    if chunk_bytes < _ALIGN:
-        # tiny buffers (tests): no alignment, still every byte exactly once
+def plan_chunks(segments: list[_Segment], chunk_bytes: int, exact: bool = False) -> list[_Chunk]:
+    """Runs of nearby segments per file, cut into chunks of at most ``chunk_bytes`` (aligned in the file).
+    ``exact``: read only the segments' bytes (no alignment, runs only of adjacent segments)."""
+    gap = 0 if exact else _GAP
+    if chunk_bytes < _ALIGN or exact:
+        # tiny buffers (tests), or exact reads: no alignment, still every byte exactly once
         align = 1
     else:
         align = _ALIGN
@@ -117,7 +119,7 @@ def plan_chunks(segments: list[_Segment], chunk_bytes: int) -> list[_Chunk]:
         segs.sort(key=lambda s: s.info.start)
         runs: list[list[_Segment]] = []
         for s in segs:
-            if runs and s.info.start - runs[-1][-1].info.end <= _GAP:
+            if runs and s.info.start - runs[-1][-1].info.end <= gap:
                 runs[-1].append(s)
             else:
                 runs.append([s])
@@ -198,8 +200,11 @@ class ThreadedReader(Reader):
     name = "threaded"
 
     def __init__(self, device: torch.device, threads: int | None = None, buffer_mb: int | float | None = None,
-                 progress: bool | None = None):
+                 progress: bool | None = None, exact: bool = False):
         super().__init__(device)
+        #: read only the bytes asked for: no gap between two tensors read through, no aligned chunk starts
+        #: (a rank reading its experts' byte ranges of tensors it shares with other ranks)
+        self.exact = exact
         self.threads = default_threads() if threads is None else int(threads)
         mb = default_buffer_mb() if buffer_mb is None else buffer_mb
         if self.threads < 1:
@@ -264,12 +269,22 @@ class ThreadedReader(Reader):
     def read_into(self, info: TensorInfo, dst: torch.Tensor, sha256: str | None = None) -> None:
         self._run([_Segment(info, dst, sha256)])
 
+    def read_into_pieces(self, pieces: list[tuple[TensorInfo, torch.Tensor]]) -> None:
+        """Each ``(info, dst)``: the file bytes ``[info.start, info.end)`` of ``info.file`` into ``dst``, a
+        contiguous uint8 tensor of ``info.nbytes`` on the reader's device (a byte range of a parameter,
+        say). All pieces go through one pipeline, so pieces of one file close together are read as runs."""
+        for info, dst in pieces:
+            if dst.dtype != torch.uint8 or dst.numel() != info.nbytes or not dst.is_contiguous():
+                raise ValueError(f"{info.name}: the destination must be {info.nbytes} contiguous bytes, "
+                                 f"found {dst.numel()} {dst.dtype}")
+        self._run([_Segment(info, dst) for info, dst in pieces])
+
     def _run(self, segments: list[_Segment]) -> None:
         verifying = any(seg.sha256 is not None for seg in segments)
         for seg in segments:
             if seg.sha256 is not None:
                 seg.hasher = hashlib.sha256()
-        chunks = plan_chunks(segments, self.buffer_bytes)
+        chunks = plan_chunks(segments, self.buffer_bytes, self.exact)
         if chunks:
             self._pipeline(chunks, plan_jobs(chunks) if verifying else [[c] for c in chunks])
         for seg in segments:  # every copy has completed (or _pipeline raised)

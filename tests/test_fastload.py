@@ -123,6 +123,52 @@ def test_plan_reads_every_byte_once_and_within_the_buffer(chunk):
     assert not any(ch.start < 1_000_000 < ch.start + ch.nbytes for ch in chunks)
 
 
+def test_exact_plan_reads_only_the_bytes_asked_for():
+    """A rank's byte ranges of tensors shared with other ranks: exact chunks cover those bytes and no
+    other (no read-through gap, no aligned start), however the buffer cuts them."""
+    p = Path("/x.safetensors")
+    spans = [(100, 5000), (5000, 9000), (9100, 30_000), (30_001, 31_000)]
+    segs = [_Segment(i, torch.zeros(i.nbytes, dtype=torch.uint8)) for i in _infos(p, spans)]
+    for chunk in (1000, 4096, 1 << 20):
+        read = set()
+        for ch in plan_chunks(segs, chunk, exact=True):
+            covered = set(range(ch.start, ch.start + ch.nbytes))
+            assert not covered & read
+            read |= covered
+        assert read == {b for a, e in spans for b in range(a, e)}, chunk
+    # the default plan reads the small gaps through
+    assert any(ch.start < 9050 < ch.start + ch.nbytes for ch in plan_chunks(segs, 1 << 20))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_pieces_land_in_their_destinations_reading_only_their_bytes(tmp_path, monkeypatch, threads):
+    """``read_into_pieces``: byte ranges of a file into slices of one destination tensor, as the vLLM
+    loader gives them (a rank's experts and TP cut); the reads total exactly the pieces' bytes."""
+    data = bytes(range(256)) * 400
+    f = tmp_path / "shard.bin"
+    f.write_bytes(data)
+    ranges = [(0, 10, 1000), (1000, 2000, 500), (5000, 0, 10), (60_000, 1010, 990), (102_000, 3000, 400)]
+    dst = torch.zeros(3400, dtype=torch.uint8)
+    pieces = [(TensorInfo(f"r{i}", f, "U8", (n,), a, a + n), dst[at:at + n]) for i, (a, at, n) in enumerate(ranges)]
+    real, asked = fastload._pread, []
+
+    def counting(fd, view, offset):
+        n = real(fd, view, offset)
+        asked.append(n)
+        return n
+
+    monkeypatch.setattr(fastload, "_pread", counting)
+    with ThreadedReader(torch.device("cpu"), threads=threads, buffer_mb=0.0005, exact=True) as reader:
+        reader.read_into_pieces(pieces)
+    want = bytearray(3400)
+    for a, at, n in ranges:
+        want[at:at + n] = data[a:a + n]
+    assert dst.numpy().tobytes() == bytes(want)
+    assert sum(asked) == sum(n for _, _, n in ranges)
+    with pytest.raises(ValueError, match="contiguous bytes"):
+        ThreadedReader(torch.device("cpu")).read_into_pieces([(pieces[0][0], dst[:5])])
+
+
 # -- a slow, stuttering source --------------------------------------------------------------------
 
 def test_throttled_short_reads_still_identical(plain_out, monkeypatch):

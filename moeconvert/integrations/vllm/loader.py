@@ -3,9 +3,10 @@
 vLLM's default loader hands every tensor of the folder to every rank, so each rank reads every stacked
 expert tensor whole and the plugin's parameter loaders copy their share out of it. This loader reads, for
 each MoE layer the rank built with one of the plugin's methods, only the byte ranges of the rank's experts
-(as vLLM's expert map gives them) and of its TP cut (``Layout.tp_cuts``), straight into the parameters,
-with positioned reads (``os.preadv``); every other tensor is read whole and goes through the model's own
-``load_weights`` as with vLLM's default loader. Stacked tensors of layers the rank does not build (another
+(as vLLM's expert map gives them) and of its TP cut (``Layout.tp_cuts``), straight into the parameters
+through the runtime's threaded reader (``moeconvert.runtime.fastload``: reader threads, positioned reads,
+pinned double-buffered copies on their own CUDA streams), every layer's ranges in one pipeline; every
+other tensor is read whole and goes through the model's own ``load_weights`` as with vLLM's default loader. Stacked tensors of layers the rank does not build (another
 pipeline stage) are not read at all.
 """
 
@@ -22,6 +23,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from moeconvert.format.manifest import layer_tensor_entries
 from moeconvert.format.safetensors import TensorInfo, read_header
+from moeconvert.runtime.fastload import ThreadedReader
 
 
 def _shards(folder: Path) -> list[Path]:
@@ -60,6 +62,13 @@ def _ranges(info: TensorInfo, experts: list[int], cut, tp_size: int, tp_rank: in
     return out
 
 
+def _pieces(info: TensorInfo, dst: torch.Tensor, ranges) -> list[tuple[TensorInfo, torch.Tensor]]:
+    """The ranges as the fast reader's pieces: (the file bytes, as a TensorInfo, the parameter's bytes)."""
+    flat = dst.view(-1).view(torch.uint8)
+    return [(dataclasses.replace(info, dtype="U8", shape=(n,), start=src, end=src + n), flat[at:at + n])
+            for src, at, n in ranges]
+
+
 def _read_into(fd: int, dst: torch.Tensor, ranges) -> None:
     view = memoryview(dst.view(-1).view(torch.uint8).numpy())
     for src, at, n in ranges:
@@ -93,6 +102,7 @@ class MoeconvertModelLoader(DefaultModelLoader):
             infos.update(read_header(shard))
         stacked = {e["name"] for i, m in enumerate(config.manifest["moe_layers"]) for _, e in layer_tensor_entries(m, i)}
         fds: dict[Path, int] = {}
+        pieces: dict[torch.device, list] = {}  # per device: the experts' byte ranges, read by the fast reader
         try:
             for prefix, module in ours.items():
                 method = module.quant_method
@@ -112,13 +122,16 @@ class MoeconvertModelLoader(DefaultModelLoader):
                         info = dataclasses.replace(info, shape=tuple(info.shape[1:]), start=info.start + share.tp_rank * block,
                                                    end=info.start + (share.tp_rank + 1) * block)
                     ranges = _ranges(info, experts, cut, share.tp_size, share.tp_rank)
-                    if param.device.type == "cpu" and param.is_contiguous():
-                        _read_into(fd, param.data, ranges)
-                    else:  # an accelerator: through one host buffer
+                    if param.is_contiguous():  # straight into the parameter, with every other piece at once
+                        pieces.setdefault(param.device, []).extend(_pieces(info, param.data, ranges))
+                    else:
                         host = torch.empty(param.shape, dtype=param.dtype)
                         _read_into(fd, host, ranges)
                         param.data.copy_(host)
                     method.loaded[suffix] = method.loaded.get(suffix, 0) + 1
+            for device, device_pieces in pieces.items():
+                with ThreadedReader(device, progress=False, exact=True) as reader:
+                    reader.read_into_pieces(device_pieces)
 
             def rest():
                 for name, info in infos.items():
