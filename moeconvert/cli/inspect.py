@@ -59,9 +59,10 @@ def inspect(
         backends[name] = {"ok": not problems, "problems": problems, "warnings": warnings,
                           "kernel": layout.kernel, "layout_version": layout.version}
     other = sum(i.nbytes for n, i in source.tensors.items() if n not in moe_names)
+    advice = _advice(model, quant, backends)
     report = {"source": src, "revision": source.revision, "family": model.family.name, "dtype": model.dtype,
               "moe_layers": layers, "moe_bytes": sum(x["bytes"] for x in layers), "other_bytes": other,
-              "partition": part.to_json(), "backends": backends}
+              "partition": part.to_json(), "backends": backends, "advice": advice}
     if json_out:
         print(json.dumps(report, indent=1))
         return
@@ -87,6 +88,7 @@ def inspect(
             n_problems = len({p for ps in r["problems"].values() for p in ps})
             b.add_row(name, "[red]no[/red]", f"{n_problems} constraint(s) violated in {n_layers} layer(s), below")
     out.print(b)
+    _print_advice(advice, fmt)
     for name, r in backends.items():
         if r["ok"]:
             continue
@@ -98,3 +100,48 @@ def inspect(
         for p, prefixes in by_problem.items():
             where = prefixes[0] if len(prefixes) == 1 else f"{len(prefixes)} layers: {prefixes[0]} .. {prefixes[-1]}"
             out.print(f"  [red]-[/red] {escape(p)} [dim]({escape(where)})[/dim]")
+
+
+def _advice(model, quant, backends: dict) -> list[dict]:
+    """Per distinct expert scheme: the layout to convert to on each GPU family (moeconvert.advice), whether
+    this checkpoint fits it and whether ``vllm serve`` with the plugin serves it today."""
+    from moeconvert.advice import advise
+    from moeconvert.convert import output_scheme
+    from moeconvert.integrations.vllm.scope import method_name
+
+    found: dict[tuple, dict] = {}
+    for lm in model.layers:
+        scheme = output_scheme(lm, quant)
+        key = (scheme.describe(), lm.has_bias)
+        if key in found:
+            found[key]["layers"].append(lm.prefix)
+            continue
+        wna16 = scheme.kind == "wna16"
+        rows = []
+        for a in advise(scheme.kind, model.family.name, bits=scheme.bits if wna16 else None,
+                        group_size=scheme.group_size if wna16 else None,
+                        symmetric=scheme.symmetric if wna16 else None, has_bias=lm.has_bias):
+            row = a.to_json()
+            fits = a.backend is not None and backends.get(a.backend, {}).get("ok", False)
+            row["fits"] = fits
+            row["served_by_plugin"] = a.backend is not None and method_name(a.backend, scheme.kind) is not None
+            rows.append(row)
+        found[key] = {"scheme": key[0], "has_bias": lm.has_bias, "layers": [lm.prefix], "gpus": rows}
+    return list(found.values())
+
+
+def _print_advice(advice: list[dict], fmt: str | None) -> None:
+    for group in advice:
+        if not group["gpus"]:
+            continue
+        where = "" if len(advice) == 1 else f", {len(group['layers'])} layer(s) from {group['layers'][0]}"
+        t = Table(title=f"Which layout for which GPU ({group['scheme']}{' with biases' if group['has_bias'] else ''}"
+                        f"{where}): vLLM 0.33.0's own choice")
+        for col in ("GPU", "convert with", "vLLM picks", "fits", "vllm serve", "why"):
+            t.add_column(col, overflow="fold")
+        verb = "quantize --format " + fmt + " --backend" if fmt else "repack --backend"
+        for r in group["gpus"]:
+            t.add_row(r["gpu_name"], f"{verb} {r['backend']}" if r["backend"] else "(none here)", r["vllm_backend"],
+                      "[green]yes[/green]" if r["fits"] else "[red]no[/red]",
+                      "yes" if r["served_by_plugin"] else "not yet", escape(r["why"]))
+        out.print(t)

@@ -1,0 +1,87 @@
+"""Which layout to convert to for which GPU: the MoE backend vLLM 0.33.0 itself picks there for these experts.
+
+A converted folder should be served on the kernel vLLM would have chosen for the source on that GPU, so
+that converting never costs serving speed. vLLM's choice, as its code makes it (docs/vllm.md, "Which
+layout for which GPU", says where; tests/test_advice.py reads those places in vLLM's source):
+
+- **int4 / int8 weights, 16-bit activations (WNA16).** vLLM walks FlashInfer TRT-LLM, Marlin, batched
+  Marlin, Triton, humming in that order and takes the first that supports the layer; on SM90 (Hopper)
+  humming is moved ahead of Marlin. FlashInfer TRT-LLM's int4 experts run on the SM100 family only,
+  for symmetric int4 in groups of 32 without expert biases. So: Hopper humming; SM100 Blackwell
+  FlashInfer TRT-LLM for those layers, else Marlin; every other CUDA GPU Marlin.
+- **MXFP4 weights.** For gpt-oss vLLM walks FlashInfer TRT-LLM (bf16 activations, then MXFP8), AMD's,
+  Triton (triton_kernels' matmul_ogs), FlashInfer CUTLASS, Marlin, humming: on SM100 FlashInfer TRT-LLM
+  with bf16 activations, on Hopper Triton. For other models it walks FlashInfer TRT-LLM with MXFP8
+  activations, DeepGEMM, Marlin, humming: on Hopper humming (ahead of Marlin), on SM100 FlashInfer
+  TRT-LLM with MXFP8 activations, which no layout here writes (the bf16-activation variant's is the
+  nearest), elsewhere Marlin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: the GPU families the advice covers, in the order shown
+GPUS = (
+    ("hopper", "Hopper (SM90: H100, H200, H20)"),
+    ("blackwell", "Blackwell (SM100: B200, GB200, B300)"),
+    ("older", "Ampere, Ada, consumer Blackwell (SM80-89, SM120)"),
+)
+
+
+@dataclass(frozen=True)
+class Advice:
+    gpu: str  # a key of GPUS
+    backend: str | None  # what to pass to --backend; None: no layout here reproduces vLLM's choice
+    vllm_backend: str  # what vLLM 0.33.0 picks there for these experts
+    why: str
+
+    def to_json(self) -> dict:
+        return {"gpu": self.gpu, "gpu_name": dict(GPUS)[self.gpu], "backend": self.backend,
+                "vllm_backend": self.vllm_backend, "why": self.why}
+
+
+def advise(kind: str, family: str, bits: int | None = None, group_size: int | None = None,
+           symmetric: bool | None = None, has_bias: bool = False) -> list[Advice]:
+    """The layout to convert to on each GPU family for experts of scheme ``kind`` ("wna16", "mxfp4";
+    anything else: none, the source is not quantized) of a model of ``family``. ``bits``,
+    ``group_size`` (-1 channelwise), ``symmetric`` and ``has_bias`` describe WNA16 experts (every layer's:
+    a checkpoint whose layers differ is judged by the caller per layer)."""
+    if kind == "wna16":
+        trtllm = bits == 4 and group_size == 32 and symmetric is True and not has_bias
+        return [
+            Advice("hopper", "humming", "humming (HummingGroupedExperts)",
+                   "vLLM moves humming ahead of Marlin on SM90; faster than Marlin at prefill (docs/kernels.md)"),
+            Advice("blackwell", "flashinfer-trtllm", "FlashInfer TRT-LLM int4 (TrtLlmMxint4ExpertsMonolithic)",
+                   "vLLM's first choice on SM100 for symmetric int4 in groups of 32 without expert biases")
+            if trtllm else
+            Advice("blackwell", "marlin", "Marlin (MarlinExperts)",
+                   "FlashInfer TRT-LLM's int4 experts take only symmetric int4, group 32, no biases: "
+                   f"these are {_describe(bits, group_size, symmetric, has_bias)}"),
+            Advice("older", "marlin", "Marlin (MarlinExperts)", "vLLM's first choice there for WNA16 experts"),
+        ]
+    if kind == "mxfp4":
+        if family == "gpt-oss":
+            return [
+                Advice("hopper", "triton", "Triton (triton_kernels matmul_ogs)",
+                       "for gpt-oss vLLM ranks triton_kernels ahead of Marlin and humming"),
+                Advice("blackwell", "flashinfer-trtllm", "FlashInfer TRT-LLM MXFP4, bf16 activations",
+                       "vLLM's first choice for gpt-oss on SM100"),
+                Advice("older", "marlin", "Marlin MXFP4 (MarlinExperts)",
+                       "vLLM's first choice there that runs MXFP4 weights with 16-bit activations"),
+            ]
+        return [
+            Advice("hopper", "humming", "humming (HummingGroupedExperts)",
+                   "vLLM moves humming ahead of Marlin on SM90"),
+            Advice("blackwell", None, "FlashInfer TRT-LLM MXFP4, MXFP8 activations",
+                   "no layout here writes it: flashinfer-trtllm holds the bf16-activation variant's layout"),
+            Advice("older", "marlin", "Marlin MXFP4 (MarlinExperts)",
+                   "vLLM's first choice there that runs MXFP4 weights with 16-bit activations"),
+        ]
+    return []
+
+
+def _describe(bits, group_size, symmetric, has_bias) -> str:
+    group = "channelwise" if group_size == -1 else f"group {group_size}"
+    return (f"int{bits}, {group}, {'symmetric' if symmetric else 'asymmetric'}"
+            + (", with biases" if has_bias else ""))
