@@ -165,6 +165,47 @@ def test_shipped_h200_table_covers_the_bench_shapes_with_valid_configs():
             assert math.ceil(p.H / c1["BLOCK_K"]) >= c1["SPLIT_K"] and math.ceil(p.I / c2["BLOCK_K"]) >= c2["SPLIT_K"]
 
 
+def test_contenders_are_built_and_timed_one_at_a_time(monkeypatch):
+    """Each contender's copy of the layer is freed before the next is built (a large layer fits once, not
+    once per contender), every contender is timed at every M on the same inputs, and one that cannot be
+    built is a note, not a row."""
+    import moeconvert.bench.kernel as bk
+
+    live, peak, seen = [0], [0], {}
+
+    class Held:  # stands for a contender's copy of the layer
+        def __init__(self):
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+
+        def __del__(self):
+            live[0] -= 1
+
+    def builder(name, us):
+        def build():
+            held = Held()
+
+            def run(x, tw, ids, logits):
+                seen.setdefault(name, []).append((x.shape[0], ids.data_ptr()))
+                return held and us
+            return run, None, held
+        return build
+
+    def unavailable():
+        raise bk.Unavailable("not installed here")
+
+    monkeypatch.setattr(bk, "graph_us", lambda fn, rep_ms=100: fn())
+    p = Problem("tiny", 4, 2, 256, 128, "int4-g128")
+    notes: dict = {}
+    rows = bk.time_problem(p, [1, 16], {"ours": builder("ours", 10.0), "marlin": builder("marlin", 5.0),
+                                        "humming": unavailable}, "cpu", 4e12, 1e15, notes)
+    assert peak[0] == 1 and live[0] == 0
+    assert [r["M"] for r in rows] == [1, 16] and all(r["us"] == {"ours": 10.0, "marlin": 5.0} for r in rows)
+    assert all(r["vs_best_contender"] == 0.5 for r in rows)
+    assert seen["ours"] == seen["marlin"]  # the same routing inputs, M by M
+    assert notes == {"humming/tiny": "not installed here"}
+
+
 # ---------------------------------------------------------------------------------------------------
 # --tune's selection and --breakdown's steps, on CPU: the real kernel launches under the interpreter,
 # with a stand-in for the CUDA-graph timer whose times fall with every call (so the last candidate of

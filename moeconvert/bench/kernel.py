@@ -22,6 +22,7 @@ the configs the layer runs, next to each GEMM's share of the memory floor.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -365,45 +366,65 @@ def bench_kernel(shapes: list[str], ms: list[int], contenders: list[str], *, cus
     result["copy_TBps"], result["bf16_TFLOPs"] = round(bw / 1e12, 3), round(rate / 1e12, 1)
     log(f"{name}: copy {bw / 1e12:.2f} TB/s, bf16 mm {rate / 1e12:.0f} TFLOP/s")
     for p in probs:
-        runners, ours_weights = {}, None
-        try:
-            run, nbytes, ours_weights = ours(p, device)
-            runners["ours"] = run
-        except Exception as e:
-            result["contender_notes"][f"ours/{p.name}"] = f"{type(e).__name__}: {e}"
+        builders = {"ours": lambda: ours(p, device)}
         for c in contenders:
-            try:
-                built = {"marlin": lambda: C.marlin(p, device), "humming": lambda: C.humming(p, device, ms),
-                         "triton_kernels": lambda: C.triton_kernels(p, device)}[c]()
-                runners[c] = built[0]
-            except Unavailable as e:
-                result["contender_notes"][f"{c}/{p.name}"] = str(e)
-            except Exception as e:
-                result["contender_notes"][f"{c}/{p.name}"] = f"{type(e).__name__}: {str(e)[:200]}"
-                traceback.print_exc()
-        for M in ms:
-            x, tw, ids, logits = routing_inputs(p, M, device)
-            hit = int(torch.unique(ids).numel())
-            mem_bytes = hit * p.expert_bytes + 2 * M * p.H * 2
-            row = {"shape": p.name, "fmt": p.fmt, "E": p.E, "top_k": p.top_k, "H": p.H, "I": p.I, "M": M,
-                   "experts_hit": hit, "layer_MB": round(p.E * p.expert_bytes / 1e6, 1),
-                   "memory_floor_us": round(mem_bytes / bw * 1e6, 2),
-                   "compute_floor_us": round(2 * M * p.top_k * 3 * p.H * p.I / rate * 1e6, 2), "us": {}, "errors": {}}
-            for who, run in runners.items():
-                try:
-                    row["us"][who] = round(graph_us(lambda: run(x, tw, ids, logits)), 2)
-                except Exception as e:
-                    row["errors"][who] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            if breakdown and ours_weights is not None:
-                row["ours_steps"] = _steps(p, M, device, ours_weights, hit, bw)
-            others = [v for k, v in row["us"].items() if k != "ours"]
-            if "ours" in row["us"]:
-                t = row["us"]["ours"]
-                row["vs_best_contender"] = round(min(others) / t, 3) if others else None
-                row["of_memory_floor"] = round(row["memory_floor_us"] / t, 3)
-                row["of_compute_floor"] = round(row["compute_floor_us"] / t, 3)
+            builders[c] = {"marlin": lambda: C.marlin(p, device), "humming": lambda: C.humming(p, device, ms),
+                           "triton_kernels": lambda: C.triton_kernels(p, device)}[c]
+        rows = time_problem(p, ms, builders, device, bw, rate, result["contender_notes"], breakdown)
+        for row in rows:
             log(json.dumps(row))
-            result["rows"].append(row)
-        runners.clear()
-        torch.cuda.empty_cache()
+        result["rows"] += rows
     return result
+
+
+def time_problem(p: Problem, ms: list[int], builders: dict, device, bw: float, rate: float, notes: dict,
+                 breakdown: bool = False) -> list[dict]:
+    """One row per token count M, timing each contender ``builders`` makes (``name -> () -> (run, ...)``).
+
+    One contender at a time: it is built, timed at every M on the same routing inputs as the others, and
+    freed before the next is built, so the GPU never holds two copies of the layer (Kimi-K2's int4 layer
+    is 8.7 GB, and a contender's own conversion needs room besides)."""
+    inputs = {M: routing_inputs(p, M, device) for M in ms}
+    rows = []
+    for M in ms:
+        ids = inputs[M][2]
+        hit = int(torch.unique(ids).numel())
+        mem_bytes = hit * p.expert_bytes + 2 * M * p.H * 2
+        rows.append({"shape": p.name, "fmt": p.fmt, "E": p.E, "top_k": p.top_k, "H": p.H, "I": p.I, "M": M,
+                     "experts_hit": hit, "layer_MB": round(p.E * p.expert_bytes / 1e6, 1),
+                     "memory_floor_us": round(mem_bytes / bw * 1e6, 2),
+                     "compute_floor_us": round(2 * M * p.top_k * 3 * p.H * p.I / rate * 1e6, 2), "us": {},
+                     "errors": {}})
+    for who, build in builders.items():
+        try:
+            built = build()
+        except Unavailable as e:
+            notes[f"{who}/{p.name}"] = str(e)
+            continue
+        except Exception as e:
+            notes[f"{who}/{p.name}"] = f"{type(e).__name__}: {str(e)[:200]}"
+            if who != "ours":
+                traceback.print_exc()
+            continue
+        run = built[0]
+        for row in rows:
+            x, tw, ids, logits = inputs[row["M"]]
+            try:
+                row["us"][who] = round(graph_us(lambda: run(x, tw, ids, logits)), 2)
+            except Exception as e:
+                row["errors"][who] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            if who == "ours" and breakdown:
+                row["ours_steps"] = _steps(p, row["M"], device, built[2], row["experts_hit"], bw)
+        del built, run
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    for row in rows:
+        others = [v for k, v in row["us"].items() if k != "ours"]
+        if "ours" in row["us"]:
+            t = row["us"]["ours"]
+            row["vs_best_contender"] = round(min(others) / t, 3) if others else None
+            row["of_memory_floor"] = round(row["memory_floor_us"] / t, 3)
+            row["of_compute_floor"] = round(row["compute_floor_us"] / t, 3)
+    return rows
+
