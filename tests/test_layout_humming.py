@@ -424,3 +424,121 @@ def test_encode_equals_hummings_cuda_transform(bits, g, sym, no_zero):
             a, b = out[theirs].cpu(), ours[mine]
             assert a.shape == b.shape and a.dtype == b.dtype, (sub, theirs, a.shape, b.shape, a.dtype, b.dtype)
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (sub, theirs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# end to end: a real compressed-tensors checkpoint, some of whose experts have no 0 code
+
+
+@pytest.fixture(scope="module")
+def no_zero_ckpts(example_ckpt):
+    """Symmetric int4 g32 checkpoints of 8 experts: experts 4..7 without a 0 code, and all of them."""
+    kw = dict(family="qwen3-moe", scheme="w4a16", group_size=32, num_layers=2, num_experts=8, hidden_size=256,
+              intermediate_size=128)
+    return {"half": example_ckpt(**kw, experts_without_zero_code=(4, 5, 6, 7)),
+            "all": example_ckpt(**kw, experts_without_zero_code=tuple(range(8)))}
+
+
+def _humming(src: Path, out: Path, *extra, expect: int = 0):
+    from helpers import cli
+
+    return cli("repack", str(src), str(out), "--backend", "humming", *map(str, extra), expect=expect)
+
+
+def _sublayers(out: Path, layer: int = 0) -> dict:
+    import json
+
+    m = json.loads((out / "moeconvert.json").read_text())["moe_layers"][layer]["layout_metadata"]
+    return {sub: (m[sub]["b_dtype"], m[sub][hl.NO_ZERO]) for sub in hl.SUBLAYERS}
+
+
+def test_each_partition_decides_over_its_own_experts_as_vllm_does(no_zero_ckpts, tmp_path):
+    """vLLM decides over the rank's local experts: the full layer of the half checkpoint has 0 codes
+    (unsigned), EP rank 1 of 2 holds only experts 4..7 (sign-magnitude), rank 0 holds 0 codes."""
+    from helpers import cli
+    from moeconvert.decode import decode_chunk
+    from moeconvert.modelmap import map_model
+    from moeconvert.sources import open_source
+
+    src = no_zero_ckpts["half"]
+    source = open_source(str(src))
+    codes = decode_chunk(source, map_model(source).layers[0], hl_partition(), 0, 8)
+    # the fixture, read back from the checkpoint: experts 4..7 have no 0 code, 0..3 have some
+    assert [bool((codes.w13[e] == 0).any()) for e in range(8)] == [True] * 4 + [False] * 4
+    runs = {"full": (), "ep1": ("--ep-size", 2, "--ep-rank", 1), "ep0": ("--ep-size", 2, "--ep-rank", 0)}
+    want = {"full": {sub: ("uint4", [4, 5, 6, 7]) for sub in hl.SUBLAYERS},
+            "ep1": {sub: ("float4e0m3", [4, 5, 6, 7]) for sub in hl.SUBLAYERS},
+            "ep0": {sub: ("uint4", []) for sub in hl.SUBLAYERS}}
+    for name, extra in runs.items():
+        _humming(src, tmp_path / name, *extra)
+        assert _sublayers(tmp_path / name) == want[name], name
+        cli("verify", str(tmp_path / name), "--against", str(src), expect=0)
+    all_out = tmp_path / "all"
+    _humming(no_zero_ckpts["all"], all_out)
+    assert _sublayers(all_out) == {sub: ("float4e0m3", list(range(8))) for sub in hl.SUBLAYERS}
+    cli("verify", str(all_out), "--against", str(no_zero_ckpts["all"]), expect=0)
+
+
+def hl_partition(**kw):
+    from moeconvert.canonical import Partition
+
+    return Partition(**kw)
+
+
+def test_a_full_folder_names_the_ep_ranks_that_would_decide_otherwise(no_zero_ckpts, tmp_path):
+    import json
+
+    layout = get_layout("humming", "wna16")
+    _humming(no_zero_ckpts["half"], tmp_path / "full")
+    meta = json.loads((tmp_path / "full" / "moeconvert.json").read_text())["moe_layers"][0]["layout_metadata"]
+    assert layout.experts_problem(meta, [0, 1, 2, 3]) is None
+    assert layout.experts_problem(meta, [2, 3, 4, 5]) is None  # EP 4 ranks of 2 experts: 2..3 has 0 codes
+    why = layout.experts_problem(meta, [4, 5, 6, 7])
+    assert why.startswith("w13: none of this rank's experts 4..7 has a 0 code, so vLLM's humming path makes "
+                          "them float4e0m3") and why.endswith("convert for this rank (--ep-size/--ep-rank)")
+    assert "\n" not in why
+    # a folder that chose sign-magnitude for every expert serves any EP shape: each subset has no 0 code
+    _humming(no_zero_ckpts["all"], tmp_path / "all")
+    meta = json.loads((tmp_path / "all" / "moeconvert.json").read_text())["moe_layers"][0]["layout_metadata"]
+    assert all(layout.experts_problem(meta, [e]) is None for e in range(8))
+
+
+@pytest.mark.parametrize("tamper,needle", [
+    (lambda m: m["w13"].update(b_dtype="uint4"), "layout_metadata: expected what layout humming states"),
+    (lambda m: m["w2"].update({hl.NO_ZERO: [4, 5, 6, 99]}), "expected increasing expert indices in [4, 8)"),
+    (lambda m: m["w2"].update({hl.NO_ZERO: "all"}), "w2.experts_without_zero_code: expected a list"),
+])
+def test_a_tampered_choice_is_refused_in_one_line(no_zero_ckpts, tmp_path, tamper, needle):
+    import json
+
+    from helpers import cli
+
+    out = tmp_path / "ep1"
+    _humming(no_zero_ckpts["half"], out, "--ep-size", 2, "--ep-rank", 1)
+    path = out / "moeconvert.json"
+    m = json.loads(path.read_text())
+    tamper(m["moe_layers"][0]["layout_metadata"])
+    path.write_text(json.dumps(m))
+    r = cli("verify", str(out), expect=2)
+    lines = [ln for ln in r.err.strip().splitlines() if ln]
+    assert len(lines) == 1 and "moeconvert.json" in lines[0] and "moe_layers[0].layout_metadata" in lines[0], r.err
+    assert needle in lines[0], lines[0]
+
+
+def test_verify_rescans_the_decoded_codes(no_zero_ckpts, tmp_path):
+    """Facts and choice changed together pass the manifest's check, but decoding sign-magnitude words as
+    unsigned gives codes with no 0 code in experts the manifest now says have one: verify says so, even
+    without the source, and against the source every code differs."""
+    import json
+
+    from helpers import cli
+
+    out = tmp_path / "ep1"
+    _humming(no_zero_ckpts["half"], out, "--ep-size", 2, "--ep-rank", 1)
+    path = out / "moeconvert.json"
+    m = json.loads(path.read_text())
+    m["moe_layers"][0]["layout_metadata"]["w13"].update(b_dtype="uint4", **{hl.NO_ZERO: [4, 5, 6]})
+    path.write_text(json.dumps(m))
+    r = cli("verify", str(out), "--json", expect=1)
+    layer = json.loads(r.out)["layers"][0]
+    assert any("layout facts: the manifest records" in d and "[4, 5, 6, 7]" in d for d in layer["differences"])
