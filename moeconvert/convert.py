@@ -81,6 +81,7 @@ def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
         copies = plan.source.other_files()  # listed once: the manifest's checksums are of exactly these
         digests = {}
         quality = {}
+        facts: dict[int, list] = {}  # layer index -> the scan's facts of each pass (layouts that scan)
         source_digests = {}
         for j in jobs:
             # records come from this process, a pipe or a JSON file (keys sorted): one key order for
@@ -89,10 +90,12 @@ def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
             digests.update(rec.get("tensors", {}))
             if "quality" in rec:
                 quality[plan.layers[j.layer].map.prefix] = rec["quality"]
+            if "layout_facts" in rec:
+                facts[j.layer] = rec["layout_facts"]
             if j.kind == "digest":
                 source_digests[plan.source.files[j.file]] = rec["digest"]
         rewritten = {CONFIG_NAME: served} if (served := served_config(plan)) is not None else {}
-        manifest = build_manifest(plan, digests, quality, source_digests, copies, rewritten)
+        manifest = build_manifest(plan, digests, quality, source_digests, copies, rewritten, facts)
         index = {"metadata": {"total_size": sum(t.nbytes for t in plan.tensors)},
                  "weight_map": {t.name: plan.shards[t.shard].filename for t in plan.tensors}}
         staged.finish(index, copies, manifest, rewritten)
@@ -164,30 +167,48 @@ def served_config(plan: ConversionPlan) -> bytes | None:
     return (json.dumps(config, indent=2) + "\n").encode()
 
 
-def tp_size_entry(st, entry) -> dict:
-    """A layer's ``tp_sizes`` value for one TP size: cut from the full tensors, or stored (docs/format.md)."""
+def tp_size_entry(st, entry, rank_metadata: list[dict] | None = None) -> dict:
+    """A layer's ``tp_sizes`` value for one TP size: cut from the full tensors, or stored (docs/format.md);
+    ``rank_metadata``: each rank's ``layout_metadata`` with what its data decided (layouts that scan)."""
     if st is None:
         return {"stored": False}
     return {"stored": True, "intermediate_size": st.unpadded[1],
             "intermediate_size_padded": st.metadata.get("intermediate_size_padded", st.shape.intermediate_size),
             "hidden_size_padded": st.metadata.get("hidden_size_padded", st.shape.hidden_size),
-            "layout_metadata": st.metadata, "tensors": {suffix: entry(t) for suffix, t in st.tensors.items()}}
+            "layout_metadata": st.metadata,
+            **({"rank_layout_metadata": rank_metadata} if rank_metadata is not None else {}),
+            "tensors": {suffix: entry(t) for suffix, t in st.tensors.items()}}
+
+
+def _with_facts(plan: ConversionPlan, lp: LayerPlan, facts: list | None) -> tuple[dict, dict[int, list[dict]]]:
+    """A layer's ``layout_metadata``, and each stored TP size's per-rank ones, with what its job's scans found
+    (one set of facts per pass: the full tensors, then each stored TP rank, as ``jobs.run_job`` runs them)."""
+    if facts is None:
+        return lp.metadata, {}
+    layout, passes = plan.layout, iter(facts)
+    full = layout.layer_metadata(lp.shape, lp.scheme, next(passes))
+    ranks = {T: [layout.layer_metadata(st.shape, lp.scheme, next(passes)) for _ in range(T)]
+             for T, st in lp.tp_sizes.items() if st}
+    return full, ranks
 
 
 def build_manifest(plan: ConversionPlan, digests: dict[str, str], quality: dict[str, dict], source_digests: dict,
-                   copies: list[Path], rewritten: dict[str, bytes] | None = None) -> dict:
+                   copies: list[Path], rewritten: dict[str, bytes] | None = None,
+                   facts: dict[int, list] | None = None) -> dict:
     """The manifest (docs/format.md): every tensor's sha256 as written, every shard header's, and those
     of the files copied through (``copies``), so that ``verify`` and ``load(verify=True)`` can check
     every byte of the output without its source. ``digests``: each written tensor's sha256 (from the
-    jobs' records); ``quality``: each quantized layer's report, by prefix."""
+    jobs' records); ``quality``: each quantized layer's report, by prefix; ``facts``: what the layer jobs'
+    scans found (``Layout.layer_scan``), by layer index."""
     src = plan.source
     entry = lambda t: {"name": t.name, "file": plan.shards[t.shard].filename, "shape": list(t.shape),
                        "dtype": t.dtype, "sha256": digests[t.name]}
     layouts = plan.layout
     schemes = {lp.scheme for lp in plan.layers}
     layers = []
-    for lp in plan.layers:
+    for i, lp in enumerate(plan.layers):
         m = lp.map
+        metadata, rank_metadata = _with_facts(plan, lp, (facts or {}).get(i))
         layers.append({
             "prefix": m.prefix,
             "layer": m.layer,
@@ -208,11 +229,11 @@ def build_manifest(plan: ConversionPlan, digests: dict[str, str], quality: dict[
             "source_scheme": m.scheme.to_json(),
             "router": m.router,
             "shared_experts": m.shared,
-            "layout_metadata": lp.metadata,
+            "layout_metadata": metadata,
             "warnings": lp.warnings,
             "tensors": {suffix: entry(t) for suffix, t in lp.tensors.items()},
             **({"quality": quality[m.prefix]} if lp.quantized else {}),
-            **({"tp_sizes": {str(T): tp_size_entry(st, entry) for T, st in lp.tp_sizes.items()}}
+            **({"tp_sizes": {str(T): tp_size_entry(st, entry, rank_metadata.get(T)) for T, st in lp.tp_sizes.items()}}
                if lp.tp_sizes else {}),
         })
     return {

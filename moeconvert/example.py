@@ -230,16 +230,24 @@ def make_example(
     intermediate_size: int = 128,
     seed: int = 0,
     max_shard_size: str | None = None,
+    experts_without_zero_code: tuple[int, ...] = (),
 ) -> Path:
     """Write a tiny random MoE checkpoint of ``family`` in ``scheme`` to ``out_dir``; return it.
 
     ``intermediate_size`` is the routed experts' size (``moe_intermediate_size`` for the
     Qwen/DeepSeek/GLM families). Dense MLPs (DeepSeek/GLM layer 0) use ``2 * hidden_size``.
     ``group_size`` (-1 = channelwise) and ``symmetric`` apply to w4a16/w8a16 only.
+    ``experts_without_zero_code`` (symmetric w4a16/w8a16): in every layer these routed experts' float
+    weights get, per quantization group, the sign that makes the group's largest magnitude positive (and
+    negative values are clipped to 0.9 of it), so that no code of theirs is 0: what a quantizer to the
+    restricted range [-(2^(b-1) - 1), 2^(b-1) - 1] writes, and what decides humming's sign-magnitude choice.
     ``out_dir`` must be missing or empty.
     """
     spec, bits = _check_args(family, scheme, group_size, num_layers, num_experts, hidden_size,
                              intermediate_size, max_shard_size)
+    if experts_without_zero_code and (bits is None or not symmetric):
+        raise MoeConvertError("experts_without_zero_code shapes the codes of a symmetric w4a16/w8a16 checkpoint",
+                              expected="a symmetric int scheme", found=f"{scheme}{'' if symmetric else ' asym'}")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         # Refuse rather than mix with a previous run's shards or index.
@@ -265,7 +273,8 @@ def make_example(
         embeddings = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
         with tempfile.TemporaryDirectory(prefix="moeconvert-example-") as tmp:
             _save_float(model, Path(tmp), _DEFAULT_SHARD_SIZE)
-            _write_pack_quantized(Path(tmp), out, bits, group_size, symmetric, embeddings, shard)
+            _write_pack_quantized(Path(tmp), out, bits, group_size, symmetric, embeddings, shard,
+                                  set(experts_without_zero_code))
     return out
 
 
@@ -459,8 +468,24 @@ def _module_tree(linears: dict):
     return root
 
 
+def _without_zero_code(weight, group_size: int):
+    """``weight [N, K]`` with each group's sign flipped so that its largest magnitude is positive, and any
+    negative value clipped to 0.9 of that magnitude: symmetric min/max calibration then maps nothing to the
+    bottom of the range (code 0)."""
+    import torch
+
+    g = weight.shape[-1] if group_size == -1 else group_size
+    grouped = weight.unflatten(-1, (weight.shape[-1] // g, g))
+    top = grouped.gather(-1, grouped.abs().argmax(-1, keepdim=True))
+    grouped = grouped * torch.where(top < 0, -1.0, 1.0).to(grouped.dtype)
+    peak = grouped.abs().amax(-1, keepdim=True)
+    # below -0.9 peak, a value could still round to the bottom code once the scale is rounded to bf16
+    grouped = torch.maximum(grouped, -0.9 * peak)
+    return grouped.flatten(-2).contiguous()
+
+
 def _write_pack_quantized(float_dir: Path, out: Path, bits: int, group_size: int, symmetric: bool,
-                          embeddings: set, max_shard_size: str) -> None:
+                          embeddings: set, max_shard_size: str, without_zero: set[int] = frozenset()) -> None:
     import torch
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import apply_quantization_config
@@ -475,6 +500,9 @@ def _write_pack_quantized(float_dir: Path, out: Path, bits: int, group_size: int
     for name, t in saved.items():
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and t.ndim == 2 and module not in embeddings:
+            expert = re.search(r"\.experts\.(\d+)\.", name)
+            if expert and int(expert.group(1)) in without_zero:
+                t = saved[name] = _without_zero_code(t, group_size)
             linears[module] = (t, saved.get(module + ".bias"))
     tree = _module_tree(linears)
 

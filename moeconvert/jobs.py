@@ -26,6 +26,7 @@ and keeps a layer or copy job only when each file it read has the sha256 the int
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -41,6 +42,7 @@ from typing import Callable
 from moeconvert import __version__
 from moeconvert.canonical import Partition
 from moeconvert.errors import InternalError, MoeConvertError
+from moeconvert.layouts.base import CHOICES
 
 from moeconvert.plan import DEFAULT_CHUNK_BYTES, DEFAULT_JOB_BYTES, JOBS_DIR, PLAN_FILE, read_small_file  # noqa: F401
 
@@ -287,10 +289,26 @@ def run_job(plan, job: Job, staging: Path, key: str, chunk_bytes: int = DEFAULT_
                     passes += [(Partition(T, r), st.shape, st.unpadded, st.specs, st.tensors, T, r, None)
                                for r in range(T)]
             done, total = 0, n * len(passes)
+            facts = []
             for part, shape, unpadded, specs, tensors, ranks, r, q in passes:
+                # a layout whose bytes depend on a fact of the whole layer scans it first, a chunk at a
+                # time until its choices are settled (layouts/base.py LayerScan); the chunks it did not
+                # reach are scanned below as they are encoded, so each expert is scanned once
+                scan = plan.layout.layer_scan(shape, lp.scheme, lp.expert_start)
+                scanned = 0
+                while scan is not None and not scan.settled():
+                    b = min(n, scanned + step)
+                    scan.add(layer_output_block(plan, lp, scanned, b, None, part=part, shape=shape,
+                                                unpadded=unpadded), lp.expert_start + scanned)
+                    scanned = b
+                if scan is not None:
+                    chosen = scan.choices()
+                    shape = dataclasses.replace(shape, extra={**shape.extra, CHOICES: chosen})
                 for a in range(0, n, step):
                     b = min(n, a + step)
                     block = layer_output_block(plan, lp, a, b, q, part=part, shape=shape, unpadded=unpadded)
+                    if scan is not None and a >= scanned:
+                        scan.add(block, lp.expert_start + a)
                     encoded = plan.layout.encode(block, shape)
                     del block
                     _check_encoded(lp, encoded, a, b, specs)
@@ -302,7 +320,15 @@ def run_job(plan, job: Job, staging: Path, key: str, chunk_bytes: int = DEFAULT_
                     # the source bytes of these experts, once per pass: sums to read_bytes exactly
                     progress(job.read_bytes * (done + b - a) // total - job.read_bytes * done // total)
                     done += b - a
+                if scan is not None:
+                    facts.append(scan.facts())
+                    if plan.layout.choices(facts[-1], shape, lp.scheme) != chosen:
+                        raise InternalError(f"{lp.map.prefix}: the scan chose {chosen}, its facts say otherwise")
             record["tensors"] = {t.name: writer.digest(t) for t in lp.all_tensors()}
+            if facts:
+                # one per pass (the full tensors, then each stored TP rank): the manifest's layout_metadata
+                # is made from them, and --resume keeps them with the bytes they decided (_well_formed)
+                record["layout_facts"] = facts
             if quality is not None:
                 record["quality"] = quality.to_json()
         elif job.kind == "copy":
@@ -419,9 +445,29 @@ def _well_formed(plan, job: Job, rec) -> bool:
         return False  # every tensor the job writes, and only those
     if not all(isinstance(d, str) and _SHA256.fullmatch(d) for d in want.values()):
         return False
+    if job.kind == "layer" and not _valid_facts(plan, plan.layers[job.layer], rec):
+        return False
     if job.kind == "layer" and plan.layers[job.layer].quantized:
         return _valid_quality(rec.get("quality"))
     return "quality" not in rec
+
+
+def layer_pass_shapes(lp) -> list:
+    """The LayerShape of each pass of a layer job, in order: the full tensors, then each stored TP rank."""
+    return [lp.shape] + [st.shape for st in lp.tp_sizes.values() if st for _ in range(st.tp_size)]
+
+
+def _valid_facts(plan, lp, rec: dict) -> bool:
+    """A layer whose layout scans it records one set of facts per pass, each what such a scan can find for
+    the layer (``Layout.facts_problem``); a layer of any other layout records none."""
+    shapes = layer_pass_shapes(lp)
+    scans = [plan.layout.layer_scan(shape, lp.scheme, lp.expert_start) is not None for shape in shapes]
+    if not any(scans):
+        return "layout_facts" not in rec
+    facts = rec.get("layout_facts")
+    return (isinstance(facts, list) and len(facts) == len(shapes)
+            and all(plan.layout.facts_problem(f, shape, lp.scheme, lp.expert_start) is None
+                    for f, shape in zip(facts, shapes)))
 
 
 _QUALITY_KEYS = {"rel_fro_error", "max_abs_error", "saturated_block_fraction"}  # Quality.to_json's

@@ -145,6 +145,9 @@ def verify_output(out: Path, against: str | None = None, revision: str | None = 
             decoding = False
         quality = Quality() if source is not None and "quality" in entry else None
         hashes = {suffix: hashlib.sha256() for suffix in entry["tensors"]}
+        # a layout that chose from the data (humming's sign-magnitude): the decoded codes are scanned again,
+        # and must give the facts the manifest records (a source is not needed for that)
+        scan = layout.layer_scan(shape, scheme, entry["expert_offset"])
         n = shape.num_experts
         per_expert = sum(produced.info(e["name"]).nbytes for e in entry["tensors"].values()) // max(n, 1)
         step = max(1, min(n, CHUNK_EXPERTS_BYTES // max(4 * per_expert, 1)))
@@ -163,6 +166,8 @@ def verify_output(out: Path, against: str | None = None, revision: str | None = 
                 rep.decode_errors.append(f"experts {a}..{b - 1}: {exc}")
                 decoding = False
                 continue
+            if scan is not None:
+                scan.add(block, entry["expert_offset"] + a)
             if source is not None:
                 rep.compared = True
                 e0 = entry["expert_offset"]
@@ -175,6 +180,8 @@ def verify_output(out: Path, against: str | None = None, revision: str | None = 
                 rep.differences += [f"experts {a}..{b - 1}: {d}" for d in diffs]
         rep.checksum_errors = [f"{suffix}: sha256 mismatch" for suffix, h in hashes.items()
                                if h.hexdigest() != entry["tensors"][suffix]["sha256"]]
+        if scan is not None and decoding:
+            rep.differences += _facts_differences(layout, entry["layout_metadata"], scan.facts(), "")
         for key, stored in entry.get("tp_sizes", {}).items():
             if stored["stored"]:
                 _verify_tp_size(rep, produced, entry, int(key), stored, cl, source, src_layer, quant,
@@ -194,10 +201,12 @@ def _verify_tp_size(rep: LayerReport, produced: Source, entry: dict, T: int, sto
     """A stored TP size (``--tp-sizes``): each rank's block ``[r]`` of its ``[T, E, ...]`` tensors hashed in
     order, decoded with the rank's sizes and, with a source, compared with the source cut for that rank."""
     layout, scheme = cl.layout, cl.scheme
-    shape = rank_shape(cl.shape, layout, scheme, T)
     hashes = {suffix: hashlib.sha256() for suffix in stored["tensors"]}
-    n, e0 = shape.num_experts, entry["expert_offset"]
+    e0 = entry["expert_offset"]
     for r in range(T):
+        shape = cl.rank_shapes[T][r] if T in cl.rank_shapes else rank_shape(cl.shape, layout, scheme, T)
+        n = shape.num_experts
+        scan = layout.layer_scan(shape, scheme, e0)
         blocks = {suffix: produced.read(e["name"], rows=(r, r + 1))[0] for suffix, e in stored["tensors"].items()}
         for suffix, t in blocks.items():
             _update(hashes[suffix], t)
@@ -212,6 +221,8 @@ def _verify_tp_size(rep: LayerReport, produced: Source, entry: dict, T: int, sto
                 rep.decode_errors.append(f"TP {T} rank {r}, experts {a}..{b - 1}: {exc}")
                 decoding = False
                 break
+            if scan is not None:
+                scan.add(block, e0 + a)
             if source is None:
                 continue
             want = decode_chunk(source, src_layer, Partition(T, r), e0 + a, e0 + b)
@@ -220,5 +231,17 @@ def _verify_tp_size(rep: LayerReport, produced: Source, entry: dict, T: int, sto
                 want = output_block(want, shape, unpadded, quant, prefix=entry["prefix"], expert_offset=e0 + a)
             diffs = layout.expected_block(want, shape).differences(block)
             rep.differences += [f"TP {T} rank {r}, experts {a}..{b - 1}: {d}" for d in diffs]
+        if scan is not None and decoding:
+            rep.differences += _facts_differences(layout, stored["rank_layout_metadata"][r], scan.facts(),
+                                                  f"TP {T} rank {r}, ")
     rep.checksum_errors += [f"tp{T}.{suffix}: sha256 mismatch" for suffix, h in hashes.items()
                             if h.hexdigest() != stored["tensors"][suffix]["sha256"]]
+
+
+def _facts_differences(layout, metadata: dict, found: dict, where: str) -> list[str]:
+    """What the manifest records of a scan of the data (``Layout.recorded_facts``) against a scan of the
+    decoded codes: they differ when the bytes were decoded with another choice than they were written with."""
+    recorded = layout.recorded_facts(metadata)
+    if recorded == found:
+        return []
+    return [f"{where}layout facts: the manifest records {recorded}, the decoded codes give {found}"]

@@ -128,25 +128,111 @@ def test_roundtrip_with_the_decision(scheme, no_zero):
     E, (H, I) = 2, sizes(scheme.group_size)
     layout = get_layout("humming", "wna16")
     block = block_of(scheme, E, H, I, no_zero=no_zero, bias=True)
-    decision = layout.scan_b_dtypes([block], scheme)
+    shape = shape_of(E, H, I, bias=True)
+    facts, decision = scanned(layout, block, shape, scheme)
     if scheme.symmetric:
         for sub in hl.SUBLAYERS:
-            assert decision[sub].startswith("float" if sub in no_zero else "uint")
-    shape = shape_of(E, H, I, bias=True, extra={hl.EXTRA_KEY: decision})
+            assert decision[sub] == (f"float{scheme.bits}e0m{scheme.bits - 1}" if sub in no_zero
+                                     else f"uint{scheme.bits}")
+            assert facts[sub][hl.NO_ZERO] == ([0, 1] if sub in no_zero else [])
+    else:
+        assert facts is None and layout.layer_scan(shape, scheme, 0) is None
+    shape = shape_of(E, H, I, bias=True, extra={hl.EXTRA_KEY: decision} if decision else {})
     enc = layout.encode(block, shape)
     assert [(k, tuple(v.shape), v.dtype) for k, v in enc.items()] == \
         [(s.suffix, s.shape, s.dtype) for s in layout.plan(shape, scheme)]
     assert not layout.expected_block(block, shape).differences(layout.decode(enc, shape, scheme))
-    meta = layout.layer_metadata(shape, scheme)
+    meta = layout.layer_metadata(shape, scheme, facts)
     assert meta["w2"]["shape_n"] == 512 and meta["w2"]["pad_shape_n"] == 128
+    assert {sub: meta[sub]["b_dtype"] for sub in hl.SUBLAYERS} == (decision or {sub: f"uint{scheme.bits}"
+                                                                               for sub in hl.SUBLAYERS})
 
 
-def test_a_chunk_without_a_zero_code_needs_the_layers_decision():
-    scheme = WNA16Scheme(4, 128, True, "bfloat16")
-    block = block_of(scheme, 1, 256, 256, no_zero=("w13",))
-    # a user's checkpoint can be like this: refused as bad input (exit 2), never an internal error, never a guess
-    with pytest.raises(MoeConvertError, match="cannot decide while streaming yet; use --backend marlin"):
+def scanned(layout, block: ExpertBlock, shape: LayerShape, scheme, step: int = 1, offset: int = 0):
+    """The layout's scan run as the layer job runs it, ``step`` experts a chunk: (facts, choices), or
+    (None, None) for a layer the layout does not scan."""
+    scan = layout.layer_scan(shape, scheme, offset)
+    if scan is None:
+        return None, None
+    for a in range(0, block.num_experts, step):
+        sub = ExpertBlock(scheme=scheme, **{k: v[a:a + step] for k, v in block.tensors().items()})
+        scan.add(sub, offset + a)
+    return scan.facts(), scan.choices()
+
+
+SYM4 = WNA16Scheme(4, 128, True, "bfloat16")
+
+
+def test_the_choice_is_made_over_every_expert_of_the_sublayer():
+    """The case a streamed chunk cannot decide alone: the first experts have no 0 code, a later one has."""
+    layout = get_layout("humming", "wna16")
+    E, H, I = 4, 256, 128
+    block = block_of(SYM4, E, H, I, no_zero=("w13", "w2"))
+    block.w13[3, 5, 7] = 0  # one 0 code, in the last expert's w13 only
+    shape = shape_of(E, H, I)
+    scan = layout.layer_scan(shape, SYM4, 8)
+    scan.add(ExpertBlock(scheme=SYM4, **{k: v[:2] for k, v in block.tensors().items()}), 8)
+    assert not scan.settled()  # two experts without a 0 code say nothing about the other two
+    scan.add(ExpertBlock(scheme=SYM4, **{k: v[2:] for k, v in block.tensors().items()}), 10)
+    assert scan.settled()
+    assert scan.choices() == {"w13": "uint4", "w2": "float4e0m3"}
+    assert scan.facts() == {"w13": {hl.NO_ZERO: [8, 9, 10]}, "w2": {hl.NO_ZERO: [8, 9, 10, 11]}}
+    assert layout.choices(scan.facts(), shape, SYM4) == scan.choices()
+    # a 0 code in each sublayer of the first chunk settles both at once: the job reads no further
+    early = layout.layer_scan(shape, SYM4, 0)
+    early.add(block_of(SYM4, 1, H, I), 0)
+    assert early.settled() and early.choices() == {"w13": "uint4", "w2": "uint4"}
+
+
+def test_encode_without_the_scan_is_a_bug_of_the_caller_not_a_guess():
+    from moeconvert.errors import InternalError
+
+    block = block_of(SYM4, 1, 256, 256, no_zero=("w13",))
+    with pytest.raises(InternalError, match="needs the layer's scan"):
         get_layout("humming", "wna16").encode(block, shape_of(1, 256, 256))
+    # a chunk with a 0 code in each sublayer is unsigned whatever the rest of the layer holds
+    with_zero = block_of(SYM4, 1, 256, 256)
+    assert get_layout("humming", "wna16").encode(with_zero, shape_of(1, 256, 256))
+
+
+def _golden_block(code: int, zero_at: tuple | None) -> ExpertBlock:
+    """One expert, H = K = 128, I = 128 (w13: N = 256, no padding; w2: N = 128 -> 256, K = 128): every code
+    ``code``, one w13 code 0 at ``zero_at``."""
+    w13 = torch.full((1, 256, 128), code, dtype=torch.uint8)
+    if zero_at is not None:
+        w13[(0, *zero_at)] = 0
+    return ExpertBlock(scheme=SYM4, w13=w13, w2=torch.full((1, 128, 128), code, dtype=torch.uint8),
+                       w13_scale=torch.ones(1, 256, 1, dtype=torch.bfloat16),
+                       w2_scale=torch.ones(1, 128, 1, dtype=torch.bfloat16))
+
+
+def test_golden_words_with_and_without_a_zero_code():
+    """Hand-computed from docs/layouts/humming.md: int4 fields are packed LSB first, 8 to a word; a
+    sublayer without a 0 code holds sign-magnitude fields (u = 7: d = -1 -> 0b1001, u = 9: d = +1 -> 0b0001),
+    one with a 0 code the codes themselves; padded fields are 0."""
+    layout = get_layout("humming", "wna16")
+    shape = shape_of(1, 128, 128)
+    as_u32 = lambda t: (t.to(torch.int64) & 0xFFFFFFFF).flatten().unique().tolist()  # noqa: E731
+    for code, want in ((7, 0x99999999), (9, 0x11111111)):
+        block = _golden_block(code, None)
+        _, chosen = scanned(layout, block, shape, SYM4)
+        assert chosen == {"w13": "float4e0m3", "w2": "float4e0m3"}
+        enc = layout.encode(block, shape_of(1, 128, 128, extra={hl.EXTRA_KEY: chosen}))
+        assert as_u32(enc["w13_weight"]) == [want]
+        # w2: N = 128 real rows of 256; a word holds 8 fields of one n-run of 8 (tile rows 8 (2 i3 + i4) + t/4)
+        assert sorted(as_u32(enc["w2_weight"])) == [0, want]
+        assert int((enc["w2_weight"] == 0).sum()) == enc["w2_weight"].numel() // 2
+    # one 0 code in w13: w13 keeps u = 7 (0x77777777) in every word but the one holding the 0; w2 still
+    # decides on its own (no 0 code there: sign-magnitude)
+    block = _golden_block(7, (3, 5))
+    _, chosen = scanned(layout, block, shape, SYM4)
+    assert chosen == {"w13": "uint4", "w2": "float4e0m3"}
+    enc = layout.encode(block, shape_of(1, 128, 128, extra={hl.EXTRA_KEY: chosen}))
+    words = (enc["w13_weight"].to(torch.int64) & 0xFFFFFFFF).flatten()
+    assert int((words != 0x77777777).sum()) == 1
+    odd = int(words[words != 0x77777777][0])
+    assert [(odd >> (4 * q)) & 15 for q in range(8)].count(0) == 1 and bin(odd).count("1") == 7 * 3
+    assert sorted(as_u32(enc["w2_weight"])) == [0, 0x99999999]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -247,6 +333,38 @@ def test_sign_magnitude_choice_equals_hummings(humming_cpu, bits):
         assert torch.equal(tensors["weight"], pack_int32(sm, bits))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("case", ["zeros", "nozero", "zero-in-last-expert"])
+def test_whole_layer_choice_and_words_equal_hummings(humming_cpu, bits, case):
+    """humming's own convert_symmetric_integer_weight, given each sublayer's whole weight (all experts, as
+    vLLM's convert_to_humming_moe_kernel_format passes it), against the scan run a chunk of one expert at a
+    time; its output fields, padded and tiled by the kernel transcription, against encode's words."""
+    from moeconvert.packing import pack_int32, unpack_int32
+    schema_mod, dtypes = humming_cpu["schema.humming"], humming_cpu["dtypes"]
+    scheme = WNA16Scheme(bits, 128, True, "bfloat16")
+    E, H, I = 3, 256, 128
+    block = block_of(scheme, E, H, I, seed=bits, no_zero=() if case == "zeros" else ("w13", "w2"))
+    if case == "zero-in-last-expert":
+        block.w2[E - 1, 17, 3] = 0
+    layout = get_layout("humming", "wna16")
+    shape = shape_of(E, H, I)
+    facts, chosen = scanned(layout, block, shape, scheme, step=1)
+    enc = layout.encode(block, shape_of(E, H, I, extra={hl.EXTRA_KEY: chosen}))
+    for sub, d in hl.sublayers(shape, 128).items():
+        codes = getattr(block, sub)
+        schema = schema_mod.HummingWeightSchema(b_dtype=dtypes.DataType.from_str(f"uint{bits}"),
+                                                weight_scale_group_size=128)
+        got, tensors = schema.convert_symmetric_integer_weight({"weight": pack_int32(codes, bits)})
+        assert str(got.b_dtype) == chosen[sub]
+        fields = unpack_int32(tensors["weight"], bits, d.K).to(torch.uint8)
+        fields = hl._pad(fields, (E, d.Np, d.Kp))
+        if hl.preprocesses_int2fp(str(got.b_dtype), bits, False):  # int8 unsigned: the kernel's shift by 128
+            fields = hl.int2fp(fields, torch.tensor(1 << (bits - 1)), bits)
+        assert torch.equal(enc[hl.NAMES[sub].weight], kernel_transcription(fields, bits)), sub
+    want = {"zeros": ([], []), "nozero": ([0, 1, 2], [0, 1, 2]), "zero-in-last-expert": ([0, 1, 2], [0, 1])}[case]
+    assert (facts["w13"][hl.NO_ZERO], facts["w2"][hl.NO_ZERO]) == want
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU: humming's CUDA transform, as vLLM 0.33.0 calls it
 
@@ -256,8 +374,9 @@ GPU_CASES = [(4, 128, True), (4, 128, False), (4, 32, True), (4, 32, False), (8,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("no_zero", [(), ("w13", "w2"), ("w2",)], ids=["zeros", "nozero", "w2-nozero"])
 @pytest.mark.parametrize("bits,g,sym", GPU_CASES)
-def test_encode_equals_hummings_cuda_transform(bits, g, sym):
+def test_encode_equals_hummings_cuda_transform(bits, g, sym, no_zero):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     humming = pytest.importorskip("humming")
@@ -267,9 +386,12 @@ def test_encode_equals_hummings_cuda_transform(bits, g, sym):
 
     scheme = WNA16Scheme(bits, g, sym, "bfloat16")
     E, (H, I) = 2, sizes(g)
-    block = block_of(scheme, E, H, I, no_zero=("w2",) if sym else ())  # w13 has 0 codes, w2 none
+    if not sym and no_zero:
+        pytest.skip("asymmetric weights keep unsigned codes whatever they hold")
+    block = block_of(scheme, E, H, I, no_zero=no_zero)
     layout = get_layout("humming", "wna16")
-    shape = shape_of(E, H, I, extra={hl.EXTRA_KEY: layout.scan_b_dtypes([block], scheme)})
+    _, chosen = scanned(layout, block, shape_of(E, H, I), scheme)
+    shape = shape_of(E, H, I, extra={hl.EXTRA_KEY: chosen} if chosen else {})
     ours = layout.encode(block, shape)
     config = {"quant_method": "compressed-tensors", "format": "pack-quantized", "type": "int", "num_bits": bits,
               "strategy": "channel" if g == -1 else "group", "group_size": None if g == -1 else g,
@@ -291,7 +413,8 @@ def test_encode_equals_hummings_cuda_transform(bits, g, sym):
             tensors=tensors, shape_n=d.N, shape_k=d.K, pad_n_to_multiple=256, pad_k_to_multiple=128,
             input_schema=HummingInputSchema(), weight_schema=hs, has_bias=False, num_experts=E,
             torch_dtype=torch.bfloat16, device=torch.device("cuda"))
-        assert str(hs.b_dtype) == shape.extra[hl.EXTRA_KEY][sub]  # the sign-magnitude choice
+        # the sign-magnitude choice, made over the whole sublayer (both experts)
+        assert str(hs.b_dtype) == (f"float{bits}e0m{bits - 1}" if sub in no_zero else f"uint{bits}")
         assert (cfg.shape_n, cfg.shape_k, cfg.pad_shape_n, cfg.pad_shape_k) == (d.Np, d.Kp, d.Np - d.N, d.Kp - d.K)
         names = hl.NAMES[sub]
         pairs = [("weight", names.weight), ("weight_scale", names.weight_scale)]
@@ -301,3 +424,121 @@ def test_encode_equals_hummings_cuda_transform(bits, g, sym):
             a, b = out[theirs].cpu(), ours[mine]
             assert a.shape == b.shape and a.dtype == b.dtype, (sub, theirs, a.shape, b.shape, a.dtype, b.dtype)
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (sub, theirs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# end to end: a real compressed-tensors checkpoint, some of whose experts have no 0 code
+
+
+@pytest.fixture(scope="module")
+def no_zero_ckpts(example_ckpt):
+    """Symmetric int4 g32 checkpoints of 8 experts: experts 4..7 without a 0 code, and all of them."""
+    kw = dict(family="qwen3-moe", scheme="w4a16", group_size=32, num_layers=2, num_experts=8, hidden_size=256,
+              intermediate_size=128)
+    return {"half": example_ckpt(**kw, experts_without_zero_code=(4, 5, 6, 7)),
+            "all": example_ckpt(**kw, experts_without_zero_code=tuple(range(8)))}
+
+
+def _humming(src: Path, out: Path, *extra, expect: int = 0):
+    from helpers import cli
+
+    return cli("repack", str(src), str(out), "--backend", "humming", *map(str, extra), expect=expect)
+
+
+def _sublayers(out: Path, layer: int = 0) -> dict:
+    import json
+
+    m = json.loads((out / "moeconvert.json").read_text())["moe_layers"][layer]["layout_metadata"]
+    return {sub: (m[sub]["b_dtype"], m[sub][hl.NO_ZERO]) for sub in hl.SUBLAYERS}
+
+
+def test_each_partition_decides_over_its_own_experts_as_vllm_does(no_zero_ckpts, tmp_path):
+    """vLLM decides over the rank's local experts: the full layer of the half checkpoint has 0 codes
+    (unsigned), EP rank 1 of 2 holds only experts 4..7 (sign-magnitude), rank 0 holds 0 codes."""
+    from helpers import cli
+    from moeconvert.decode import decode_chunk
+    from moeconvert.modelmap import map_model
+    from moeconvert.sources import open_source
+
+    src = no_zero_ckpts["half"]
+    source = open_source(str(src))
+    codes = decode_chunk(source, map_model(source).layers[0], hl_partition(), 0, 8)
+    # the fixture, read back from the checkpoint: experts 4..7 have no 0 code, 0..3 have some
+    assert [bool((codes.w13[e] == 0).any()) for e in range(8)] == [True] * 4 + [False] * 4
+    runs = {"full": (), "ep1": ("--ep-size", 2, "--ep-rank", 1), "ep0": ("--ep-size", 2, "--ep-rank", 0)}
+    want = {"full": {sub: ("uint4", [4, 5, 6, 7]) for sub in hl.SUBLAYERS},
+            "ep1": {sub: ("float4e0m3", [4, 5, 6, 7]) for sub in hl.SUBLAYERS},
+            "ep0": {sub: ("uint4", []) for sub in hl.SUBLAYERS}}
+    for name, extra in runs.items():
+        _humming(src, tmp_path / name, *extra)
+        assert _sublayers(tmp_path / name) == want[name], name
+        cli("verify", str(tmp_path / name), "--against", str(src), expect=0)
+    all_out = tmp_path / "all"
+    _humming(no_zero_ckpts["all"], all_out)
+    assert _sublayers(all_out) == {sub: ("float4e0m3", list(range(8))) for sub in hl.SUBLAYERS}
+    cli("verify", str(all_out), "--against", str(no_zero_ckpts["all"]), expect=0)
+
+
+def hl_partition(**kw):
+    from moeconvert.canonical import Partition
+
+    return Partition(**kw)
+
+
+def test_a_full_folder_names_the_ep_ranks_that_would_decide_otherwise(no_zero_ckpts, tmp_path):
+    import json
+
+    layout = get_layout("humming", "wna16")
+    _humming(no_zero_ckpts["half"], tmp_path / "full")
+    meta = json.loads((tmp_path / "full" / "moeconvert.json").read_text())["moe_layers"][0]["layout_metadata"]
+    assert layout.experts_problem(meta, [0, 1, 2, 3]) is None
+    assert layout.experts_problem(meta, [2, 3, 4, 5]) is None  # EP 4 ranks of 2 experts: 2..3 has 0 codes
+    why = layout.experts_problem(meta, [4, 5, 6, 7])
+    assert why.startswith("w13: none of this rank's experts 4..7 has a 0 code, so vLLM's humming path makes "
+                          "them float4e0m3") and why.endswith("convert for this rank (--ep-size/--ep-rank)")
+    assert "\n" not in why
+    # a folder that chose sign-magnitude for every expert serves any EP shape: each subset has no 0 code
+    _humming(no_zero_ckpts["all"], tmp_path / "all")
+    meta = json.loads((tmp_path / "all" / "moeconvert.json").read_text())["moe_layers"][0]["layout_metadata"]
+    assert all(layout.experts_problem(meta, [e]) is None for e in range(8))
+
+
+@pytest.mark.parametrize("tamper,needle", [
+    (lambda m: m["w13"].update(b_dtype="uint4"), "layout_metadata: expected what layout humming states"),
+    (lambda m: m["w2"].update({hl.NO_ZERO: [4, 5, 6, 99]}), "expected increasing expert indices in [4, 8)"),
+    (lambda m: m["w2"].update({hl.NO_ZERO: "all"}), "w2.experts_without_zero_code: expected a list"),
+])
+def test_a_tampered_choice_is_refused_in_one_line(no_zero_ckpts, tmp_path, tamper, needle):
+    import json
+
+    from helpers import cli
+
+    out = tmp_path / "ep1"
+    _humming(no_zero_ckpts["half"], out, "--ep-size", 2, "--ep-rank", 1)
+    path = out / "moeconvert.json"
+    m = json.loads(path.read_text())
+    tamper(m["moe_layers"][0]["layout_metadata"])
+    path.write_text(json.dumps(m))
+    r = cli("verify", str(out), expect=2)
+    lines = [ln for ln in r.err.strip().splitlines() if ln]
+    assert len(lines) == 1 and "moeconvert.json" in lines[0] and "moe_layers[0].layout_metadata" in lines[0], r.err
+    assert needle in lines[0], lines[0]
+
+
+def test_verify_rescans_the_decoded_codes(no_zero_ckpts, tmp_path):
+    """Facts and choice changed together pass the manifest's check, but decoding sign-magnitude words as
+    unsigned gives codes with no 0 code in experts the manifest now says have one: verify says so, even
+    without the source, and against the source every code differs."""
+    import json
+
+    from helpers import cli
+
+    out = tmp_path / "ep1"
+    _humming(no_zero_ckpts["half"], out, "--ep-size", 2, "--ep-rank", 1)
+    path = out / "moeconvert.json"
+    m = json.loads(path.read_text())
+    m["moe_layers"][0]["layout_metadata"]["w13"].update(b_dtype="uint4", **{hl.NO_ZERO: [4, 5, 6]})
+    path.write_text(json.dumps(m))
+    r = cli("verify", str(out), "--json", expect=1)
+    layer = json.loads(r.out)["layers"][0]
+    assert any("layout facts: the manifest records" in d and "[4, 5, 6, 7]" in d for d in layer["differences"])

@@ -372,3 +372,43 @@ def test_progress_counts_source_bytes_read_and_hashed(w4a16, tmp_path):
     assert sum(advances) == expected
     layers = [j for j in jobs if j.kind == "layer"]
     assert len(advances) > len(jobs) + len(layers)  # layer jobs advance per chunk, not once at their end
+
+
+def test_resume_of_a_humming_run_keeps_the_layers_sign_magnitude_facts(example_ckpt, tmp_path_factory, tmp_path):
+    """humming decides sign-magnitude per sublayer from a scan of the whole layer (docs/layouts/humming.md):
+    each kept layer job's record carries the scan's facts, and the resumed folder is byte for byte the
+    uninterrupted one, manifest included (the choice is in its layout_metadata)."""
+    kw, _, _ = CASES["w4a16"]
+    src = example_ckpt(**{**kw, "group_size": 32}, experts_without_zero_code=tuple(range(8, 16)))
+    ref = tmp_path_factory.mktemp("resume-ref-humming") / "ref"
+    _run(_cmd(["repack"], src, ref, "humming", "--workers", "0", "--ep-size", "2", "--ep-rank", "1"))
+    metadata = json.loads((ref / "moeconvert.json").read_text())["moe_layers"][0]["layout_metadata"]
+    assert metadata["w13"]["b_dtype"] == "float4e0m3"  # rank 1's experts 8..15 have no 0 code
+    cmd = _cmd(["repack"], src, tmp_path / "out", "humming", "--workers", "0", "--ep-size", "2", "--ep-rank", "1")
+    staging, finished = _kill_run_after_some_jobs(cmd, tmp_path)
+    layer_records = [r for r in _records(staging).values() if r["kind"] == "layer"]
+    assert layer_records, "no layer job had finished"
+    for rec in layer_records:
+        assert rec["layout_facts"] == [{sub: {"experts_without_zero_code": list(range(8, 16))}
+                                        for sub in ("w13", "w2")}]
+    _run(cmd + ["--resume"])
+    _assert_identical(ref, tmp_path / "out")
+
+
+def test_a_humming_record_whose_facts_are_not_this_layers_is_rerun(example_ckpt, tmp_path):
+    """A kept record's facts must be what a scan of this layer can find (expert indices of the rank): one
+    naming other experts is not kept, its job runs again, and the output is still the uninterrupted one."""
+    kw, _, _ = CASES["w4a16"]
+    src = example_ckpt(**{**kw, "group_size": 32}, experts_without_zero_code=tuple(range(8, 16)))
+    cmd = _cmd(["repack"], src, tmp_path / "out", "humming", "--workers", "0", "--ep-size", "2", "--ep-rank", "1")
+    staging, finished = _kill_run_after_some_jobs(cmd, tmp_path)
+    name, rec = next((n, r) for n, r in _records(staging).items() if r["kind"] == "layer")
+    rec["layout_facts"][0]["w2"]["experts_without_zero_code"] = [0, 1]  # experts of the other rank
+    (staging / ".jobs" / name).write_text(json.dumps(rec))
+    p = _run(cmd + ["--resume"])
+    said = " ".join(p.stderr.split())
+    assert f"; {finished - 1} of " in said and "layer and copy jobs done and checked" in said, said
+    out = json.loads((tmp_path / "out" / "moeconvert.json").read_text())
+    assert all(m["layout_metadata"]["w2"]["experts_without_zero_code"] == list(range(8, 16))
+               for m in out["moe_layers"])
+    assert _run([sys.executable, "-m", "moeconvert", "verify", str(tmp_path / "out"), "--against", str(src)])

@@ -212,10 +212,15 @@ def _tp_sizes(raw: dict, p: str, prefix: str, files: set[str], once: Callable[[s
         if not get_field(v, "stored", tp, "bool"):
             exact_keys(v, tp, {"stored"})
             continue
-        exact_keys(v, tp, _TP_STORED_KEYS)
+        exact_keys(v, tp, _TP_STORED_KEYS | ({"rank_layout_metadata"} & set(v)))
         for k in ("intermediate_size", "intermediate_size_padded", "hidden_size_padded"):
             get_field(v, k, tp, "int>0")
         get_field(v, "layout_metadata", tp, "dict")
+        if "rank_layout_metadata" in v:  # layouts whose bytes depend on each rank's data: one per rank
+            ranks = v["rank_layout_metadata"]
+            if not (isinstance(ranks, list) and len(ranks) == int(key) and all(isinstance(r, dict) for r in ranks)):
+                raise field_error(f"{tp}.rank_layout_metadata", f"expected a list of {key} objects (one per rank), "
+                                  f"found {show_field(ranks)}")
         tensors = get_field(v, "tensors", tp, "dict")
         if not tensors:
             raise field_error(f"{tp}.tensors", "expected the stored rank tensors, found {}")

@@ -80,6 +80,37 @@ class NotASlice:
         return self.reason
 
 
+#: ``LayerShape.extra`` key of a layer's data-dependent encoding choices (``Layout.layer_scan``): what
+#: ``encode`` and ``decode`` read, set by the job after its scan and by the manifest's reader from the facts
+CHOICES = "layout_choices"
+
+
+class LayerScan(ABC):
+    """Facts about a whole layer that a layout's bytes depend on, gathered one chunk of experts at a time
+    before the layer is encoded (``Layout.layer_scan``).
+
+    The job adds chunks in expert order until ``settled`` (the choices are known; often after the first
+    chunk), encodes with ``choices()``, and adds the chunks the scan had not seen as it encodes them, so
+    every expert is scanned once; ``facts()`` (all experts added) is what the job records and the
+    manifest keeps, and ``Layout.choices(facts)`` gives the same choices back."""
+
+    @abstractmethod
+    def add(self, block: ExpertBlock, first_expert: int) -> None:
+        """The next chunk, ``first_expert`` its first global expert."""
+
+    @abstractmethod
+    def settled(self) -> bool:
+        """Whether the experts added so far decide ``choices()`` whatever the rest hold."""
+
+    @abstractmethod
+    def choices(self) -> dict:
+        """What ``encode`` reads from ``LayerShape.extra[CHOICES]`` (JSON)."""
+
+    @abstractmethod
+    def facts(self) -> dict:
+        """Every fact gathered, once every expert was added (JSON)."""
+
+
 def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -175,9 +206,35 @@ class Layout(ABC):
         documents a value change the engine makes too (e.g. casting scales to the model dtype)."""
         return block
 
-    def layer_metadata(self, shape: LayerShape, scheme: Scheme) -> dict:
-        """Extra per-layer facts a loader needs (padded sizes, ...), stored in the manifest."""
+    def layer_metadata(self, shape: LayerShape, scheme: Scheme, facts: dict | None = None) -> dict:
+        """Extra per-layer facts a loader needs (padded sizes, ...), stored in the manifest; with ``facts``
+        (``layer_scan``'s, of a finished conversion) also what the data decided."""
         return {}
+
+    # -- choices that depend on the data of a whole layer ------------------------------------------------
+
+    def layer_scan(self, shape: LayerShape, scheme: Scheme, expert_offset: int) -> LayerScan | None:
+        """A scan of the layer's experts that must run before any chunk is encoded, when the layout's
+        bytes depend on a fact of the whole layer (humming's sign-magnitude choice); None (most layouts):
+        each chunk is encoded from its own data. ``expert_offset``: the layer's first global expert."""
+        return None
+
+    def recorded_facts(self, metadata: object) -> object:
+        """The facts a manifest's ``layout_metadata`` holds (unchecked: ``facts_problem``)."""
+        return None
+
+    def facts_problem(self, facts: object, shape: LayerShape, scheme: Scheme, expert_offset: int) -> str | None:
+        """Why ``facts`` cannot be what ``layer_scan`` finds for this layer (types, expert ranges), or None."""
+        return None
+
+    def choices(self, facts: dict, shape: LayerShape, scheme: Scheme) -> dict:
+        """The encoding choices well-formed ``facts`` decide (``LayerScan.choices`` of the whole layer)."""
+        return {}
+
+    def experts_problem(self, metadata: dict, experts: list[int]) -> str | None:
+        """Why an engine rank holding global ``experts`` of this layer (EP) would not hold the rows of these
+        bytes, when the engine makes a data-dependent choice over a rank's own experts; None: it would."""
+        return None
 
     def warnings(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         """Things users should know about this layer in this layout (not errors)."""

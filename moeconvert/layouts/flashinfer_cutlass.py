@@ -213,7 +213,7 @@ class FlashInferCutlassMXFP4Layout(Layout):
         return dataclasses.replace(block, w13_bias=block.w13_bias.to(torch.bfloat16),
                                    w2_bias=block.w2_bias.to(torch.bfloat16))
 
-    def layer_metadata(self, shape: LayerShape, scheme: Scheme) -> dict:
+    def layer_metadata(self, shape: LayerShape, scheme: Scheme, facts: dict | None = None) -> dict:
         return {"w13_rows": "up, gate", "weight_interleave": "sm90_mixed_gemm_fp4",
                 "scale_layout": "sm90_mixed_gemm_fold_64x128", "compute_capability": "9.0"}
 

@@ -169,7 +169,7 @@ class FlashInferTrtllmMXFP4Layout(Layout):
         return dataclasses.replace(block, w13_bias=block.w13_bias.to(torch.float32),
                                    w2_bias=block.w2_bias.to(torch.float32))
 
-    def layer_metadata(self, shape: LayerShape, scheme: Scheme) -> dict:
+    def layer_metadata(self, shape: LayerShape, scheme: Scheme, facts: dict | None = None) -> dict:
         return {"w13_rows": "up, gate pairs, shuffled", "epilogue_tile_m": 128, "scale_layout": "swizzled_128x4",
                 "scale_bytes": "e8m0 (stored as float8_e4m3fn)", "compute_capability": "10.x"}
 

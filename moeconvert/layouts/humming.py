@@ -19,11 +19,11 @@ w13_bias, w2_bias       ``[E, N13p]``, ``[E, N2p]``         model dtype, 32-cycl
 Per sublayer, N (output rows) is padded to a multiple of 256 and K to a multiple of 128 as one block
 (w13's N is ``2I``, gate and up stacked, padded once at the end). ``zb`` is 4 for int4, 8 for int8.
 
-One choice depends on the data: a symmetric sublayer none of whose codes is 0 is re-encoded as
-sign-magnitude (humming's ``float{b}e0m{b-1}``) before packing. A chunk holding a 0 code settles it
-(the sublayer keeps unsigned codes); otherwise the converter must pass the decision for the whole
-sublayer in ``LayerShape.extra["humming_b_dtype"]`` (``{"w13": ..., "w2": ...}``), which is also what
-the manifest records and what decode reads.
+One choice depends on the data: a symmetric sublayer none of whose codes is 0, over all the rank's
+experts, is re-encoded as sign-magnitude (humming's ``float{b}e0m{b-1}``) before packing. The layout
+declares a scan (``layer_scan``: which experts of each sublayer have no 0 code) that the job runs before
+encoding; the choice reaches ``encode`` and ``decode`` as ``LayerShape.extra[CHOICES]``
+(``{"w13": b_dtype, "w2": b_dtype}``), and the manifest records the facts and the choice per sublayer.
 """
 
 from __future__ import annotations
@@ -36,14 +36,16 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError, MoeConvertError
 from moeconvert.layouts import register
-from moeconvert.layouts.base import PARAMS_DTYPES, Layout, TensorSpec, round_up, scales_and_biases_in_model_dtype
+from moeconvert.layouts.base import (CHOICES, PARAMS_DTYPES, LayerScan, Layout, TensorSpec, round_up,
+                                     scales_and_biases_in_model_dtype)
 from moeconvert.layouts.marlin import grouped_perm, single_perm
 from moeconvert.packing import pack_int32, unpack_int32
 from moeconvert.schemes import Scheme, WNA16Scheme
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
 PAD_N, PAD_K = 256, 128  # vLLM's _prepare_and_transform_sublayer: pad_n_to_multiple, pad_k_to_multiple
-EXTRA_KEY = "humming_b_dtype"
+EXTRA_KEY = CHOICES  # {"w13": b_dtype, "w2": b_dtype}
+NO_ZERO = "experts_without_zero_code"
 SUBLAYERS = ("w13", "w2")
 
 
@@ -69,6 +71,50 @@ def unsigned_dtype(bits: int) -> str:
 
 def sign_magnitude_dtype(bits: int) -> str:
     return f"float{bits}e0m{bits - 1}"
+
+
+def choice(bits: int, without_zero_code: bool) -> str:
+    """humming's weight dtype for a symmetric sublayer: sign-magnitude exactly when no code of it is 0."""
+    return sign_magnitude_dtype(bits) if without_zero_code else unsigned_dtype(bits)
+
+
+class ZeroCodeScan(LayerScan):
+    """Which experts of each sublayer have no 0 code: the fact humming's sign-magnitude choice reads.
+
+    vLLM 0.33.0 (``convert_to_humming_moe_kernel_format`` -> humming's ``convert_humming`` ->
+    ``convert_symmetric_integer_weight``) looks for a 0 code in one sublayer's whole weight tensor, which
+    holds the rank's local experts and its TP slice: w13 and w2 decide separately, each over all the
+    rank's experts. A 0 code seen settles that sublayer (unsigned); sign-magnitude needs every expert."""
+
+    def __init__(self, bits: int, num_experts: int):
+        self.bits, self.num_experts, self.seen = bits, num_experts, 0
+        self.without = {sub: [] for sub in SUBLAYERS}
+
+    def add(self, block: ExpertBlock, first_expert: int) -> None:
+        for sub in SUBLAYERS:
+            codes = getattr(block, sub)
+            zero = (codes == 0).flatten(1).any(1)
+            self.without[sub] += [first_expert + i for i in torch.nonzero(~zero).flatten().tolist()]
+        self.seen += block.num_experts
+
+    def _without_zero(self, sub: str) -> bool | None:
+        """True / False once known, None while every expert seen lacks a 0 code and some are still unseen."""
+        if len(self.without[sub]) < self.seen:
+            return False
+        return True if self.seen >= self.num_experts else None
+
+    def settled(self) -> bool:
+        return all(self._without_zero(sub) is not None for sub in SUBLAYERS)
+
+    def choices(self) -> dict:
+        if not self.settled():
+            raise InternalError("humming scan: choices asked before they are settled")
+        return {sub: choice(self.bits, self._without_zero(sub)) for sub in SUBLAYERS}
+
+    def facts(self) -> dict:
+        if self.seen != self.num_experts:
+            raise InternalError(f"humming scan: {self.seen} of {self.num_experts} experts scanned")
+        return {sub: {NO_ZERO: list(self.without[sub])} for sub in SUBLAYERS}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -265,33 +311,47 @@ class HummingLayout(Layout):
 
     def b_dtype(self, codes: torch.Tensor, shape: LayerShape, scheme: WNA16Scheme, sub: str) -> str:
         """The weight dtype humming gives this sublayer: uint{b}, or sign-magnitude float{b}e0m{b-1} for a
-        symmetric sublayer without a 0 code (``convert_symmetric_integer_weight``, over all local experts)."""
+        symmetric sublayer without a 0 code over all the rank's experts (humming's
+        ``convert_symmetric_integer_weight``), as the job's scan decided it."""
         if not scheme.symmetric:
             return unsigned_dtype(scheme.bits)
         given = shape.extra.get(EXTRA_KEY, {}).get(sub)
         has_zero = bool((codes == 0).any())
-        if given is not None:
-            if has_zero and given != unsigned_dtype(scheme.bits):
-                raise InternalError(f"{sub}: decided {given} for the layer, but this chunk has a 0 code")
-            return given
-        if has_zero:
-            return unsigned_dtype(scheme.bits)
-        # the converter does not yet scan a layer before encoding it (scan_b_dtypes): refuse, never guess
-        raise MoeConvertError(
-            f"{sub}: no code of this chunk of experts is 0, so humming's sign-magnitude choice depends on the "
-            f"rest of the layer, which the humming layout cannot decide while streaming yet; use --backend marlin")
+        if given is None:
+            if has_zero:  # a 0 code here is a 0 code of the sublayer: unsigned whatever the rest holds
+                return unsigned_dtype(scheme.bits)
+            raise InternalError(f"{sub}: encoding a symmetric chunk without a 0 code needs the layer's scan "
+                                f"(LayerShape.extra[{EXTRA_KEY!r}])")
+        if has_zero and given != unsigned_dtype(scheme.bits):
+            raise InternalError(f"{sub}: the layer's scan chose {given}, but this chunk has a 0 code")
+        return given
 
-    @staticmethod
-    def scan_b_dtypes(blocks, scheme: WNA16Scheme) -> dict[str, str]:
-        """The per-sublayer weight dtype over every chunk of a layer's local experts (a pre-pass)."""
-        if not scheme.symmetric:
-            return {sub: unsigned_dtype(scheme.bits) for sub in SUBLAYERS}
-        zero = {sub: False for sub in SUBLAYERS}
-        for block in blocks:
-            for sub in SUBLAYERS:
-                zero[sub] = zero[sub] or bool((getattr(block, sub) == 0).any())
-        return {sub: unsigned_dtype(scheme.bits) if zero[sub] else sign_magnitude_dtype(scheme.bits)
+    def layer_scan(self, shape: LayerShape, scheme: Scheme, expert_offset: int) -> "ZeroCodeScan | None":
+        assert isinstance(scheme, WNA16Scheme)
+        return ZeroCodeScan(scheme.bits, shape.num_experts) if scheme.symmetric else None
+
+    def recorded_facts(self, metadata: object) -> object:
+        if not isinstance(metadata, dict):
+            return None
+        return {sub: {NO_ZERO: m.get(NO_ZERO)} if isinstance(m := metadata.get(sub), dict) else None
                 for sub in SUBLAYERS}
+
+    def facts_problem(self, facts: object, shape: LayerShape, scheme: Scheme, expert_offset: int) -> str | None:
+        e0, e1 = expert_offset, expert_offset + shape.num_experts
+        for sub in SUBLAYERS:
+            f = facts.get(sub) if isinstance(facts, dict) else None
+            ids = f.get(NO_ZERO) if isinstance(f, dict) else None
+            if not (isinstance(ids, list) and all(type(i) is int for i in ids)):
+                return f"{sub}.{NO_ZERO}: expected a list of expert indices, found {ids!r}"
+            if ids != sorted(set(ids)) or (ids and not e0 <= ids[0] <= ids[-1] < e1):
+                return (f"{sub}.{NO_ZERO}: expected increasing expert indices in [{e0}, {e1}) (this layer's "
+                        f"experts), found {ids}")
+        return None
+
+    def choices(self, facts: dict, shape: LayerShape, scheme: Scheme) -> dict:
+        assert isinstance(scheme, WNA16Scheme)
+        # the sublayer has no 0 code <=> none of the rank's experts has one (the facts list each such expert)
+        return {sub: choice(scheme.bits, len(facts[sub][NO_ZERO]) == shape.num_experts) for sub in SUBLAYERS}
 
     # -- encode / decode --------------------------------------------------------------------------------
 
@@ -356,16 +416,19 @@ class HummingLayout(Layout):
 
     # -- what a loader needs to rebuild humming's LayerConfig --------------------------------------------
 
-    def layer_metadata(self, shape: LayerShape, scheme: Scheme) -> dict:
+    def layer_metadata(self, shape: LayerShape, scheme: Scheme, facts: dict | None = None) -> dict:
+        """humming's LayerConfig fields per sublayer; ``b_dtype`` and the experts without a 0 code (global
+        indices) come from the scan's ``facts`` (symmetric; null before the data is read)."""
         assert isinstance(scheme, WNA16Scheme)
-        given = shape.extra.get(EXTRA_KEY, {})
+        chosen = self.choices(facts, shape, scheme) if facts is not None and scheme.symmetric else {}
         meta = {}
         for sub, d in sublayers(shape, scheme.group_size).items():
             meta[sub] = {
                 "shape_n": d.Np, "shape_k": d.Kp, "pad_shape_n": d.Np - d.N, "pad_shape_k": d.Kp - d.K,
                 "num_experts": shape.num_experts,
-                # None until the converter has scanned the layer (symmetric only); asym is always unsigned
-                "b_dtype": given.get(sub) if scheme.symmetric else unsigned_dtype(scheme.bits),
+                # symmetric: the scan's choice (None before the data is read); asymmetric: always unsigned
+                "b_dtype": chosen.get(sub) if scheme.symmetric else unsigned_dtype(scheme.bits),
+                NO_ZERO: facts[sub][NO_ZERO] if facts is not None and scheme.symmetric else None,
                 "a_dtype": "bfloat16" if shape.dtype == "bfloat16" else "float16",
                 "c_dtype": "bfloat16" if shape.dtype == "bfloat16" else "float16",
                 "bs_dtype": "bfloat16" if shape.dtype == "bfloat16" else "float16",
@@ -377,6 +440,23 @@ class HummingLayout(Layout):
             }
         return meta
 
+    def experts_problem(self, metadata: dict, experts: list[int]) -> str | None:
+        """vLLM decides the sign-magnitude choice over a rank's own experts: an EP rank of a full folder
+        whose experts all lack a 0 code in a sublayer the folder holds unsigned would choose
+        sign-magnitude, and these bytes are not what it holds (the other way round cannot happen)."""
+        for sub in SUBLAYERS:
+            m = metadata.get(sub, {})
+            without = m.get(NO_ZERO)
+            if without is None or not str(m.get("b_dtype")).startswith("uint"):
+                continue
+            if experts and set(experts) <= set(without):
+                bits = int(str(m["b_dtype"])[4:])
+                return (f"{sub}: none of this rank's experts {_runs(experts)} has a 0 code, so vLLM's humming path "
+                        f"makes them {sign_magnitude_dtype(bits)} (it decides over a rank's own experts), while "
+                        f"this folder holds the whole layer as {m['b_dtype']}: convert for this rank "
+                        "(--ep-size/--ep-rank)")
+        return None
+
     def warnings(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         assert isinstance(scheme, WNA16Scheme)
         out = []
@@ -385,3 +465,18 @@ class HummingLayout(Layout):
                        "strategy for every non-Marlin backend, so vLLM itself does not reach humming for them; "
                        "this file holds what humming's own transform makes")
         return out
+
+
+def _runs(ids: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0..2, 5"``."""
+    out: list[str] = []
+    ids = sorted(ids)
+    start = prev = ids[0]
+    for i in ids[1:] + [None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(f"{start}..{prev}" if prev > start else f"{start}")
+        if i is not None:
+            start = prev = i
+    return ", ".join(out)

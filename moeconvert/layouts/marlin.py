@@ -420,7 +420,7 @@ class MarlinLayout(Layout):
             return None
         return DEVIATION if ours else DEVIATION_H_EQ_G
 
-    def layer_metadata(self, shape: LayerShape, scheme: Scheme) -> dict:
+    def layer_metadata(self, shape: LayerShape, scheme: Scheme, facts: dict | None = None) -> dict:
         assert isinstance(scheme, WNA16Scheme)
         H, _, Ip, g, _, _ = self._sizes(shape, scheme)
         meta = {

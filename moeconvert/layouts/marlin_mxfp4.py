@@ -237,7 +237,7 @@ class MarlinMXFP4Layout(Layout):
         return {W13.weight: TPCut(2, runs=runs), W2.weight: TPCut(1), W13.weight_scale: TPCut(2, runs=runs),
                 W2.weight_scale: TPCut(1)}
 
-    def layer_metadata(self, shape: LayerShape, scheme: Scheme) -> dict:
+    def layer_metadata(self, shape: LayerShape, scheme: Scheme, facts: dict | None = None) -> dict:
         return {"w13_rows": W13_ROWS.get(shape.activation), "is_a_8bit": False}
 
 

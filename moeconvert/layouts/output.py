@@ -15,7 +15,7 @@ bottom layer the layouts themselves read.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from moeconvert.canonical import LayerShape, Partition
@@ -25,7 +25,7 @@ from moeconvert.format.manifest import (MANIFEST_NAME, check_shards, exact_keys,
                                         layer_tensor_entries, one_of, read_manifest, read_output_config, show_field,
                                         validate_fields)
 from moeconvert.layouts import Layout, get_layout
-from moeconvert.layouts.base import padded_sizes
+from moeconvert.layouts.base import CHOICES, padded_sizes
 from moeconvert.mxfp4 import ROUNDINGS
 from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme, WNA16Scheme
 
@@ -80,7 +80,9 @@ class CheckedLayer:
     raw: dict
     scheme: Scheme
     layout: Layout
-    shape: LayerShape  # what the layout planned with (padded H, I for MXFP4)
+    shape: LayerShape  # what the layout planned with (padded H, I for MXFP4), and its data's choices
+    #: each stored TP size's rank shapes (``tp_sizes``), with each rank's choices where the layout scans
+    rank_shapes: dict[int, list[LayerShape]] = field(default_factory=dict)
 
 
 def layer_shape_from_manifest(entry: dict, dtype: str) -> LayerShape:
@@ -166,7 +168,8 @@ def check_layer(manifest: dict, i: int, made_for: bool = True) -> CheckedLayer:
         if problems:
             raise field_error(p, f"layout {layout.name} cannot hold a layer of {sizes}: {problems[0]}")
         specs = {s.suffix: s for s in layout.plan(shape, scheme)}
-        metadata = layout.layer_metadata(shape, scheme)
+        facts = _recorded_facts(layout, raw["layout_metadata"], f"{p}.layout_metadata", shape, scheme, e0)
+        metadata = layout.layer_metadata(shape, scheme, facts)
     except MoeConvertError:
         raise
     except Exception as e:  # noqa: BLE001 - a layout's own assertion on sizes no conversion could write
@@ -189,9 +192,22 @@ def check_layer(manifest: dict, i: int, made_for: bool = True) -> CheckedLayer:
                       ("intermediate_size_padded", metadata.get("intermediate_size_padded", shape.intermediate_size))):
         if raw[key] != size:
             raise field_error(f"{p}.{key}", f"expected {size} for layout {layout.name}, found {raw[key]}")
-    if "tp_sizes" in raw:
-        _check_tp_sizes(manifest, raw, p, layout, scheme, shape)
-    return CheckedLayer(p, raw, scheme, layout, shape)
+    ranks = _check_tp_sizes(manifest, raw, p, layout, scheme, shape) if "tp_sizes" in raw else {}
+    return CheckedLayer(p, raw, scheme, layout, shape, ranks)
+
+
+def _recorded_facts(layout: Layout, metadata: object, where: str, shape: LayerShape, scheme: Scheme,
+                    expert_offset: int) -> dict | None:
+    """For a layout whose bytes depend on a whole-layer fact (``Layout.layer_scan``): the facts ``metadata``
+    records, checked, with the choices they decide put in ``shape.extra`` for ``decode``; else None."""
+    if layout.layer_scan(shape, scheme, expert_offset) is None:
+        return None
+    facts = layout.recorded_facts(metadata)
+    why = layout.facts_problem(facts, shape, scheme, expert_offset)
+    if why is not None:
+        raise field_error(where, f"layout {layout.name} records what its scan of the data found: {why}")
+    shape.extra[CHOICES] = layout.choices(facts, shape, scheme)
+    return facts
 
 
 def rank_shape(shape: LayerShape, layout: Layout, scheme: Scheme, tp_size: int) -> LayerShape:
@@ -206,9 +222,13 @@ def rank_shape(shape: LayerShape, layout: Layout, scheme: Scheme, tp_size: int) 
                       activation=shape.activation, dtype=shape.dtype, bias_dtype=shape.bias_dtype, extra=extra)
 
 
-def _check_tp_sizes(manifest: dict, raw: dict, p: str, layout: Layout, scheme: Scheme, shape: LayerShape) -> None:
+def _check_tp_sizes(manifest: dict, raw: dict, p: str, layout: Layout, scheme: Scheme,
+                    shape: LayerShape) -> dict[int, list[LayerShape]]:
     """``tp_sizes`` against the layout: a size is stored exactly where the layout cannot cut it out of the full
-    tensors, and what is stored is what the layout plans for one rank, stacked ``[T, ...]``."""
+    tensors, and what is stored is what the layout plans for one rank, stacked ``[T, ...]``; where the layout's
+    bytes depend on the data, each rank's ``rank_layout_metadata`` is what its own scan found. Returns each
+    stored size's rank shapes."""
+    out: dict[int, list[LayerShape]] = {}
     if manifest["partition"] != {"tp_size": 1, "tp_rank": 0, "ep_size": 1, "ep_rank": 0}:
         raise field_error(f"{p}.tp_sizes", f"only a full folder (TP 1, EP 1) holds TP sizes, this one is "
                           f"{show_field(manifest['partition'])}")
@@ -249,6 +269,23 @@ def _check_tp_sizes(manifest: dict, raw: dict, p: str, layout: Layout, scheme: S
                            ("intermediate_size_padded", metadata.get("intermediate_size_padded", rank.intermediate_size))):
             if v[key2] != size:
                 raise field_error(f"{tp}.{key2}", f"expected {size} for layout {layout.name}, found {v[key2]}")
+        e0 = raw["expert_offset"]
+        out[T] = [replace(rank, extra=dict(rank.extra)) for _ in range(T)]
+        if layout.layer_scan(rank, scheme, e0) is None:
+            if "rank_layout_metadata" in v:
+                raise field_error(f"{tp}.rank_layout_metadata", f"layout {layout.name} decides nothing from a "
+                                  "rank's data, expected no such field")
+            continue
+        if "rank_layout_metadata" not in v:
+            raise field_error(f"{tp}.rank_layout_metadata", f"missing: layout {layout.name} records what each rank's "
+                              "data decided")
+        for r, (got, rs) in enumerate(zip(v["rank_layout_metadata"], out[T])):
+            where = f"{tp}.rank_layout_metadata[{r}]"
+            want = layout.layer_metadata(rs, scheme, _recorded_facts(layout, got, where, rs, scheme, e0))
+            if not _json_equal(got, want):
+                raise field_error(where, f"expected what layout {layout.name} states for {sizes} and the facts "
+                                  f"recorded there: {show_field(want)}, found {show_field(got)}")
+    return out
 
 
 # -- all of it ------------------------------------------------------------------------------------

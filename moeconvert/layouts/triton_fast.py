@@ -193,7 +193,7 @@ class TritonFastWNA16Layout(Layout):
         return dataclasses.replace(block, w13_scale=cast(block.w13_scale), w2_scale=cast(block.w2_scale),
                                    w13_bias=cast(block.w13_bias), w2_bias=cast(block.w2_bias))
 
-    def layer_metadata(self, shape: LayerShape, scheme: Scheme) -> dict:
+    def layer_metadata(self, shape: LayerShape, scheme: Scheme, facts: dict | None = None) -> dict:
         return {"format": f"int{scheme.bits}", "w13_rows": "gate_up",
                 "packing": "fragments" if scheme.bits == 4 else "bytes"}
 
@@ -281,5 +281,5 @@ class TritonFastMXFP4Layout(Layout):
         dt = DTYPES[shape.dtype]
         return dataclasses.replace(block, w13_bias=block.w13_bias.to(dt), w2_bias=block.w2_bias.to(dt))
 
-    def layer_metadata(self, shape: LayerShape, scheme: Scheme) -> dict:
+    def layer_metadata(self, shape: LayerShape, scheme: Scheme, facts: dict | None = None) -> dict:
         return {"format": "mxfp4", "w13_rows": "gate_up", "packing": "fragments"}

@@ -388,7 +388,7 @@ class TritonMXFP4Layout(Layout):
     def _unrows(shape: LayerShape):
         return deinterleave_gate_up if ROW_ORDERS[shape.activation][0] == "interleaved" else (lambda x: x)
 
-    def layer_metadata(self, shape: LayerShape, scheme: Scheme) -> dict:
+    def layer_metadata(self, shape: LayerShape, scheme: Scheme, facts: dict | None = None) -> dict:
         g13, g2 = self._gemms(shape)
         order, backends = ROW_ORDERS.get(shape.activation, ("gate_up", ()))
         return {

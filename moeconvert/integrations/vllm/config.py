@@ -213,10 +213,20 @@ class MoeconvertConfig(QuantizationConfig):
             raise ValueError(
                 f"moeconvert: {prefix}: this vLLM builds the layer over {layer.moe_config.num_logical_experts} "
                 f"experts; the folder holds {entry['num_experts_global']}")
-        if have["tp_size"] == 1:
-            return RankShare(experts_from_layer=True)
         layout_name, kind = self.manifest["layout"]["name"], entry["scheme"]["kind"]
         layout = get_layout(layout_name, kind)
+        if have["ep_size"] > 1:
+            # a choice vLLM makes over a rank's own experts (humming's sign-magnitude) must be the folder's
+            from moeconvert.integrations.vllm.method import local_experts
+
+            stored = entry.get("tp_sizes", {}).get(str(have["tp_size"])) or {}
+            metadata = (stored["rank_layout_metadata"][have["tp_rank"]] if "rank_layout_metadata" in stored
+                        else entry["layout_metadata"])
+            why = layout.experts_problem(metadata, local_experts(layer))
+            if why is not None:
+                raise ValueError(f"moeconvert: {prefix}: this vLLM builds the layer for {shape}; {why}")
+        if have["tp_size"] == 1:
+            return RankShare(experts_from_layer=True)
         cuts = layout.tp_cuts(layer_shape_from_manifest(entry, self.manifest["dtype"]),
                               parse_scheme(entry["scheme"], "scheme"), have["tp_size"])
         if not isinstance(cuts, dict):
