@@ -283,11 +283,7 @@ def run_job(plan, job: Job, staging: Path, key: str, chunk_bytes: int = DEFAULT_
             n = lp.shape.num_experts
             # the full tensors, then rank by rank each stored TP size: (partition, shape, unpadded, specs,
             # tensors, ranks stacked in front of each tensor (1: none), this rank's place there, quality)
-            passes = [(plan.partition, lp.shape, lp.unpadded, lp.specs, lp.tensors, 1, 0, quality)]
-            for T, st in lp.tp_sizes.items():
-                if st:
-                    passes += [(Partition(T, r), st.shape, st.unpadded, st.specs, st.tensors, T, r, None)
-                               for r in range(T)]
+            passes = layer_pass_list(plan, lp, quality)
             done, total = 0, n * len(passes)
             facts = []
             for part, shape, unpadded, specs, tensors, ranks, r, q in passes:
@@ -452,6 +448,36 @@ def _well_formed(plan, job: Job, rec) -> bool:
     return "quality" not in rec
 
 
+def layer_pass_list(plan, lp, quality=None) -> list[tuple]:
+    """A layer job's passes: the full tensors, then rank by rank each stored TP size, each as (partition,
+    shape, unpadded, specs, tensors, ranks stacked in front of each tensor (1: none), this rank's place
+    there, quality report or None)."""
+    passes = [(plan.partition, lp.shape, lp.unpadded, lp.specs, lp.tensors, 1, 0, quality)]
+    for T, st in lp.tp_sizes.items():
+        if st:
+            passes += [(Partition(T, r), st.shape, st.unpadded, st.specs, st.tensors, T, r, None) for r in range(T)]
+    return passes
+
+
+def scanned_facts(plan, lp, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list | None:
+    """The facts the layer's layout scans (one per pass, as a layer job records them in ``layout_facts``),
+    found again from the source; None for a layout that scans nothing. ``--resume`` keeps a record only
+    if its facts are these: the bytes it wrote were encoded with the choices they make."""
+    facts = []
+    step = experts_per_chunk(lp, chunk_bytes)
+    n = lp.shape.num_experts
+    for part, shape, unpadded, *_ in layer_pass_list(plan, lp):
+        scan = plan.layout.layer_scan(shape, lp.scheme, lp.expert_start)
+        if scan is None:
+            continue
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            scan.add(layer_output_block(plan, lp, a, b, None, part=part, shape=shape, unpadded=unpadded),
+                     lp.expert_start + a)
+        facts.append(scan.facts())
+    return json.loads(json.dumps(facts)) if facts else None
+
+
 def layer_pass_shapes(lp) -> list:
     """The LayerShape of each pass of a layer job, in order: the full tensors, then each stored TP rank."""
     return [lp.shape] + [st.shape for st in lp.tp_sizes.values() if st for _ in range(st.tp_size)]
@@ -528,6 +554,11 @@ def still_good(plan, job: Job, record: dict, staging: Path) -> bool:
     want = record.get("tensors")
     if not isinstance(want, dict):
         return False
+    if job.kind == "layer" and "layout_facts" in record:
+        # the facts decided how the bytes were encoded, and the manifest records them: a record that
+        # is well formed but says other facts than the (re-hashed, unchanged) source gives is redone
+        if record["layout_facts"] != scanned_facts(plan, plan.layers[job.layer]):
+            return False
     buf = bytearray(8 << 20)
     for t in job_tensors(plan, job):
         digest = want.get(t.name)

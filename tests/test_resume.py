@@ -412,3 +412,23 @@ def test_a_humming_record_whose_facts_are_not_this_layers_is_rerun(example_ckpt,
     assert all(m["layout_metadata"]["w2"]["experts_without_zero_code"] == list(range(8, 16))
                for m in out["moe_layers"])
     assert _run([sys.executable, "-m", "moeconvert", "verify", str(tmp_path / "out"), "--against", str(src)])
+
+
+def test_a_humming_record_with_plausible_but_false_facts_is_rerun(example_ckpt, tmp_path):
+    """Facts that a scan of this rank could find (its own experts) but that the source does not give:
+    expert 15 said to have a 0 code in w2, which would make w2 unsigned while its bytes were written in
+    sign-magnitude. --resume finds the facts again from the source and reruns the job, so the manifest
+    still records what the bytes are."""
+    kw, _, _ = CASES["w4a16"]
+    src = example_ckpt(**{**kw, "group_size": 32}, experts_without_zero_code=tuple(range(8, 16)))
+    cmd = _cmd(["repack"], src, tmp_path / "out", "humming", "--workers", "0", "--ep-size", "2", "--ep-rank", "1")
+    staging, finished = _kill_run_after_some_jobs(cmd, tmp_path)
+    name, rec = next((n, r) for n, r in _records(staging).items() if r["kind"] == "layer")
+    rec["layout_facts"][0]["w2"]["experts_without_zero_code"] = list(range(8, 15))
+    (staging / ".jobs" / name).write_text(json.dumps(rec))
+    p = _run(cmd + ["--resume"])
+    said = " ".join(p.stderr.split())
+    assert f"; {finished - 1} of " in said and "redone: 1 whose bytes no longer match their record" in said, said
+    out = json.loads((tmp_path / "out" / "moeconvert.json").read_text())
+    assert all(m["layout_metadata"]["w2"]["b_dtype"] == "float4e0m3" for m in out["moe_layers"])
+    assert _run([sys.executable, "-m", "moeconvert", "verify", str(tmp_path / "out"), "--against", str(src)])
