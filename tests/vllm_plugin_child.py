@@ -156,8 +156,8 @@ def _humming_cpu(folder: Path) -> None:
     """A humming folder on vLLM's CPU platform: the plugin's layers, and with ``--against SRC`` vLLM's own
     compressed-tensors method over the source layer with ``--moe-backend humming``, up to the CUDA weight
     repack (``transform_humming_weight``, which leaves the weight as it gets it here: every other step of
-    humming's transform, of the scales, zero points and bias, runs). ``--sm N`` the SM answered (0: none,
-    the CPU platform as it is), ``--hide-humming``, ``--pretend-humming VERSION``: the refusals."""
+    humming's transform, of the scales, zero points and bias, runs). ``--refusals``: the plugin's refusals
+    (:func:`_humming_refusals`); ``--hide-humming``: a Python without humming."""
     import torch
 
     if "--hide-humming" in sys.argv:
@@ -172,18 +172,16 @@ def _humming_cpu(folder: Path) -> None:
         sys.meta_path.insert(0, Hide())
     out: dict = {"layers": {}, "source": {}}
     try:
-        sm = int(sys.argv[sys.argv.index("--sm") + 1]) if "--sm" in sys.argv else 90
-        if sm and "--hide-humming" not in sys.argv:
-            _humming_on_a_cpu(sm)
-        if "--pretend-humming" in sys.argv:
-            import humming
-
-            humming.__version__ = sys.argv[sys.argv.index("--pretend-humming") + 1]
+        if "--hide-humming" not in sys.argv:
+            _humming_on_a_cpu(90)
         from vllm.plugins import load_general_plugins
 
-        from moeconvert.integrations.vllm.harness import build_load_process, layer_tensors, one_process, quant_config_for
+        from moeconvert.integrations.vllm.harness import (build_layer, build_load_process, layer_tensors, one_process,
+                                                          quant_config_for)
 
         load_general_plugins()
+        if "--refusals" in sys.argv:
+            return _humming_refusals(folder, out)
         src = Path(sys.argv[sys.argv.index("--against") + 1]) if "--against" in sys.argv else None
         with one_process("cpu", moe_backend="humming"):
             cfg = quant_config_for(folder)
@@ -191,8 +189,12 @@ def _humming_cpu(folder: Path) -> None:
                 kw = dict(prefix=m["prefix"], num_experts=m["num_experts_global"], top_k=m["top_k"],
                           hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size_total"],
                           has_bias=m["has_bias"], dtype=getattr(torch, cfg.manifest["dtype"]), device="cpu")
-                ours = build_load_process(cfg, layer_tensors(folder, m["prefix"], cfg), **kw)
-                out["layers"][m["prefix"]] = _report(ours.experts, ours.loaded) | {"humming": _humming_report(ours.experts)}
+                runner = build_layer(cfg, **kw)
+                before = {n: p.data_ptr() for n, p in runner.named_parameters()}
+                loaded = sorted(runner.load_weights(layer_tensors(folder, m["prefix"], cfg)))
+                runner.routed_experts.quant_method.process_weights_after_loading(runner.routed_experts)
+                out["layers"][m["prefix"]] = (_report(runner.routed_experts, loaded, before)
+                                              | {"humming": _humming_report(runner.routed_experts)})
                 if src is None:
                     continue
                 import humming.transform
@@ -226,6 +228,41 @@ def _humming_cpu(folder: Path) -> None:
 
         out["error"] = f"{type(e).__name__}: {e}"
         out["traceback"] = traceback.format_exc()[-3000:]
+    print(json.dumps(out))
+
+
+def _humming_refusals(folder: Path, out: dict) -> None:
+    """The plugin's humming refusals, one case after the other in this process (each undone after it):
+    another humming version, another GPU, no GPU, humming activations that are not 16-bit."""
+    import humming
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    from moeconvert.integrations.vllm.harness import build_layer, one_process, quant_config_for
+
+    sm90 = current_platform.get_device_capability
+    cases = {"version": lambda: setattr(humming, "__version__", "0.1.20"),
+             "sm80": lambda: setattr(current_platform, "get_device_capability", lambda device_id=0: DeviceCapability(8, 0)),
+             "no-gpu": lambda: setattr(current_platform, "get_device_capability", lambda device_id=0: None),
+             "int8-input": lambda: os.environ.update(VLLM_HUMMING_INPUT_QUANT_CONFIG='{"a_dtype": "int8"}')}
+    out["refusals"] = {}
+    with one_process("cpu", moe_backend="humming"):
+        cfg = quant_config_for(folder)
+        m = cfg.manifest["moe_layers"][0]
+        for name, apply in cases.items():
+            version = humming.__version__
+            apply()
+            try:
+                build_layer(cfg, prefix=m["prefix"], num_experts=m["num_experts_global"], top_k=m["top_k"],
+                            hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size_total"],
+                            has_bias=m["has_bias"], dtype=torch.bfloat16, device="cpu")
+                out["refusals"][name] = None
+            except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
+                out["refusals"][name] = f"{type(e).__name__}: {e}"
+            humming.__version__ = version
+            current_platform.get_device_capability = sm90
+            os.environ.pop("VLLM_HUMMING_INPUT_QUANT_CONFIG", None)
     print(json.dumps(out))
 
 

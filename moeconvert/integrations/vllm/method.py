@@ -333,6 +333,14 @@ class HummingWNA16Method(_FinalLayoutMethod):
         from vllm.platforms import current_platform
         from vllm.utils.import_utils import has_humming
 
+        if not self.symmetric or self.group_size == -1:
+            # vLLM 0.33.0 never builds humming experts for such a compressed-tensors layer (its WNA16 oracle
+            # finds no humming experts for the asymmetric weight key, and its compressed-tensors MoE method
+            # asserts group scales for every backend but Marlin): there is no vLLM memory these bytes match
+            what = "asymmetric" if not self.symmetric else "channelwise"
+            raise self._refuse(f"vLLM 0.33.0 never runs humming for {what} compressed-tensors experts (it serves them "
+                               "with Marlin), so this humming folder has no vLLM state to match: convert with "
+                               "--backend marlin")
         want = self.made_for.get("humming-kernels")
         if not has_humming():
             raise self._refuse(f"this folder holds humming-kernels {want}'s bytes and this Python has no humming "
@@ -360,8 +368,8 @@ class HummingWNA16Method(_FinalLayoutMethod):
         if bits != 16:
             raise self._refuse(f"VLLM_HUMMING_INPUT_QUANT_CONFIG makes humming quantize this layer's activations "
                                f"to {input_schema.a_dtype}; this folder's humming bytes are made for 16-bit "
-                               f"activations ({self.made_for.get('activation')}): unset it for this model, or "
-                               "list the layer under its ignored_layers")
+                               "activations in the model dtype: unset it for this model, or list the layer under "
+                               "its ignored_layers")
 
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
