@@ -22,7 +22,12 @@ echo "torch==2.13.0" > "$venv/constraints.txt"
   pillow einops py-cpuinfo uvloop prometheus_client partial_json_parser "openai>=2.25.0" "oss-harmony>=0.0.11" \
   "xgrammar==0.2.8" "llguidance>=1.7.0,<1.8.0" "fastapi[standard]>=0.133.0,<0.137.0" "triton==3.6.0"
 "$py" -m pip install -q --no-deps -e .
+# humming-kernels (vLLM 0.33.0's pin, for the plugin's humming tests) imports on the CPU with cuda-bindings
+# (its CUDA ops are never called there); its other dependencies are vLLM's own or CUDA toolkits, left out
+"$py" -m pip install -q -c "$venv/constraints.txt" "cuda-bindings==13.*"
 "$py" -m pip install -q --no-deps --no-warn-conflicts "vllm==0.33.0"
+humming_whl=$(ls .oracles/humming_kernels-0.1.19-*.whl 2>/dev/null | tail -1 || true)
+"$py" -m pip install -q --no-deps --no-warn-conflicts "${humming_whl:-humming-kernels==0.1.19}"
 # The CUDA wheel has no vllm._C for the CPU platform, which vLLM reports as a warning on import; expected
 # here (the plugin tests use no vLLM op from it), so only vLLM's errors are shown.
-VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=ERROR "$py" -c "import vllm, vllm.model_executor.layers.fused_moe; print('vLLM', vllm.__version__, 'imports on the CPU')"
+VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=ERROR "$py" -c "import vllm, vllm.model_executor.layers.fused_moe, vllm.utils.humming, humming; print('vLLM', vllm.__version__, 'and humming', humming.__version__, 'import on the CPU')"

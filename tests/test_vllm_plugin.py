@@ -419,3 +419,155 @@ def test_hostile_quantization_configs_are_refused_in_one_line(folders, tmp_path)
         assert text.startswith("moeconvert: ")
         if name != "a folder no longer there":
             assert "moeconvert repack SRC OUT" in text, f"{name}: {text}"  # the command that fixes it
+
+
+# ---------------------------------------------------------------------------------------------------
+# humming folders: vLLM's own humming experts (what vLLM 0.33.0 picks for WNA16 on SM90)
+
+HUMMING = {  # name: (example arguments, the weight dtype humming gives both sublayers)
+    # I 96, g32: w13's N 192 -> 256 and w2's K 96 -> 128 (humming's padding of each sublayer)
+    "humming-w4a16-g32": (dict(scheme="w4a16", group_size=32, intermediate_size=96), "uint4"),
+    # no expert has a 0 code: humming's sign-magnitude codes
+    "humming-w4a16-no-zero": (dict(scheme="w4a16", experts_without_zero_code=tuple(range(8))), "float4e0m3"),
+    "humming-w8a16-no-zero": (dict(scheme="w8a16", experts_without_zero_code=tuple(range(8))), "float8e0m7"),
+}
+
+
+@pytest.fixture(scope="module")
+def humming_folders(example_ckpt, tmp_path_factory):
+    if not VLLM_PYTHON:
+        pytest.skip("needs a Python with vLLM 0.33.0 (MOECONVERT_VLLM_PYTHON or .venv-vllm-cpu)")
+    p = subprocess.run([VLLM_PYTHON, "-c", "import humming; print(humming.__version__)"], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip("humming-kernels is not importable in vLLM's test Python (scripts/setup-vllm-cpu.sh installs it "
+                    "with cuda-bindings): " + (p.stderr.strip().splitlines() or ["?"])[-1])
+    base = tmp_path_factory.mktemp("humming-folders")
+    made = {}
+    for name, (kw, _) in HUMMING.items():
+        src = example_ckpt("qwen3-moe", **kw)
+        cli("repack", src, base / name, "--backend", "humming", expect=0)
+        made[name] = (src, base / name)
+    return made
+
+
+@needs_vllm
+@pytest.mark.parametrize("name", sorted(HUMMING))
+def test_vllm_serves_a_humming_folder_as_its_own_humming_path_leaves_the_source(humming_folders, name):
+    """On vLLM's CPU platform (the device's answers given as an SM90 GPU's: tests/vllm_plugin_child.py
+    ``_humming_on_a_cpu``), the plugin's ``HummingWNA16Method`` holds the folder's bytes in the parameters
+    it made, and the weight / input schemas, the humming ``LayerConfig`` of each sublayer, vLLM's humming
+    quant config and experts class equal, field by field, what vLLM's own compressed-tensors method leaves
+    after ``convert_to_humming_moe_kernel_format`` on the source layer (run on the CPU up to humming's CUDA
+    weight repack, which is the one step not run there); the scales, which humming transforms in torch,
+    are byte for byte vLLM's."""
+    src, out = humming_folders[name]
+    got = _child(out, "--humming", "--against", str(src))
+    assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
+    manifest = json.loads((out / "moeconvert.json").read_text())
+    files = _file_tensors(out)
+    b_dtype = HUMMING[name][1]
+    assert sorted(got["layers"]) == sorted(got["source"]) == sorted(m["prefix"] for m in manifest["moe_layers"])
+    for m in manifest["moe_layers"]:
+        ours, theirs = got["layers"][m["prefix"]], got["source"][m["prefix"]]
+        assert ours["method"] == "HummingWNA16Method" and theirs["method"] == "CompressedTensorsWNA16MoEMethod"
+        assert ours["loaded"] == sorted(f"routed_experts.{s}" for s in m["tensors"])
+        for suffix, entry in m["tensors"].items():
+            param = ours["params"][f"routed_experts.{suffix}"]
+            want = hashlib.sha256(files[entry["name"]].contiguous().view(torch.uint8).numpy()).hexdigest()
+            assert param["sha256"] == want and not param["moved"], suffix
+            if not suffix.endswith("_weight"):  # scales: humming's own transform ran on the CPU for vLLM's
+                assert theirs["params"][suffix] == want, suffix
+        assert ours["scale_is_param"]
+        h, v = ours["humming"], theirs["humming"]
+        for sub in ("w13", "w2"):
+            for part in ("config", "config_str", "weight_schema", "input_schema"):
+                assert h[sub][part] == v[sub][part], (sub, part)
+            cfg, meta = h[sub]["config"], m["layout_metadata"][sub]
+            assert cfg["b_dtype"] == meta["b_dtype"] == b_dtype
+            assert (int(cfg["shape_n"]), int(cfg["pad_shape_n"]), int(cfg["shape_k"]), int(cfg["pad_shape_k"])) == (
+                meta["shape_n"], meta["pad_shape_n"], meta["shape_k"], meta["pad_shape_k"])
+            assert (cfg["sm_version"], cfg["a_dtype"]) == ("90", "bfloat16")
+        assert h["quant_config"] == v["quant_config"]
+        assert h["quant_config"]["w1_config_is_layers"] and h["quant_config"]["w2_config_is_layers"]
+        assert h["experts_class"] == v["experts_class"] == ours["experts_class"]
+        assert ours["experts_class"].startswith("Humming")
+    if name == "humming-w4a16-g32":
+        assert manifest["moe_layers"][0]["layout_metadata"]["w13"]["pad_shape_n"] == 64  # the padding ran
+
+
+def _one_line(message: str | None) -> str:
+    assert message is not None and "\n" not in message, message
+    return message
+
+
+@needs_vllm
+def test_the_plugin_refuses_what_its_humming_folder_was_not_made_for(humming_folders):
+    """Each in one line, when vLLM builds the layer (before any byte is read): another humming-kernels,
+    another GPU, no GPU, humming activations quantized by ``VLLM_HUMMING_INPUT_QUANT_CONFIG``."""
+    _, out = humming_folders["humming-w4a16-g32"]
+    got = _child(out, "--humming", "--refusals")
+    r = {k: _one_line(v) for k, v in got["refusals"].items()}
+    assert "this folder holds humming-kernels 0.1.19's bytes; this Python has humming-kernels 0.1.20" in r["version"]
+    assert "this folder holds humming's SM90 bytes (H100 / H200) and vLLM runs on an SM80 GPU" in r["sm80"]
+    assert "vLLM runs on its cpu platform" in r["no-gpu"] and "--backend marlin" in r["no-gpu"]
+    assert "VLLM_HUMMING_INPUT_QUANT_CONFIG makes humming quantize this layer's activations to int8" in r["int8-input"]
+
+
+@needs_vllm
+def test_the_plugin_refuses_a_humming_folder_without_humming(humming_folders):
+    _, out = humming_folders["humming-w4a16-no-zero"]
+    got = _child(out, "--humming", "--hide-humming")
+    assert "this Python has no humming (import humming fails): pip install --no-deps humming-kernels==0.1.19" in \
+        _one_line(got.get("error"))
+
+
+@needs_vllm
+def test_the_plugin_refuses_humming_folders_vllm_never_runs_humming_for(humming_folders, example_ckpt, tmp_path):
+    """vLLM 0.33.0's oracle finds no humming experts for an asymmetric compressed-tensors layer (it runs
+    Marlin): such a folder matches nothing vLLM holds."""
+    out = tmp_path / "asym"
+    cli("repack", example_ckpt("qwen3-moe", scheme="w4a16", symmetric=False), out, "--backend", "humming", expect=0)
+    got = _child(out, "--humming")
+    assert "vLLM 0.33.0 never runs humming for asymmetric compressed-tensors experts" in _one_line(got.get("error"))
+
+
+@pytest.fixture(scope="module")
+def humming_gpu_checks(humming_folders, tmp_path_factory):
+    """Every GPU check of the humming folders, in one vLLM process."""
+    names = sorted(HUMMING)
+    jobs = [[mode, str(humming_folders[n][1]), str(humming_folders[n][0])] for mode in ("--forward", "--bench")
+            for n in names]
+    path = tmp_path_factory.mktemp("humming-gpu-jobs") / "jobs.json"
+    path.write_text(json.dumps(jobs))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+    p = subprocess.run([VLLM_PYTHON, str(CHILD), str(path)], capture_output=True, text=True, env=env, timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    results = json.loads(p.stdout.strip().splitlines()[-1])
+    return {(mode, n): r for (mode, _, _), n, r in zip(jobs, names * 2, results)}
+
+
+@gpu_vllm
+@pytest.mark.parametrize("name", sorted(HUMMING))
+def test_vllms_humming_experts_run_a_humming_folder_against_the_reference(humming_gpu_checks, name):
+    """On an SM90 GPU: vLLM's humming experts, built by ``HummingWNA16Method`` over the folder's tensors,
+    against ``reference_moe`` on the source's own weights."""
+    got = humming_gpu_checks[("--forward", name)]
+    assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
+    for prefix, layer in got["layers"].items():
+        assert layer["experts_class"].startswith("Humming")
+        for M, r in layer["tokens"].items():
+            assert r["finite"] and r["want_norm"] > 0 and r["rel"] < 2e-2, (prefix, M, r)
+
+
+@gpu_vllm
+@pytest.mark.parametrize("name", sorted(HUMMING))
+def test_the_humming_folder_holds_what_vllms_own_humming_processing_makes(humming_gpu_checks, name):
+    """On an SM90 GPU, ``bench vllm-startup``'s check with ``--moe-backend humming``: vLLM's compressed-tensors
+    method converts the source with humming's CUDA transform; every parameter equals the plugin's and the two
+    layers give the same output."""
+    got = humming_gpu_checks[("--bench", name)]
+    assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
+    for row in got["layers"]:
+        assert row["vllm"]["experts_class"] == row["moeconvert"]["experts_class"]
+        assert row["same_bytes"] and all(v is True for v in row["same_bytes"].values()), row["same_bytes"]
+        assert row["outputs_identical"], row["output_rel_diff"]

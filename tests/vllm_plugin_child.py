@@ -54,6 +54,8 @@ def main() -> None:
     MarlinExpertsBase._supports_current_device = staticmethod(lambda: True)
     TritonWNA16Experts._supports_current_device = staticmethod(lambda: True)
 
+    if "--humming" in sys.argv:
+        return _humming_cpu(folder)
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # vLLM's own plugin loader: it finds our entry point and runs register()
@@ -101,6 +103,167 @@ def _report(experts, loaded: list[str], before: dict | None = None) -> dict:
     return {"method": type(experts.quant_method).__name__, "loaded": loaded, "params": params,
             "experts_class": type(kernel.fused_experts).__name__,
             "scale_is_param": kernel.fused_experts.quant_config.w1_scale is experts.w13_weight_scale}
+
+
+def _humming_on_a_cpu(sm: int) -> None:
+    """Answer, in this process, the few questions humming's path asks the GPU, as an SM ``sm`` GPU would.
+
+    vLLM's and humming's schema and config code asks the device its compute capability (vLLM's
+    ``check_and_fallback_input_schema``, humming's ``prepare_layer_config`` and ``is_humming_schema_compatible``
+    through humming's ``DeviceInfo``, and whether it is a PPU); vLLM's humming experts check the platform, and
+    their constructor sizes its lock buffer by the device's SM count and asks humming for tuning heuristics of
+    the device. Those two are the only steps left out here (no kernel runs in this process); everything else
+    (schemas, LayerConfigs, the quant config, the experts class vLLM's oracle picks, the modular kernel) runs
+    as on the GPU."""
+    import torch
+    import humming.device
+    import humming.transform
+    from vllm.model_executor.layers.fused_moe.experts import fused_humming_moe
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    class Info:
+        sm_version, sm_major, sm_minor, is_ppu = sm, sm // 10, sm % 10, False
+
+    humming.device.current_device._value = Info()
+    humming.transform.DeviceInfo = lambda device=None: Info()
+    current_platform.get_device_capability = lambda device_id=0: DeviceCapability(sm // 10, sm % 10)
+    fused_humming_moe.HummingExpertsBase._supports_current_device = staticmethod(lambda: True)
+    fused_humming_moe.create_humming_locks = lambda device: torch.zeros(0, dtype=torch.int32)
+    fused_humming_moe.HummingExpertsBase.init_humming_moe = lambda self: None
+
+
+def _humming_report(experts) -> dict:
+    """The schemas and humming LayerConfigs a layer holds after processing, field by field (as strings), and
+    what vLLM's humming quant config takes from the layer."""
+    import dataclasses
+
+    def fields(obj) -> dict:
+        return {f.name: str(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+    out = {sub: {"config": fields(c), "config_str": c.to_str(), "weight_schema": fields(experts.weight_schemas[sub]),
+                 "input_schema": fields(experts.input_schemas[sub])} for sub, c in experts.humming_configs.items()}
+    qc = experts.quant_method.moe_quant_config
+    out["quant_config"] = {"type": type(qc).__name__, "w1": fields(qc._w1) | {"scale": None, "zp": None, "bias": None},
+                           "a1": str(qc._a1.dtype), "w1_config_is_layers": qc.w1_humming_config is
+                           experts.humming_configs["w13"], "w2_config_is_layers": qc.w2_humming_config is
+                           experts.humming_configs["w2"]}
+    out["experts_class"] = type(experts.quant_method.moe_kernel.fused_experts).__name__
+    return out
+
+
+def _humming_cpu(folder: Path) -> None:
+    """A humming folder on vLLM's CPU platform: the plugin's layers, and with ``--against SRC`` vLLM's own
+    compressed-tensors method over the source layer with ``--moe-backend humming``, up to the CUDA weight
+    repack (``transform_humming_weight``, which leaves the weight as it gets it here: every other step of
+    humming's transform, of the scales, zero points and bias, runs). ``--refusals``: the plugin's refusals
+    (:func:`_humming_refusals`); ``--hide-humming``: a Python without humming."""
+    import torch
+
+    if "--hide-humming" in sys.argv:
+        import importlib.abc
+
+        class Hide(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "humming" or name.startswith("humming."):
+                    raise ModuleNotFoundError(f"No module named {name!r}")
+                return None
+
+        sys.meta_path.insert(0, Hide())
+    out: dict = {"layers": {}, "source": {}}
+    try:
+        if "--hide-humming" not in sys.argv:
+            _humming_on_a_cpu(90)
+        from vllm.plugins import load_general_plugins
+
+        from moeconvert.integrations.vllm.harness import (build_layer, build_load_process, layer_tensors, one_process,
+                                                          quant_config_for)
+
+        load_general_plugins()
+        if "--refusals" in sys.argv:
+            return _humming_refusals(folder, out)
+        src = Path(sys.argv[sys.argv.index("--against") + 1]) if "--against" in sys.argv else None
+        with one_process("cpu", moe_backend="humming"):
+            cfg = quant_config_for(folder)
+            for m in cfg.manifest["moe_layers"]:
+                kw = dict(prefix=m["prefix"], num_experts=m["num_experts_global"], top_k=m["top_k"],
+                          hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size_total"],
+                          has_bias=m["has_bias"], dtype=getattr(torch, cfg.manifest["dtype"]), device="cpu")
+                runner = build_layer(cfg, **kw)
+                before = {n: p.data_ptr() for n, p in runner.named_parameters()}
+                loaded = sorted(runner.load_weights(layer_tensors(folder, m["prefix"], cfg)))
+                runner.routed_experts.quant_method.process_weights_after_loading(runner.routed_experts)
+                out["layers"][m["prefix"]] = (_report(runner.routed_experts, loaded, before)
+                                              | {"humming": _humming_report(runner.routed_experts)})
+                if src is None:
+                    continue
+                import humming.transform
+
+                import contextlib
+
+                import humming.ops
+
+                from moeconvert.packing import pack_int32, unpack_int32
+
+                humming.transform.transform_humming_weight = lambda weight, **_: weight  # the CUDA repack
+                # humming's bit (un)packing of int32 words is a CUDA op; the same LSB-first packing in torch
+                # (tests/test_layout_humming.py checks humming's schema code over it)
+                humming.ops.pack_weight = lambda x, b: pack_int32(x, b)
+                humming.ops.unpack_weight = lambda x, b: unpack_int32(x, b, x.shape[-1] * 32 // b).to(torch.int32)
+                # humming's schema conversion selects the layer's CUDA device around it (``with
+                # torch.cuda.device(None)``), which a CPU build of torch cannot enter: nothing to select here
+                torch.cuda.device = lambda device=None: contextlib.nullcontext()
+                theirs_cfg = quant_config_for(src)
+                from moeconvert.modelmap import map_model
+                from moeconvert.sources import open_source
+
+                names = next(x for x in map_model(open_source(str(src))).layers if x.prefix == m["prefix"]).source_tensors()
+                theirs = build_load_process(theirs_cfg, layer_tensors(src, m["prefix"], theirs_cfg, names), **kw)
+                held = {n: hashlib.sha256(p.data.contiguous().view(torch.uint8).numpy()).hexdigest()
+                        for n, p in theirs.experts.named_parameters()}
+                out["source"][m["prefix"]] = {"method": type(theirs.experts.quant_method).__name__, "params": held,
+                                              "humming": _humming_report(theirs.experts)}
+    except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
+        import traceback
+
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()[-3000:]
+    print(json.dumps(out))
+
+
+def _humming_refusals(folder: Path, out: dict) -> None:
+    """The plugin's humming refusals, one case after the other in this process (each undone after it):
+    another humming version, another GPU, no GPU, humming activations that are not 16-bit."""
+    import humming
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    from moeconvert.integrations.vllm.harness import build_layer, one_process, quant_config_for
+
+    sm90 = current_platform.get_device_capability
+    cases = {"version": lambda: setattr(humming, "__version__", "0.1.20"),
+             "sm80": lambda: setattr(current_platform, "get_device_capability", lambda device_id=0: DeviceCapability(8, 0)),
+             "no-gpu": lambda: setattr(current_platform, "get_device_capability", lambda device_id=0: None),
+             "int8-input": lambda: os.environ.update(VLLM_HUMMING_INPUT_QUANT_CONFIG='{"a_dtype": "int8"}')}
+    out["refusals"] = {}
+    with one_process("cpu", moe_backend="humming"):
+        cfg = quant_config_for(folder)
+        m = cfg.manifest["moe_layers"][0]
+        for name, apply in cases.items():
+            version = humming.__version__
+            apply()
+            try:
+                build_layer(cfg, prefix=m["prefix"], num_experts=m["num_experts_global"], top_k=m["top_k"],
+                            hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size_total"],
+                            has_bias=m["has_bias"], dtype=torch.bfloat16, device="cpu")
+                out["refusals"][name] = None
+            except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
+                out["refusals"][name] = f"{type(e).__name__}: {e}"
+            humming.__version__ = version
+            current_platform.get_device_capability = sm90
+            os.environ.pop("VLLM_HUMMING_INPUT_QUANT_CONFIG", None)
+    print(json.dumps(out))
 
 
 def _plain_torch_linear_layers() -> None:

@@ -36,8 +36,8 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError, MoeConvertError
 from moeconvert.layouts import register
-from moeconvert.layouts.base import (CHOICES, PARAMS_DTYPES, LayerScan, Layout, TensorSpec, round_up,
-                                     scales_and_biases_in_model_dtype)
+from moeconvert.layouts.base import (CHOICES, PARAMS_DTYPES, LayerScan, Layout, NotASlice, TensorSpec, TPCut,
+                                     round_up, scales_and_biases_in_model_dtype)
 from moeconvert.layouts.marlin import grouped_perm, single_perm
 from moeconvert.packing import pack_int32, unpack_int32
 from moeconvert.schemes import Scheme, WNA16Scheme
@@ -266,6 +266,7 @@ class HummingLayout(Layout):
     runtime_kernels = ()
     kernel = "humming-kernels HummingGroupedExperts (vLLM 0.33.0, SM90, 16-bit activations)"
     made_for = {"vllm": "0.33.0", "humming-kernels": "0.1.19", "sm": "90", "activation": "16-bit (model dtype)"}
+    vllm_method = "HummingWNA16Method"
 
     def _check(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         assert isinstance(scheme, WNA16Scheme)
@@ -456,6 +457,13 @@ class HummingLayout(Layout):
                         f"this folder holds the whole layer as {m['b_dtype']}: convert for this rank "
                         "(--ep-size/--ep-rank)")
         return None
+
+    def tp_cuts(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> dict[str, TPCut] | NotASlice:
+        rank = self._rank_shape(shape, scheme, tp_size)
+        if isinstance(rank, NotASlice):
+            return rank
+        return NotASlice("humming pads and tiles each rank's sublayers on their own (N to 256, K to 128, 64x64 "
+                         "tiles) and chooses sign-magnitude codes over each rank's own weights")
 
     def warnings(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         assert isinstance(scheme, WNA16Scheme)

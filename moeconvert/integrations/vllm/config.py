@@ -20,10 +20,11 @@ from moeconvert.integrations.vllm.scope import method_name, refusal
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # our stacked names under a layer's experts container -> the parameter of vLLM's RoutedExperts child
-_STACKED = re.compile(r"\.experts\.((?:w13|w2)_(?:weight|weight_scale|weight_zero_point|bias))$")
+#: (humming names its zero points ``w13_zero_point``: vLLM's ``_replace_layer_parameters``)
+_STACKED = re.compile(r"\.experts\.((?:w13|w2)_(?:weight|weight_scale|weight_zero_point|zero_point|bias))$")
 #: a stored TP size's rank tensors (``--tp-sizes``): read only by ``--load-format moeconvert``, which takes
 #: every stacked tensor itself; any other loader never hands them to the model
-_STORED_TP = re.compile(r"\.experts\.tp\d+\.((?:w13|w2)_(?:weight|weight_scale|weight_zero_point|bias))$")
+_STORED_TP = re.compile(r"\.experts\.tp\d+\.((?:w13|w2)_(?:weight|weight_scale|weight_zero_point|zero_point|bias))$")
 
 
 #: what ends every refusal of a folder's own files: they are made by the conversion, never by hand

@@ -9,6 +9,7 @@ parameters as they are: no repack, no permutation, no second copy.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -298,4 +299,177 @@ class MarlinMXFP4Method(_FinalLayoutMethod):
 
         return make_mxfp4_moe_kernel(moe_quant_config=self.moe_quant_config, moe_config=self.moe,
                                      experts_cls=self.experts_cls, mxfp4_backend=Mxfp4MoeBackend.MARLIN,
+                                     routing_tables=layer._expert_routing_tables())
+
+
+class HummingWNA16Method(_FinalLayoutMethod):
+    """``humming`` WNA16 (int4 / int8, group or channel, sym or asym, unsigned or sign-magnitude codes): vLLM's
+    humming experts over humming-kernels' grouped GEMM, built as vLLM's compressed-tensors WNA16 method builds
+    them after ``convert_to_humming_moe_kernel_format`` (what vLLM 0.33.0 picks on SM90), with the parameters
+    the folder holds in place of the transformed ones.
+
+    The weight and input schemas and each sublayer's humming ``LayerConfig`` are made by humming's own
+    ``prepare_layer_config`` (the first half of ``prepare_and_transform_humming_tensors``; the second,
+    ``transform_humming_tensors``, is what the folder holds already) from what the manifest records: the
+    scheme, and per sublayer the weight dtype the conversion chose (docs/layouts/humming.md)."""
+
+    def __init__(self, moe, entry: dict, manifest: dict, share: RankShare | None = None):
+        super().__init__(moe, entry, manifest, share)
+        scheme = entry["scheme"]
+        self.num_bits, self.group_size, self.symmetric = scheme["bits"], scheme["group_size"], scheme["symmetric"]
+        self.made_for = manifest["layout"]["made_for"]
+        self.metadata = (share.stored.get("rank_layout_metadata", [None] * share.tp_size)[share.tp_rank]
+                         or share.stored["layout_metadata"]) if share and share.stored else entry["layout_metadata"]
+
+    @staticmethod
+    def _experts_cls():
+        return None  # chosen from vLLM's humming experts once the platform is checked (create_weights)
+
+    # -- what the folder was made for, checked before any byte is read ------------------------------------
+
+    def _check_humming(self, layer) -> None:
+        """One line for each thing this vLLM would do otherwise than the folder's bytes assume: no humming,
+        another humming, a GPU that is not the folder's SM, humming activations that are not 16-bit."""
+        from vllm.platforms import current_platform
+        from vllm.utils.import_utils import has_humming
+
+        if not self.symmetric or self.group_size == -1:
+            # vLLM 0.33.0 never builds humming experts for such a compressed-tensors layer (its WNA16 oracle
+            # finds no humming experts for the asymmetric weight key, and its compressed-tensors MoE method
+            # asserts group scales for every backend but Marlin): there is no vLLM memory these bytes match
+            what = "asymmetric" if not self.symmetric else "channelwise"
+            raise self._refuse(f"vLLM 0.33.0 never runs humming for {what} compressed-tensors experts (it serves them "
+                               "with Marlin), so this humming folder has no vLLM state to match: convert with "
+                               "--backend marlin")
+        want = self.made_for.get("humming-kernels")
+        if not has_humming():
+            raise self._refuse(f"this folder holds humming-kernels {want}'s bytes and this Python has no humming "
+                               f"(import humming fails): pip install --no-deps humming-kernels=={want} "
+                               "(vLLM 0.33.0's pin), or convert with --backend marlin")
+        import humming
+
+        have = getattr(humming, "__version__", None)
+        if have != want:
+            raise self._refuse(f"this folder holds humming-kernels {want}'s bytes; this Python has humming-kernels "
+                               f"{have}, whose transform may differ: install humming-kernels=={want} "
+                               "(vLLM 0.33.0's pin), or convert with --backend marlin")
+        sm = self.made_for.get("sm")
+        cap = current_platform.get_device_capability()  # None off GPUs
+        # humming transforms weights per GPU architecture (LayerConfig.sm_version decides raw / flat / native
+        # dequant layouts) and refuses to run a config made for another SM (LayerConfig.check_device): the
+        # folder's bytes are made and checked for one SM only, so any other GPU is refused, not warned about
+        if cap is None or str(cap.to_int()) != sm:
+            where = f"an SM{cap.to_int()} GPU" if cap is not None else f"its {current_platform.device_type} platform"
+            raise self._refuse(f"this folder holds humming's SM{sm} bytes (H100 / H200) and vLLM runs on {where}: "
+                               "humming lays weights out per GPU architecture; convert with --backend marlin for "
+                               "this machine")
+        input_schema = self._input_schema(layer, self._weight_schema("w13"))
+        bits = input_schema.a_dtype.num_bits if input_schema.a_dtype is not None else 16
+        if bits != 16:
+            raise self._refuse(f"VLLM_HUMMING_INPUT_QUANT_CONFIG makes humming quantize this layer's activations "
+                               f"to {input_schema.a_dtype}; this folder's humming bytes are made for 16-bit "
+                               "activations in the model dtype: unset it for this model, or list the layer under "
+                               "its ignored_layers")
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs):
+        self._check_humming(layer)
+        from vllm.model_executor.layers.quantization.utils.humming import select_humming_moe_experts
+        from vllm.model_executor.layers.quantization.utils.humming.schema import weight_schema_to_quant_key
+
+        # vLLM's WNA16 oracle chooses among its humming experts with the checkpoint's integer weight key
+        unsigned = dataclasses.replace(self._weight_schema("w13"), b_dtype=self._dtype(f"uint{self.num_bits}"))
+        self.experts_cls = select_humming_moe_experts(self.moe, weight_schema_to_quant_key(unsigned, params_dtype),
+                                                      None)
+        if self.experts_cls is None:
+            raise self._refuse("none of vLLM's humming experts supports this deployment (vLLM's oracle says why "
+                               "at debug level); serve a --backend marlin folder")
+        super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                               **extra_weight_attrs)
+
+    # -- humming's schemas and LayerConfig, without transforming ------------------------------------------
+
+    @staticmethod
+    def _dtype(name: str):
+        from vllm.utils.humming import dtypes
+
+        return dtypes.DataType.from_str(name)
+
+    def _weight_schema(self, sub: str):
+        """What humming's ``CompressedTensorsWeightSchema.convert_humming`` returns for a ``pack-quantized``
+        sublayer: unsigned codes, or sign-magnitude where no code of the sublayer is 0 (the manifest's
+        ``b_dtype``, chosen over this rank's experts as vLLM chooses it)."""
+        from vllm.utils.humming import HummingWeightSchema
+
+        b_dtype = self.metadata[sub]["b_dtype"]
+        if b_dtype is None:
+            raise self._refuse(f"layout_metadata.{sub}.b_dtype is null: the folder records no weight dtype; "
+                               "convert the source again with this moeconvert")
+        return HummingWeightSchema(b_dtype=self._dtype(b_dtype), weight_scale_group_size=max(self.group_size, 0),
+                                   has_zero_point=not self.symmetric)
+
+    @staticmethod
+    def _input_schema(layer, weight_schema):
+        """The input schema vLLM's ``convert_to_humming_moe_kernel_format`` settles on for this layer: from
+        ``VLLM_HUMMING_INPUT_QUANT_CONFIG`` (16-bit when unset or when it skips the layer), then vLLM's own
+        ``check_and_fallback_input_schema``."""
+        from vllm import envs
+        from vllm.model_executor.layers.quantization.utils.humming import schema as hs
+        from vllm.utils.humming import HummingInputSchema
+
+        config = dict(envs.VLLM_HUMMING_INPUT_QUANT_CONFIG or {})
+        allow_fallback = True
+        if hs.humming_is_layer_skipped(config, layer.layer_name):
+            schema = HummingInputSchema()
+        else:
+            config = hs.resolve_humming_layer_config(config, layer.layer_name)
+            allow_fallback = config.pop("allow_fallback", False)
+            schema = HummingInputSchema.from_config(config)
+        return hs.check_and_fallback_input_schema(weight_schema=weight_schema, input_schema=schema,
+                                                  param_dtype=layer.params_dtype, allow_fallback=allow_fallback)
+
+    def _humming_configs(self, layer) -> None:
+        """``layer.weight_schemas``, ``layer.input_schemas`` and ``layer.humming_configs`` as vLLM's conversion
+        leaves them, each ``LayerConfig`` from humming's ``prepare_layer_config`` and checked against the
+        folder's padded sizes and weight dtype."""
+        from humming.transform import prepare_layer_config
+
+        from moeconvert.layouts.humming import PAD_K, PAD_N
+
+        mc = layer.moe_config
+        I, H = mc.intermediate_size_per_partition, mc.hidden_dim
+        sizes = {"w13": (I * (2 if mc.activation.is_gated else 1), H), "w2": (H, I)}
+        layer.weight_schemas, layer.input_schemas, configs = {}, {}, {}
+        for sub, (n, k) in sizes.items():
+            weight_schema = self._weight_schema(sub)
+            input_schema = self._input_schema(layer, weight_schema)
+            config = prepare_layer_config(shape_n=n, shape_k=k, weight_schema=weight_schema, input_schema=input_schema,
+                                          num_experts=mc.num_local_experts, pad_n_to_multiple=PAD_N,
+                                          pad_k_to_multiple=PAD_K, has_bias=mc.has_bias, torch_dtype=layer.params_dtype,
+                                          device=layer.w13_weight.device)
+            meta = self.metadata[sub]
+            got = {"shape_n": config.shape_n, "shape_k": config.shape_k, "pad_shape_n": config.pad_shape_n,
+                   "pad_shape_k": config.pad_shape_k, "b_dtype": str(config.b_dtype),
+                   "sm_version": config.sm_version, "has_zero_point": config.has_zero_point}
+            differ = {key: (v, meta.get(key)) for key, v in got.items() if meta.get(key) != v}
+            if differ:
+                raise self._refuse(f"{sub}: humming's LayerConfig for this layer differs from the folder's "
+                                   f"({', '.join(f'{key} {a} here, {b} in the folder' for key, (a, b) in differ.items())})")
+            layer.weight_schemas[sub], layer.input_schemas[sub], configs[sub] = weight_schema, input_schema, config
+        layer.humming_configs = configs
+
+    def get_fused_moe_quant_config(self, layer):
+        from vllm.model_executor.layers.quantization.utils.humming import get_humming_moe_quant_config
+
+        self._humming_configs(layer)
+        # as CompressedTensorsWNA16MoEMethod.get_fused_moe_quant_config for its HUMMING backend
+        return get_humming_moe_quant_config(layer, gemm1_alpha=getattr(layer, "swiglu_alpha", None),
+                                            gemm1_beta=getattr(layer, "swiglu_beta", None),
+                                            gemm1_clamp_limit=getattr(layer, "swiglu_limit", None))
+
+    def _make_kernel(self, layer):
+        from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend, make_wna16_moe_kernel
+
+        return make_wna16_moe_kernel(moe_quant_config=self.moe_quant_config, moe_config=self.moe,
+                                     experts_cls=self.experts_cls, backend=WNA16MoEBackend.HUMMING,
                                      routing_tables=layer._expert_routing_tables())

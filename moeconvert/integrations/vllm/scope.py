@@ -19,8 +19,8 @@ def refusal(layout: str, kind: str | None, family: str, activations: set[str]) -
     """Why the plugin does not serve a folder of this layout, scheme kind, model family and expert
     activations; None when it does."""
     if method_name(layout, kind) is None:
-        return (f"the vLLM plugin serves Marlin WNA16, Marlin MXFP4 and Triton WNA16 folders; this one is {layout} "
-                f"{kind or 'of mixed schemes'}")
+        return ("the vLLM plugin serves Marlin WNA16, Marlin MXFP4, Triton WNA16 and humming WNA16 folders; this one "
+                f"is {layout} {kind or 'of mixed schemes'}")
     if family == "gpt-oss":
         # vLLM 0.33.0's GptOssModel.load_weights slices and transposes any tensor named w13_weight / w2_weight
         # itself, whatever its layout (model_executor/models/gpt_oss.py)
