@@ -7,8 +7,11 @@ layout for which GPU", says where; tests/test_advice.py reads those places in vL
 - **int4 / int8 weights, 16-bit activations (WNA16).** vLLM walks FlashInfer TRT-LLM, Marlin, batched
   Marlin, Triton, humming in that order and takes the first that supports the layer; on SM90 (Hopper)
   humming is moved ahead of Marlin. FlashInfer TRT-LLM's int4 experts run on the SM100 family only,
-  for symmetric int4 in groups of 32 without expert biases. So: Hopper humming; SM100 Blackwell
-  FlashInfer TRT-LLM for those layers, else Marlin; every other CUDA GPU Marlin.
+  for symmetric int4 in groups of 32 without expert biases; and vLLM builds humming experts only for
+  symmetric compressed-tensors experts with group scales (asymmetric ones find no humming experts,
+  channelwise ones are held to Marlin by its compressed-tensors MoE method). So: Hopper humming for
+  symmetric group-scale experts, else Marlin; SM100 Blackwell FlashInfer TRT-LLM for those layers, else
+  Marlin; every other CUDA GPU Marlin.
 - **MXFP4 weights.** For gpt-oss vLLM walks FlashInfer TRT-LLM (bf16 activations, then MXFP8), AMD's,
   Triton (triton_kernels' matmul_ogs), FlashInfer CUTLASS, Marlin, humming: on SM100 FlashInfer TRT-LLM
   with bf16 activations, on Hopper Triton. For other models it walks FlashInfer TRT-LLM with MXFP8
@@ -49,9 +52,14 @@ def advise(kind: str, family: str, bits: int | None = None, group_size: int | No
     a checkpoint whose layers differ is judged by the caller per layer)."""
     if kind == "wna16":
         trtllm = bits == 4 and group_size == 32 and symmetric is True and not has_bias
+        humming = symmetric is True and group_size != -1
         return [
             Advice("hopper", "humming", "humming (HummingGroupedExperts)",
-                   "vLLM moves humming ahead of Marlin on SM90; faster than Marlin at prefill (docs/kernels.md)"),
+                   "vLLM moves humming ahead of Marlin on SM90; faster than Marlin at prefill (docs/kernels.md)")
+            if humming else
+            Advice("hopper", "marlin", "Marlin (MarlinExperts)",
+                   "vLLM runs humming only for symmetric experts with group scales; these are "
+                   f"{_describe(bits, group_size, symmetric, has_bias)}"),
             Advice("blackwell", "flashinfer-trtllm", "FlashInfer TRT-LLM int4 (TrtLlmMxint4ExpertsMonolithic)",
                    "vLLM's first choice on SM100 for symmetric int4 in groups of 32 without expert biases")
             if trtllm else

@@ -24,7 +24,7 @@ def _by_gpu(group: dict) -> dict[str, tuple]:
 def test_int4_g128_goes_to_humming_on_hopper_and_marlin_elsewhere(example_ckpt):
     (group,) = _advice(example_ckpt("qwen3-moe", "w4a16", group_size=128))
     assert group["scheme"] == "w4a16 g128 sym" and len(group["layers"]) == 2
-    assert _by_gpu(group) == {"hopper": ("humming", True, False),
+    assert _by_gpu(group) == {"hopper": ("humming", True, True),
                               "blackwell": ("marlin", True, True),  # TRT-LLM's int4 needs group 32
                               "older": ("marlin", True, True)}
     assert "group 128" in next(r["why"] for r in group["gpus"] if r["gpu"] == "blackwell")
@@ -44,14 +44,22 @@ def test_fits_is_the_layouts_own_check(example_ckpt):
     assert not report["backends"]["flashinfer-trtllm"]["ok"]
 
 
-def test_asymmetric_int4_g32_stays_on_marlin_on_blackwell(example_ckpt):
+def test_asymmetric_int4_g32_stays_on_marlin_on_hopper_and_blackwell(example_ckpt):
+    """vLLM finds no humming experts for asymmetric experts, and TRT-LLM's int4 takes symmetric only."""
     (group,) = _advice(example_ckpt("qwen3-moe", "w4a16", group_size=32, symmetric=False))
-    assert _by_gpu(group)["blackwell"][0] == "marlin"
+    assert _by_gpu(group) == {"hopper": ("marlin", True, True), "blackwell": ("marlin", True, True),
+                              "older": ("marlin", True, True)}
+    assert "asymmetric" in next(r["why"] for r in group["gpus"] if r["gpu"] == "hopper")
+
+
+def test_channelwise_stays_on_marlin_on_hopper(example_ckpt):
+    (group,) = _advice(example_ckpt("qwen3-moe", "w4a16", group_size=-1))
+    assert _by_gpu(group)["hopper"] == ("marlin", True, True)
 
 
 def test_int8_goes_to_humming_on_hopper(example_ckpt):
     (group,) = _advice(example_ckpt("qwen3-moe", "w8a16", group_size=128))
-    assert _by_gpu(group) == {"hopper": ("humming", True, False), "blackwell": ("marlin", True, True),
+    assert _by_gpu(group) == {"hopper": ("humming", True, True), "blackwell": ("marlin", True, True),
                               "older": ("marlin", True, True)}
 
 
@@ -77,8 +85,9 @@ def test_the_table_is_printed(example_ckpt, monkeypatch):
     monkeypatch.setattr(out, "width", 240)  # one line per row
     text = cli("inspect", example_ckpt("qwen3-moe", "w4a16", group_size=128), expect=0).out
     assert "Which layout for which GPU (w4a16 g128 sym): vLLM 0.33.0's own choice" in text
-    row = next(line for line in text.splitlines() if line.startswith("│ Hopper"))
-    assert "repack --backend humming" in row and "HummingGroupedExperts" in row and "not yet" in row
+    rows = {line.split("│")[1].split("(")[0].strip(): line for line in text.splitlines() if line.startswith("│ ")}
+    assert "repack --backend humming" in rows["Hopper"] and "HummingGroupedExperts" in rows["Hopper"]
+    assert "repack --backend flashinfer-trtllm" not in text and "not yet" not in rows["Hopper"]
 
 
 # --------------------------------------------------------------------------------------------------
