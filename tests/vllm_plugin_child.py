@@ -46,20 +46,17 @@ def main() -> None:
         vllm.__version__ = sys.argv[sys.argv.index("--pretend-vllm") + 1]
     from moeconvert.integrations.vllm.harness import build_layer, layer_tensors, one_process, quant_config_for
 
-    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExpertsBase
-    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonWNA16Experts
-
-    # Marlin and vLLM's Triton MoE kernel need CUDA to run, not to be built: vLLM's kernel factories check
-    # the device, so on the CPU the check is answered here. Nothing runs a kernel in this process.
-    MarlinExpertsBase._supports_current_device = staticmethod(lambda: True)
-    TritonWNA16Experts._supports_current_device = staticmethod(lambda: True)
+    # Marlin, vLLM's Triton MoE kernel and triton_kernels' need CUDA to run, not to be built: vLLM's kernel
+    # factories check the device, so on the CPU the check is answered here. Nothing runs a kernel in this process.
+    _kernels_build_on_the_cpu()
 
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # vLLM's own plugin loader: it finds our entry point and runs register()
     out: dict = {"layers": {}}
     if "--whole-model" in sys.argv:
-        return _whole_model(folder, out)
+        load_format = sys.argv[sys.argv.index("--load-format") + 1] if "--load-format" in sys.argv else "auto"
+        return _whole_model(folder, out, load_format)
     skip = "." + sys.argv[sys.argv.index("--skip") + 1] if "--skip" in sys.argv else None
     try:
         cfg = quant_config_for(folder)  # vLLM's registry, from config.json; then our manifest is read
@@ -86,11 +83,25 @@ def main() -> None:
     print(json.dumps(out))
 
 
+def _kernels_build_on_the_cpu() -> None:
+    """vLLM's MoE kernel factories ask each experts class whether the current device runs it; the CPU tests
+    build (never run) Marlin's, vLLM's Triton WNA16 and triton_kernels' MXFP4 experts, so they answer yes."""
+    from vllm.model_executor.layers.fused_moe.experts.gpt_oss_triton_kernels_moe import (
+        BaseOAITritonExperts, OAITritonMxfp4ExpertsMonolithic)
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExpertsBase
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonWNA16Experts
+
+    for cls in (MarlinExpertsBase, TritonWNA16Experts, BaseOAITritonExperts, OAITritonMxfp4ExpertsMonolithic):
+        cls._supports_current_device = staticmethod(lambda: True)
+
+
 def _report(experts, loaded: list[str], before: dict | None = None) -> dict:
     """What vLLM holds for one MoE layer after processing (parameter names relative to the runner)."""
     import torch
 
     kernel = experts.quant_method.moe_kernel
+    qc = kernel.fused_experts.quant_config
+    scale = qc.w1_precision if type(experts.quant_method).__name__ == "TritonMXFP4Method" else qc.w1_scale  # a PrecisionConfig
     params = {}
     for n, p in experts.named_parameters():
         name = f"routed_experts.{n}"
@@ -100,7 +111,19 @@ def _report(experts, loaded: list[str], before: dict | None = None) -> dict:
             params[name]["moved"] = p.data_ptr() != before[name]
     return {"method": type(experts.quant_method).__name__, "loaded": loaded, "params": params,
             "experts_class": type(kernel.fused_experts).__name__,
-            "scale_is_param": kernel.fused_experts.quant_config.w1_scale is experts.w13_weight_scale}
+            "scale_is_param": _over(scale, experts.w13_weight_scale),
+            "weights_are_params": all(_over(w, p) for w, p in zip(experts.quant_method._kernel_weights(experts),
+                                                                  (experts.w13_weight, experts.w2_weight)))}
+
+
+def _over(x, param) -> bool:
+    """``x`` is the parameter itself, or a triton_kernels object (a Tensor, a PrecisionConfig's scale) whose
+    storage is a view of the parameter's bytes (no copy)."""
+    if x is param:
+        return True
+    data = getattr(getattr(getattr(x, "weight_scale", x), "storage", None), "data", None)
+    return (data is not None and data.data_ptr() == param.data_ptr() and data.numel() == param.numel()
+            and data.dtype == param.dtype)
 
 
 def _plain_torch_linear_layers() -> None:
@@ -125,10 +148,12 @@ def _plain_torch_linear_layers() -> None:
     torch.cpu._is_amx_tile_supported = lambda: False
 
 
-def _whole_model(folder: Path, out: dict) -> None:
-    """What ``vllm serve FOLDER`` does up to its first forward: vLLM's ModelConfig reads config.json (and
-    picks the plugin's method from it), vLLM's default loader builds the whole model and loads every
-    tensor of the folder through the model's own ``load_weights``, then processes every module."""
+def _whole_model(folder: Path, out: dict, load_format: str = "auto") -> None:
+    """What ``vllm serve FOLDER [--load-format F]`` does up to its first forward: vLLM's ModelConfig reads
+    config.json (and picks the plugin's method from it), vLLM's loader for ``load_format`` (its default one,
+    or the plugin's ``moeconvert``) builds the whole model and loads every tensor of the folder (through the
+    model's own ``load_weights``, the experts straight into their parameters with ``moeconvert``), then
+    processes every module."""
     import torch
     from vllm.config import ModelConfig
     from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -140,7 +165,7 @@ def _whole_model(folder: Path, out: dict) -> None:
     try:
         mc = ModelConfig(model=str(folder), dtype="bfloat16", enforce_eager=True, max_model_len=256)
         out["quantization"] = mc.quantization
-        with one_process("cpu", model_config=mc) as vc:
+        with one_process("cpu", model_config=mc, load_format=load_format) as vc:
             model = get_model(vllm_config=vc)
             for name, module in model.named_modules():
                 if isinstance(module, RoutedExperts):

@@ -32,20 +32,22 @@ def quant_config_for(folder: Path):
 
 
 @contextlib.contextmanager
-def one_process(device: str, moe_backend: str = "auto", model_config=None):
+def one_process(device: str, moe_backend: str = "auto", model_config=None, load_format: str = "auto"):
     """A ``VllmConfig`` for ``device`` in context, vLLM's model-parallel groups for one process and, on a
     GPU, vLLM's workspace manager (what vLLM's model runner sets up before it builds a model).
 
     ``model_config`` (a vLLM ``ModelConfig``) is for the methods that read the model's settings while
     they are built (vLLM's online MXFP4); the config then also holds the quantization config vLLM makes
-    for that model (``VllmConfig.quant_config``)."""
-    from vllm.config import DeviceConfig, KernelConfig, VllmConfig, set_current_vllm_config
+    for that model (``VllmConfig.quant_config``). ``load_format`` is ``--load-format`` (``"moeconvert"``:
+    the plugin's model loader, which a gpt-oss folder needs)."""
+    from vllm.config import DeviceConfig, KernelConfig, LoadConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.distributed.parallel_state import model_parallel_is_initialized
 
     model = {"model_config": model_config} if model_config is not None else {}
     vc = VllmConfig(device_config=DeviceConfig(device=torch.device(device).type),
-                    kernel_config=KernelConfig(moe_backend=moe_backend), **model)
+                    kernel_config=KernelConfig(moe_backend=moe_backend), load_config=LoadConfig(load_format=load_format),
+                    **model)
     with set_current_vllm_config(vc):
         if not model_parallel_is_initialized():
             with tempfile.TemporaryDirectory() as tmp:
