@@ -112,6 +112,8 @@ def _report(experts, loaded: list[str], before: dict | None = None) -> dict:
     return {"method": type(experts.quant_method).__name__, "loaded": loaded, "params": params,
             "experts_class": type(kernel.fused_experts).__name__,
             "scale_is_param": _over(scale, experts.w13_weight_scale),
+            # what vLLM's activation gets: swigluoai's alpha, beta, clamp limit (None: the kernel's own)
+            "activation": [experts.activation.value, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit],
             "weights_are_params": all(_over(w, p) for w, p in zip(experts.quant_method._kernel_weights(experts),
                                                                   (experts.w13_weight, experts.w2_weight)))}
 
