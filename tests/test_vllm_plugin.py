@@ -361,6 +361,26 @@ def test_vllms_experts_run_a_converted_layer_against_the_reference(gpu_checks, f
 
 
 @gpu_vllm
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Marlin's and triton_kernels' MXFP4 kernels need CUDA: vLLM's "
+                    "CPU platform runs neither, so gpt-oss's forward runs on a GPU only (its bytes are checked on the "
+                    "CPU by test_vllm_serves_a_gpt_oss_folder_with_the_moeconvert_load_format)")
+@pytest.mark.parametrize("name", sorted(GPT_OSS))
+def test_vllms_experts_run_a_gpt_oss_layer_against_the_reference(gpt_oss_folders, name):
+    """On the GPU: each gpt-oss layer built by the plugin's method (``--load-format moeconvert``), vLLM's own
+    kernel (Marlin, or triton_kernels' monolithic one, which routes the logits itself) against
+    ``reference_moe`` on the source's own weights with gpt-oss's swigluoai and biases; the bound the other
+    folders' check uses (2e-2)."""
+    src, out = gpt_oss_folders[name]
+    got = _gpu_child(out, "--forward", str(src))
+    assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
+    for prefix, layer in got["layers"].items():
+        assert layer["experts_class"] == GPT_OSS[name][3]
+        for M, r in layer["tokens"].items():
+            assert r["finite"] and r["want_norm"] > 0, (prefix, M)
+            assert r["rel"] < 2e-2, (prefix, M, r["rel"])
+
+
+@gpu_vllm
 @pytest.mark.parametrize("scheme", BENCH)
 def test_the_plugin_holds_what_vllms_own_processing_makes_from_the_source(gpu_checks, scheme):
     """On the GPU, ``moeconvert bench vllm-startup``'s check: vLLM's compressed-tensors WNA16 method loads the

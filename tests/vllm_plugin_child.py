@@ -189,13 +189,15 @@ def _reference_weights(src: Path, prefix: str, manifest: dict):
     from moeconvert.modelmap import map_model
     from moeconvert.mxfp4 import dequantize_mxfp4, quantize_mxfp4
     from moeconvert.runtime.reference import DequantizedExperts, dequantize_block
+    from moeconvert.schemes import MXFP4Scheme
     from moeconvert.sources import open_source
 
     source = open_source(str(src))
     layer = next(m for m in map_model(source).layers if m.prefix == prefix)
     block = decode_chunk(source, layer, Partition(), 0, layer.num_experts)
     ref = dequantize_block(block)
-    if (manifest["scheme"] or {}).get("kind") == "mxfp4" and (manifest.get("quantization") or {}):
+    if (manifest["scheme"] or {}).get("kind") == "mxfp4" and (manifest.get("quantization") or {}) and \
+            not isinstance(layer.scheme, MXFP4Scheme):  # an MXFP4 source (gpt-oss's own) is relaid out, not quantized
         rounding = manifest["quantization"]["rounding"]
         dt = getattr(torch, manifest["dtype"])
         q = lambda w: dequantize_mxfp4(*quantize_mxfp4(w.to(dt), rounding))
@@ -217,17 +219,21 @@ def _gpu(mode: str, folder: Path, src: Path) -> dict:
         from moeconvert.integrations.vllm.harness import build_load_process, layer_tensors, one_process, quant_config_for, run_experts
         from moeconvert.runtime.reference import activation_fn, reference_moe
 
+        from moeconvert.integrations.vllm.scope import load_format
+
         register()
         manifest = check_output(folder).manifest
         dtype = getattr(torch, manifest["dtype"])
-        with one_process("cuda", manifest["layout"]["name"]):
+        # a gpt-oss folder is served with the plugin's loader only (the method refuses any other)
+        with one_process("cuda", manifest["layout"]["name"], load_format=load_format(manifest["family"]) or "auto"):
             cfg = quant_config_for(folder)
             out["quant_config"] = type(cfg).__name__
             for m in manifest["moe_layers"]:
                 timed = build_load_process(
                     cfg, layer_tensors(folder, m["prefix"], cfg), device="cuda", prefix=m["prefix"],
                     num_experts=m["num_experts_global"], top_k=m["top_k"], hidden_size=m["hidden_size"],
-                    intermediate_size=m["intermediate_size_total"], has_bias=m["has_bias"], dtype=dtype)
+                    intermediate_size=m["intermediate_size_total"], has_bias=m["has_bias"], dtype=dtype,
+                    activation=m["activation"])
                 experts = timed.experts
                 ref = _reference_weights(src, m["prefix"], manifest)
                 H = m["hidden_size"]
@@ -236,12 +242,14 @@ def _gpu(mode: str, folder: Path, src: Path) -> dict:
                 g = torch.Generator().manual_seed(0)
                 for M in (1, 16, 100):
                     x = (torch.randn(M, H, generator=g) * 0.5).to(dtype)
-                    logits = torch.randn(M, m["num_experts_global"], generator=g)
-                    w, ids = torch.topk(torch.softmax(logits, -1), m["top_k"], -1)
-                    w = w / w.sum(-1, keepdim=True)
+                    logits = torch.randn(M, m["num_experts_global"], generator=g).to(dtype)
+                    w, ids = torch.topk(torch.softmax(logits.float(), -1), m["top_k"], -1)
+                    w = w / w.sum(-1, keepdim=True)  # what a monolithic kernel's own routing gives (renormalized)
                     xin = torch.nn.functional.pad(x, (0, Hp - H)).cuda()
-                    y = run_experts(experts, xin, w.cuda(), ids.to(torch.int32).cuda())[:, :H].float().cpu()
-                    want = reference_moe(x.float(), ref, w, ids, activation_fn("silu")).float()
+                    y = run_experts(experts, xin, w.cuda(), ids.to(torch.int32).cuda(),
+                                    router_logits=logits.cuda())[:, :H].float().cpu()
+                    act = activation_fn(m["activation"], m.get("activation_params"))
+                    want = reference_moe(x.float(), ref, w, ids, act).float()
                     rows[M] = {"rel": float((y - want).norm() / want.norm()), "finite": bool(y.isfinite().all()),
                                "want_norm": float(want.norm())}
                 out["layers"][m["prefix"]] = {

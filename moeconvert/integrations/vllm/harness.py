@@ -202,10 +202,19 @@ def build_load_process(cfg, tensors: list[tuple[str, torch.Tensor]], *, device: 
     return timed
 
 
-def run_experts(experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """The layer's experts on routed tokens, through the kernel its quantization method built."""
-    y = experts.quant_method.apply(layer=experts, x=x, topk_weights=topk_weights, topk_ids=topk_ids,
-                                   shared_experts=None, shared_experts_input=None)
+def run_experts(experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                router_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """The layer's experts on routed tokens, through the kernel its quantization method built; a monolithic
+    kernel (it routes itself: triton_kernels' for vLLM's TRITON backend) gets ``router_logits`` instead, which
+    must route to ``topk_ids`` / ``topk_weights`` under the layer's routing."""
+    method = experts.quant_method
+    if method.is_monolithic:
+        if router_logits is None:
+            raise ValueError(f"{type(method.moe_kernel.fused_experts).__name__} routes itself: pass router_logits")
+        y = method.apply_monolithic(layer=experts, x=x, router_logits=router_logits)
+    else:
+        y = method.apply(layer=experts, x=x, topk_weights=topk_weights, topk_ids=topk_ids, shared_experts=None,
+                         shared_experts_input=None)
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"vLLM's MoE kernel returned {type(y).__name__}, not a finished output")
     return y
