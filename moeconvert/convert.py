@@ -17,6 +17,7 @@ from typing import Callable
 from moeconvert import __version__
 from moeconvert.format import CONFIG_NAME, FORMAT_VERSION
 from moeconvert.errors import InternalError, MoeConvertError
+from moeconvert.integrations.vllm.scope import load_format, refusal
 from moeconvert.jobs import (Request, attempts, job_source_files, layer_output_block, plan_jobs,  # noqa: F401
                              plan_key, read_records, rehash_sources, source_stat, still_good, write_record)
 # the plan lives beneath jobs and the writer; these names stay importable from here
@@ -147,7 +148,7 @@ def served_config(plan: ConversionPlan) -> bytes | None:
     manifest. docs/vllm.md says more.
     """
     layout = plan.layout
-    if layout.vllm_method is None:
+    if layout.vllm_method is None or vllm_refusal(plan) is not None:
         return None
     config = dict(plan.source.config)
     source_qc = None
@@ -164,7 +165,20 @@ def served_config(plan: ConversionPlan) -> bytes | None:
         "partition": plan.partition.to_json(),
         "source_quantization_config": source_qc,
     }
+    need = load_format(plan.model.family.name)
+    if need is not None:  # what `vllm serve` needs to be told (docs/vllm.md); the plugin refuses any other
+        config["quantization_config"]["load_format"] = need
     return (json.dumps(config, indent=2) + "\n").encode()
+
+
+def vllm_refusal(plan: ConversionPlan) -> str | None:
+    """Why moeconvert's vLLM plugin would refuse the folder of a layout it serves (the plugin's own sentence,
+    ``integrations/vllm/scope.py``); None when it serves it, or when the layout is not for vLLM at all."""
+    if plan.layout.vllm_method is None:
+        return None
+    kinds = {lp.scheme.kind for lp in plan.layers}
+    return refusal(plan.layout.name, kinds.pop() if len(kinds) == 1 else None, plan.model.family.name,
+                   [(lp.map.activation, lp.map.activation_params or {}) for lp in plan.layers])
 
 
 def tp_size_entry(st, entry, rank_metadata: list[dict] | None = None) -> dict:

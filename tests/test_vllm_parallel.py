@@ -35,6 +35,8 @@ SCHEMES = {
                              ["repack", "--backend", "marlin"]),
     "marlin-w8a16-g128": (dict(scheme="w8a16", intermediate_size=512), ["repack", "--backend", "marlin"]),
     "marlin-mxfp4": (dict(scheme="bf16", intermediate_size=256), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    # triton_kernels' MXFP4 (vLLM's TRITON backend runs swigluoai only: gpt-oss)
+    "triton-mxfp4": (dict(scheme="bf16", intermediate_size=256), ["quantize", "--format", "mxfp4", "--backend", "triton"]),
     "triton-w4a16-g128": (dict(scheme="w4a16", intermediate_size=256), ["repack", "--backend", "triton"]),
     "triton-w4a16-g128-asym": (dict(scheme="w4a16", symmetric=False, intermediate_size=256),
                                ["repack", "--backend", "triton"]),
@@ -73,12 +75,19 @@ def _layout_and_shape(manifest: dict, entry: dict):
 # the layouts' TP cuts, without vLLM
 
 
-@pytest.mark.parametrize("scheme", sorted(SCHEMES))
-def test_each_layouts_tp_cut_of_a_full_folder_is_the_per_rank_conversion(convert, scheme):
-    full = convert("qwen3-moe", scheme)
+# (family, scheme): every layout the plugin serves, gpt-oss's (interleaved w13 rows, expert biases) included
+CUT_CASES = [("qwen3-moe", s) for s in sorted(SCHEMES) if s != "triton-mxfp4"]
+CUT_CASES += [("gpt-oss", "marlin-mxfp4"), ("gpt-oss", "triton-mxfp4")]
+
+
+@pytest.mark.parametrize("family,scheme", CUT_CASES)
+def test_each_layouts_tp_cut_of_a_full_folder_is_the_per_rank_conversion(convert, family, scheme):
+    """Byte for byte; gpt-oss's w2 bias is rank 0's alone (the other rank's conversion holds zeros, as vLLM's
+    gpt-oss loader zeroes it there)."""
+    full = convert(family, scheme)
     files, manifest = st_tensors(full), _manifest(full)
     for rank in range(2):
-        ranked = convert("qwen3-moe", scheme, "--tp-size", "2", "--tp-rank", str(rank))
+        ranked = convert(family, scheme, "--tp-size", "2", "--tp-rank", str(rank))
         want = st_tensors(ranked)
         for entry in manifest["moe_layers"]:
             layout, shape, s = _layout_and_shape(manifest, entry)
@@ -102,7 +111,7 @@ def test_every_layout_the_plugin_serves_declares_its_tp_cuts():
     # the layouts SCHEMES above proves the cuts of: every served one but humming, which declares that no TP
     # rank is a slice of its full tensors (each rank is padded, tiled and given its codes on its own)
     assert {cls.__name__ for cls in served} == {"MarlinLayout", "MarlinMXFP4Layout", "TritonWNA16Layout",
-                                                "HummingLayout"}
+                                                "TritonMXFP4Layout", "HummingLayout"}
     from moeconvert.canonical import LayerShape
     from moeconvert.layouts import get_layout
     from moeconvert.layouts.base import NotASlice
@@ -315,6 +324,48 @@ def test_eplb_redundant_experts_are_copies_of_their_logical_experts(convert, tmp
         _assert_holds(got, _expected(convert, "deepseek-v3", "triton-w4a16-g128", logical, 2), f"rank {r}")
 
 
+GPT_OSS_SHAPES = {  # name: vLLM's parallel flags (2 ranks), through the whole model as `vllm serve` loads it
+    "ep2": dict(tp=2, ep=True),
+    "tp2": dict(tp=2),
+    "dp2-ep2": dict(dp=2, ep=True),
+    "pp2": dict(pp=2),
+}
+
+
+@needs_vllm
+@pytest.mark.parametrize("shape", sorted(GPT_OSS_SHAPES))
+@pytest.mark.parametrize("scheme", ["marlin-mxfp4", "triton-mxfp4"])
+def test_gpt_oss_each_rank_holds_its_conversion_with_the_moeconvert_load_format(convert, tmp_path, scheme, shape):
+    """gpt-oss with ``--load-format moeconvert`` (its only load format): vLLM's whole model on 2 ranks, each
+    rank's expert parameters hold the bytes of the conversion made for it: its experts (``--ep-size
+    --ep-rank``), its TP rank (``--tp-size --tp-rank``: w13 and its bias cut, w2's bias on rank 0 only, zeros
+    on rank 1, as vLLM's gpt-oss loader holds it), or at PP 2 its layer of the full folder unchanged. The
+    kernels need CUDA; the forward runs in tests/test_vllm_plugin.py's GPU tests."""
+    full = convert("gpt-oss", scheme)
+    manifest = _manifest(full)
+    E = manifest["moe_layers"][0]["num_experts_global"]
+    flags = GPT_OSS_SHAPES[shape]
+    ranks = _ranks(full, tmp_path, mode="model", load_format="moeconvert", **flags)
+    prefixes = [m["prefix"] for m in manifest["moe_layers"]]
+    for r, got in enumerate(ranks):
+        assert "error" not in got, got["error"]
+        if shape == "pp2":
+            files = st_tensors(full)
+            assert sorted(got["layers"]) == [prefixes[r]]
+            want = {m["prefix"]: {s: files[t["name"]] for s, t in m["tensors"].items()}
+                    for m in manifest["moe_layers"] if m["prefix"] == prefixes[r]}
+        elif flags.get("ep"):
+            layer = next(iter(got["layers"].values()))
+            experts = list(range(r * E // 2, (r + 1) * E // 2))
+            assert layer["ep"] == [2, r] and layer["tp"] == [1, 0] and layer["physical_experts"] == experts
+            want = _expected(convert, "gpt-oss", scheme, experts, 2)
+        else:
+            assert all(layer["tp"] == [2, r] for layer in got["layers"].values())
+            want = _expected(convert, "gpt-oss", scheme, list(range(E)), 1, tp=(2, r))
+            assert all(bool(t["w2_bias"].any()) == (r == 0) for t in want.values())  # rank 0's alone
+        _assert_holds(got, want, f"{shape} rank {r}")
+
+
 REFUSED = {  # case: (folder, shape, the one line's telling part)
     "eplb-on-marlin": (("deepseek-v3", "marlin-w4a16-g128"), dict(tp=2, ep=True, redundant=2),
                        "its Marlin WNA16 method does not (CompressedTensorsWNA16MoEMethod.supports_eplb is TRITON "
@@ -326,6 +377,9 @@ REFUSED = {  # case: (folder, shape, the one line's telling part)
                                  "moeconvert's model loader reads: serve with --load-format moeconvert"),
     "one-rank-folder": (("qwen3-moe", "marlin-w4a16-g128", "--ep-size", "2", "--ep-rank", "0"), dict(tp=2),
                         "this folder was converted for TP 1 rank 0, EP 2 rank 0; this vLLM builds the layer for TP 2"),
+    "gpt-oss-default-loader": (("gpt-oss", "triton-mxfp4"), dict(mode="model", tp=2, ep=True),
+                               "a gpt-oss folder is served with --load-format moeconvert only (vLLM's gpt-oss loader "
+                               "slices and transposes every tensor named w13_weight / w2_weight itself"),
 }
 
 

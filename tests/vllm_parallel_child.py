@@ -23,13 +23,11 @@ def main() -> None:
     shape = json.loads(Path(sys.argv[5]).read_text())
     import torch
 
-    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExpertsBase
-    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonWNA16Experts
     from vllm.plugins import load_general_plugins
 
-    # Marlin and vLLM's Triton MoE kernel need CUDA to run, not to be built (as in vllm_plugin_child.py)
-    MarlinExpertsBase._supports_current_device = staticmethod(lambda: True)
-    TritonWNA16Experts._supports_current_device = staticmethod(lambda: True)
+    from vllm_plugin_child import _kernels_build_on_the_cpu  # this script's folder is on sys.path
+
+    _kernels_build_on_the_cpu()  # the MoE kernels need CUDA to run, not to be built
     torch.accelerator.empty_cache = lambda: None  # the loader empties the accelerator's cache; a CPU build has none
     load_general_plugins()
 

@@ -46,13 +46,9 @@ def main() -> None:
         vllm.__version__ = sys.argv[sys.argv.index("--pretend-vllm") + 1]
     from moeconvert.integrations.vllm.harness import build_layer, layer_tensors, one_process, quant_config_for
 
-    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExpertsBase
-    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonWNA16Experts
-
-    # Marlin and vLLM's Triton MoE kernel need CUDA to run, not to be built: vLLM's kernel factories check
-    # the device, so on the CPU the check is answered here. Nothing runs a kernel in this process.
-    MarlinExpertsBase._supports_current_device = staticmethod(lambda: True)
-    TritonWNA16Experts._supports_current_device = staticmethod(lambda: True)
+    # Marlin, vLLM's Triton MoE kernel and triton_kernels' need CUDA to run, not to be built: vLLM's kernel
+    # factories check the device, so on the CPU the check is answered here. Nothing runs a kernel in this process.
+    _kernels_build_on_the_cpu()
 
     if "--humming" in sys.argv:
         return _humming_cpu(folder)
@@ -61,7 +57,8 @@ def main() -> None:
     load_general_plugins()  # vLLM's own plugin loader: it finds our entry point and runs register()
     out: dict = {"layers": {}}
     if "--whole-model" in sys.argv:
-        return _whole_model(folder, out)
+        load_format = sys.argv[sys.argv.index("--load-format") + 1] if "--load-format" in sys.argv else "auto"
+        return _whole_model(folder, out, load_format)
     skip = "." + sys.argv[sys.argv.index("--skip") + 1] if "--skip" in sys.argv else None
     try:
         cfg = quant_config_for(folder)  # vLLM's registry, from config.json; then our manifest is read
@@ -88,11 +85,25 @@ def main() -> None:
     print(json.dumps(out))
 
 
+def _kernels_build_on_the_cpu() -> None:
+    """vLLM's MoE kernel factories ask each experts class whether the current device runs it; the CPU tests
+    build (never run) Marlin's, vLLM's Triton WNA16 and triton_kernels' MXFP4 experts, so they answer yes."""
+    from vllm.model_executor.layers.fused_moe.experts.gpt_oss_triton_kernels_moe import (
+        BaseOAITritonExperts, OAITritonMxfp4ExpertsMonolithic)
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExpertsBase
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonWNA16Experts
+
+    for cls in (MarlinExpertsBase, TritonWNA16Experts, BaseOAITritonExperts, OAITritonMxfp4ExpertsMonolithic):
+        cls._supports_current_device = staticmethod(lambda: True)
+
+
 def _report(experts, loaded: list[str], before: dict | None = None) -> dict:
     """What vLLM holds for one MoE layer after processing (parameter names relative to the runner)."""
     import torch
 
     kernel = experts.quant_method.moe_kernel
+    qc = kernel.fused_experts.quant_config
+    scale = qc.w1_precision if type(experts.quant_method).__name__ == "TritonMXFP4Method" else qc.w1_scale  # a PrecisionConfig
     params = {}
     for n, p in experts.named_parameters():
         name = f"routed_experts.{n}"
@@ -102,7 +113,21 @@ def _report(experts, loaded: list[str], before: dict | None = None) -> dict:
             params[name]["moved"] = p.data_ptr() != before[name]
     return {"method": type(experts.quant_method).__name__, "loaded": loaded, "params": params,
             "experts_class": type(kernel.fused_experts).__name__,
-            "scale_is_param": kernel.fused_experts.quant_config.w1_scale is experts.w13_weight_scale}
+            "scale_is_param": _over(scale, experts.w13_weight_scale),
+            # what vLLM's activation gets: swigluoai's alpha, beta, clamp limit (None: the kernel's own)
+            "activation": [experts.activation.value, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit],
+            "weights_are_params": all(_over(w, p) for w, p in zip(experts.quant_method._kernel_weights(experts),
+                                                                  (experts.w13_weight, experts.w2_weight)))}
+
+
+def _over(x, param) -> bool:
+    """``x`` is the parameter itself, or a triton_kernels object (a Tensor, a PrecisionConfig's scale) whose
+    storage is a view of the parameter's bytes (no copy)."""
+    if x is param:
+        return True
+    data = getattr(getattr(getattr(x, "weight_scale", x), "storage", None), "data", None)
+    return (data is not None and data.data_ptr() == param.data_ptr() and data.numel() == param.numel()
+            and data.dtype == param.dtype)
 
 
 def _humming_on_a_cpu(sm: int) -> None:
@@ -288,10 +313,12 @@ def _plain_torch_linear_layers() -> None:
     torch.cpu._is_amx_tile_supported = lambda: False
 
 
-def _whole_model(folder: Path, out: dict) -> None:
-    """What ``vllm serve FOLDER`` does up to its first forward: vLLM's ModelConfig reads config.json (and
-    picks the plugin's method from it), vLLM's default loader builds the whole model and loads every
-    tensor of the folder through the model's own ``load_weights``, then processes every module."""
+def _whole_model(folder: Path, out: dict, load_format: str = "auto") -> None:
+    """What ``vllm serve FOLDER [--load-format F]`` does up to its first forward: vLLM's ModelConfig reads
+    config.json (and picks the plugin's method from it), vLLM's loader for ``load_format`` (its default one,
+    or the plugin's ``moeconvert``) builds the whole model and loads every tensor of the folder (through the
+    model's own ``load_weights``, the experts straight into their parameters with ``moeconvert``), then
+    processes every module."""
     import torch
     from vllm.config import ModelConfig
     from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -303,7 +330,7 @@ def _whole_model(folder: Path, out: dict) -> None:
     try:
         mc = ModelConfig(model=str(folder), dtype="bfloat16", enforce_eager=True, max_model_len=256)
         out["quantization"] = mc.quantization
-        with one_process("cpu", model_config=mc) as vc:
+        with one_process("cpu", model_config=mc, load_format=load_format) as vc:
             model = get_model(vllm_config=vc)
             for name, module in model.named_modules():
                 if isinstance(module, RoutedExperts):
@@ -325,13 +352,15 @@ def _reference_weights(src: Path, prefix: str, manifest: dict):
     from moeconvert.modelmap import map_model
     from moeconvert.mxfp4 import dequantize_mxfp4, quantize_mxfp4
     from moeconvert.runtime.reference import DequantizedExperts, dequantize_block
+    from moeconvert.schemes import MXFP4Scheme
     from moeconvert.sources import open_source
 
     source = open_source(str(src))
     layer = next(m for m in map_model(source).layers if m.prefix == prefix)
     block = decode_chunk(source, layer, Partition(), 0, layer.num_experts)
     ref = dequantize_block(block)
-    if (manifest["scheme"] or {}).get("kind") == "mxfp4" and (manifest.get("quantization") or {}):
+    if (manifest["scheme"] or {}).get("kind") == "mxfp4" and (manifest.get("quantization") or {}) and \
+            not isinstance(layer.scheme, MXFP4Scheme):  # an MXFP4 source (gpt-oss's own) is relaid out, not quantized
         rounding = manifest["quantization"]["rounding"]
         dt = getattr(torch, manifest["dtype"])
         q = lambda w: dequantize_mxfp4(*quantize_mxfp4(w.to(dt), rounding))
@@ -353,17 +382,21 @@ def _gpu(mode: str, folder: Path, src: Path) -> dict:
         from moeconvert.integrations.vllm.harness import build_load_process, layer_tensors, one_process, quant_config_for, run_experts
         from moeconvert.runtime.reference import activation_fn, reference_moe
 
+        from moeconvert.integrations.vllm.scope import load_format
+
         register()
         manifest = check_output(folder).manifest
         dtype = getattr(torch, manifest["dtype"])
-        with one_process("cuda", manifest["layout"]["name"]):
+        # a gpt-oss folder is served with the plugin's loader only (the method refuses any other)
+        with one_process("cuda", manifest["layout"]["name"], load_format=load_format(manifest["family"]) or "auto"):
             cfg = quant_config_for(folder)
             out["quant_config"] = type(cfg).__name__
             for m in manifest["moe_layers"]:
                 timed = build_load_process(
                     cfg, layer_tensors(folder, m["prefix"], cfg), device="cuda", prefix=m["prefix"],
                     num_experts=m["num_experts_global"], top_k=m["top_k"], hidden_size=m["hidden_size"],
-                    intermediate_size=m["intermediate_size_total"], has_bias=m["has_bias"], dtype=dtype)
+                    intermediate_size=m["intermediate_size_total"], has_bias=m["has_bias"], dtype=dtype,
+                    activation=m["activation"])
                 experts = timed.experts
                 ref = _reference_weights(src, m["prefix"], manifest)
                 H = m["hidden_size"]
@@ -372,12 +405,14 @@ def _gpu(mode: str, folder: Path, src: Path) -> dict:
                 g = torch.Generator().manual_seed(0)
                 for M in (1, 16, 100):
                     x = (torch.randn(M, H, generator=g) * 0.5).to(dtype)
-                    logits = torch.randn(M, m["num_experts_global"], generator=g)
-                    w, ids = torch.topk(torch.softmax(logits, -1), m["top_k"], -1)
-                    w = w / w.sum(-1, keepdim=True)
+                    logits = torch.randn(M, m["num_experts_global"], generator=g).to(dtype)
+                    w, ids = torch.topk(torch.softmax(logits.float(), -1), m["top_k"], -1)
+                    w = w / w.sum(-1, keepdim=True)  # what a monolithic kernel's own routing gives (renormalized)
                     xin = torch.nn.functional.pad(x, (0, Hp - H)).cuda()
-                    y = run_experts(experts, xin, w.cuda(), ids.to(torch.int32).cuda())[:, :H].float().cpu()
-                    want = reference_moe(x.float(), ref, w, ids, activation_fn("silu")).float()
+                    y = run_experts(experts, xin, w.cuda(), ids.to(torch.int32).cuda(),
+                                    router_logits=logits.cuda())[:, :H].float().cpu()
+                    act = activation_fn(m["activation"], m.get("activation_params"))
+                    want = reference_moe(x.float(), ref, w, ids, act).float()
                     rows[M] = {"rel": float((y - want).norm() / want.norm()), "finite": bool(y.isfinite().all()),
                                "want_norm": float(want.norm())}
                 out["layers"][m["prefix"]] = {

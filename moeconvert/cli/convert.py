@@ -206,7 +206,7 @@ def _convert(src, out_dir, backend, revision, part, max_shard_size, chunk_mb, dr
              quant=None, dtype=None, run=("auto", "local", None, False, True), tp_sizes=()):
     from pathlib import Path as _Path
 
-    from moeconvert.convert import plan_conversion, run_conversion
+    from moeconvert.convert import plan_conversion, run_conversion, vllm_refusal
     from moeconvert.jobs import Request, plan_jobs
     from moeconvert.layouts import layout_names
     from moeconvert.modelmap import map_model
@@ -236,7 +236,12 @@ def _convert(src, out_dir, backend, revision, part, max_shard_size, chunk_mb, dr
     jobs = plan_jobs(plan, request.chunk_bytes, request.job_bytes)
     peak = max((j.peak_bytes for j in jobs), default=0)
     executor = _executor(workers, executor_name, ray_address, jobs, peak)
-    for w in plan.warnings():
+    warnings = plan.warnings()
+    refused = vllm_refusal(plan)
+    if refused is not None:  # the folder keeps the source's config.json (convert.served_config)
+        warnings.append(f"config.json: copied as it is, since moeconvert's vLLM plugin does not serve this folder: "
+                        f"{refused}")
+    for w in warnings:
         err.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True)  # one line each, even in a log
     layout = plan.layout
     summary = {"source": src, "output": str(out_dir), "backend": layout.name, "layout_version": layout.version,
@@ -247,7 +252,7 @@ def _convert(src, out_dir, backend, revision, part, max_shard_size, chunk_mb, dr
                            "intermediate_size": lp.shape.intermediate_size,
                            "tensors": {s.suffix: {"shape": list(s.shape), "dtype": str(s.dtype).replace("torch.", "")}
                                        for s in lp.specs}} for lp in plan.layers],
-               "warnings": plan.warnings(), "dry_run": dry_run, "executor": executor.describe()}
+               "warnings": warnings, "dry_run": dry_run, "executor": executor.describe()}
     if dry_run:
         from moeconvert.estimate import estimate
 

@@ -40,12 +40,20 @@ class TPCut:
 
     Along ``dim`` the tensor is ``runs`` equal runs (w13's ``[gate; up]`` halves: 2) and the rank holds the
     r-th of T equal pieces of each run, the runs' pieces side by side; ``dim`` None: every rank holds the
-    whole tensor (w2's channelwise scales: its N is H, which TP does not cut). A layout declares a cut only
-    where the rank's bytes are exactly these bytes of the full tensor (``Layout.tp_cuts``).
+    whole tensor (w2's channelwise scales: its N is H, which TP does not cut). ``first_rank_only`` (with
+    ``dim`` None): TP rank 0 holds the whole tensor and every other rank zeros, for a tensor added after
+    TP's all-reduce, which the ranks' sum must count once (w2's bias: vLLM's gpt-oss loader zeroes it off
+    rank 0, ``GptOssModel._load_weights_mxfp4``). A layout declares a cut only where the rank's bytes are
+    exactly these bytes of the full tensor (``Layout.tp_cuts``).
     """
 
     dim: int | None
     runs: int = 1
+    first_rank_only: bool = False
+
+    def zeros_on(self, tp_rank: int) -> bool:
+        """Whether rank ``tp_rank`` holds zeros rather than bytes of the full tensor."""
+        return self.first_rank_only and tp_rank != 0
 
     def pieces(self, full_size: int, tp_size: int, tp_rank: int) -> list[tuple[int, int, int]]:
         """``(start in the full tensor, start in the rank's, length)`` along ``dim``, one per run."""
@@ -55,6 +63,8 @@ class TPCut:
 
     def take(self, full: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
         """The rank's tensor, cut out of the full one."""
+        if self.zeros_on(tp_rank):
+            return torch.zeros_like(full)
         if self.dim is None:
             return full
         parts = self.pieces(full.shape[self.dim], tp_size, tp_rank)
@@ -257,6 +267,21 @@ class Layout(ABC):
         rank = dataclasses.replace(shape, intermediate_size=I // tp_size)
         problems = self.check(rank, scheme)
         return NotASlice(f"a TP rank of {tp_size} cannot hold this layer: {problems[0]}", False) if problems else rank
+
+
+def expert_bias_cuts(shape: LayerShape, runs: int) -> dict[str, TPCut] | NotASlice:
+    """The TP cuts of a layer's expert biases (``Layout.tp_cuts``), ``runs`` as the layout's w13 rows.
+
+    w13's bias is cut as w13's rows. w2's bias is added after TP's all-reduce of GEMM2, so the ranks' sum
+    must count it once: vLLM's gpt-oss loaders (``GptOssModel._load_weights_mxfp4`` and
+    ``_load_weights_other``, "only load on rank 0 to avoid duplication") zero it on every TP rank but 0,
+    and ``decode`` writes a rank's tensors that way (moeconvert/decode.py). gpt-oss (``swigluoai``) is the
+    only family vLLM 0.33.0 loads expert biases for that way; its generic loader gives every rank the
+    whole bias, so other activations are not declared."""
+    if shape.activation != "swigluoai":
+        return NotASlice("expert biases outside gpt-oss: vLLM's generic loader gives every TP rank w2's whole bias, "
+                         "which the per-rank conversion does not reproduce")
+    return {W13.bias: TPCut(1, runs=runs), W2.bias: TPCut(None, first_rank_only=True)}
 
 
 #: the model dtypes vLLM's WNA16 loaders cast scales and biases to

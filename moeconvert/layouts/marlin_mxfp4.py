@@ -40,7 +40,7 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError
 from moeconvert.layouts import register
-from moeconvert.layouts.base import W2, W13, Layout, NotASlice, TensorSpec, TPCut
+from moeconvert.layouts.base import W2, W13, Layout, NotASlice, TensorSpec, TPCut, expert_bias_cuts
 from moeconvert.layouts.marlin import grouped_perm, repack_weights, single_perm, unrepack_weights
 from moeconvert.mxfp4 import MXFP4_BLOCK_SIZE
 from moeconvert.schemes import MXFP4Scheme, Scheme
@@ -230,12 +230,16 @@ class MarlinMXFP4Layout(Layout):
         rank = self._rank_shape(shape, scheme, tp_size)
         if isinstance(rank, NotASlice):
             return rank
-        if shape.has_bias:
-            return NotASlice("expert biases: w2's bias is added once after TP's all-reduce, which a slice does not express")
         # [gate; up] rows are two runs; gpt-oss's interleaved rows keep a rank's pairs together
         runs = 2 if W13_ROWS[shape.activation] == "gate_up" else 1
-        return {W13.weight: TPCut(2, runs=runs), W2.weight: TPCut(1), W13.weight_scale: TPCut(2, runs=runs),
+        cuts = {W13.weight: TPCut(2, runs=runs), W2.weight: TPCut(1), W13.weight_scale: TPCut(2, runs=runs),
                 W2.weight_scale: TPCut(1)}
+        if shape.has_bias:
+            bias = expert_bias_cuts(shape, runs)
+            if isinstance(bias, NotASlice):
+                return bias
+            cuts.update(bias)  # w13's bias: the 32-cycle permutation stays inside a rank's 2 Ip / T columns
+        return cuts
 
     def layer_metadata(self, shape: LayerShape, scheme: Scheme, facts: dict | None = None) -> dict:
         return {"w13_rows": W13_ROWS.get(shape.activation), "is_a_8bit": False}

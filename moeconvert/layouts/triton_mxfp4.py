@@ -42,7 +42,7 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError
 from moeconvert.layouts import register
-from moeconvert.layouts.base import Layout, TensorSpec
+from moeconvert.layouts.base import Layout, NotASlice, TensorSpec, TPCut, expert_bias_cuts
 from moeconvert.schemes import Scheme
 
 MXFP4_BLOCK = 32
@@ -282,6 +282,7 @@ class TritonMXFP4Layout(Layout):
     runtime_kernels = ()
     kernel = "triton_kernels.matmul_ogs (HopperMXValueLayout / HopperMXScaleLayout), vLLM TRITON / TRITON_UNFUSED"
     made_for = {"vllm": "0.33.0", "triton_kernels": f"{TRITON_KERNELS_API} API (vendored in vLLM 0.33.0)"}
+    vllm_method = "TritonMXFP4Method"
     # vLLM's round-up for TRITON (mxfp4_round_up_hidden_size_and_intermediate_size, generic branch):
     # I to 64, H unchanged; H must then be whole MXFP4 blocks already, which _check demands (§5.3, §8).
     pad_multiples = (1, 64)
@@ -387,6 +388,33 @@ class TritonMXFP4Layout(Layout):
     @staticmethod
     def _unrows(shape: LayerShape):
         return deinterleave_gate_up if ROW_ORDERS[shape.activation][0] == "interleaved" else (lambda x: x)
+
+    def tp_cuts(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> dict[str, TPCut] | NotASlice:
+        """Both swizzles keep whole tiles together: a value buffer row holds 16 rows of N (``R0``) and a run of
+        128 bytes of it one 64-value K tile (``R1``); a scale buffer row holds 256 rows of N (``d0``) and a run
+        of 64 bytes of it two K groups (``d5``). So a rank is rows of w13 (N = 2Ip) and columns of w2 (K = Ip)
+        of the full buffers exactly when its rows are whole 256-row scale tiles (interleaved rows: I / T a
+        multiple of 128; ``[gate; up]`` halves: of 256) and its K groups need no padding to 4 of their own
+        (I / T a multiple of 128); then neither the full tensors nor a rank's are padded (vLLM pads I to 64)."""
+        I = shape.extra.get("intermediate_size_unpadded", shape.intermediate_size)
+        interleaved = ROW_ORDERS.get(shape.activation, ("gate_up",))[0] == "interleaved"
+        unit = SCALE_ROW_TILE // 2 if interleaved else SCALE_ROW_TILE  # a rank's 2 I / T rows, or I / T per half
+        if tp_size > 1 and (I % tp_size or (I // tp_size) % unit):
+            return NotASlice(f"a TP rank's I = {I / tp_size:g} is not a multiple of {unit}: its rows are not whole "
+                             f"{SCALE_ROW_TILE}-row scale tiles or its K groups are padded to {SCALE_GROUP_MULTIPLE} "
+                             "on their own, so a rank's buffers are not a slice of the full ones")
+        rank = self._rank_shape(shape, scheme, tp_size)
+        if isinstance(rank, NotASlice):
+            return rank
+        runs = 1 if interleaved else 2
+        cuts = {"w13_weight": TPCut(1, runs=runs), "w13_weight_scale": TPCut(1, runs=runs),
+                "w2_weight": TPCut(2), "w2_weight_scale": TPCut(2)}
+        if shape.has_bias:
+            bias = expert_bias_cuts(shape, runs)
+            if isinstance(bias, NotASlice):
+                return bias
+            cuts.update(bias)
+        return cuts
 
     def layer_metadata(self, shape: LayerShape, scheme: Scheme, facts: dict | None = None) -> dict:
         g13, g2 = self._gemms(shape)

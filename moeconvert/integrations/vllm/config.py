@@ -16,7 +16,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from moeconvert.errors import MoeConvertError
 from moeconvert.integrations.vllm import SUPPORTED_VLLM
-from moeconvert.integrations.vllm.scope import method_name, refusal
+from moeconvert.integrations.vllm.scope import load_format, load_format_refusal, method_name, refusal
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # our stacked names under a layer's experts container -> the parameter of vLLM's RoutedExperts child
@@ -74,6 +74,9 @@ class MoeconvertConfig(QuantizationConfig):
         if not isinstance(raw.get("partition"), dict):
             raise _refuse("partition", "an object (tp_size, tp_rank, ep_size, ep_rank)", raw.get("partition"))
         self.partition = raw["partition"]
+        if raw.get("load_format") is not None and not isinstance(raw["load_format"], str):
+            raise _refuse("load_format", 'the name of a vLLM load format, e.g. "moeconvert", or absent',
+                          raw["load_format"])
         dtype = raw.get("dtype")
         if dtype not in _DTYPES:
             raise ValueError(f"moeconvert: quantization_config.dtype must be one of {sorted(_DTYPES)}, found {dtype!r}")
@@ -84,10 +87,14 @@ class MoeconvertConfig(QuantizationConfig):
         source = raw.get("source_quantization_config")
         if source is not None and not isinstance(source, dict):
             raise _refuse("source_quantization_config", "an object (the source's quantization_config) or null", source)
+        if source and source.get("quant_method") == "mxfp4":
+            # an MXFP4 checkpoint (gpt-oss's own) quantizes its MoE experts only, which are the folder's now:
+            # vLLM's Mxfp4Config gives every linear layer UnquantizedLinearMethod (quantization/mxfp4.py)
+            source = None
         if source:
             if source.get("quant_method") != "compressed-tensors":
-                raise ValueError("moeconvert: the source's quantization_config must be compressed-tensors, found "
-                                 f"{source.get('quant_method')!r}")
+                raise ValueError("moeconvert: the source's quantization_config must be compressed-tensors or mxfp4, "
+                                 f"found {source.get('quant_method')!r}")
             # vLLM takes a compressed-tensors config without config_groups as "nothing is quantized" and
             # would load the source's packed linear weights as plain ones (compressed_tensors.py from_config)
             groups = source.get("config_groups")
@@ -166,9 +173,12 @@ class MoeconvertConfig(QuantizationConfig):
                 raise _refuse(key, f"{_show(theirs)}, what moeconvert.json says", mine)
         kind = (manifest["scheme"] or {}).get("kind")
         why = refusal(manifest["layout"]["name"], kind, manifest["family"],
-                      {m["activation"] for m in manifest["moe_layers"]})
+                      [(m["activation"], m.get("activation_params") or {}) for m in manifest["moe_layers"]])
         if why is not None:
             raise ValueError(f"moeconvert: {why}")
+        if self.raw.get("load_format") != load_format(manifest["family"]):
+            raise _refuse("load_format", f"{_show(load_format(manifest['family']))} (what a {manifest['family']} "
+                          "folder is served with)", self.raw.get("load_format"))
         if manifest["dtype"] != self.raw["dtype"]:
             raise ValueError(f"moeconvert: config.json says dtype {self.raw['dtype']}, the manifest {manifest['dtype']}")
         self.manifest = manifest
@@ -190,6 +200,13 @@ class MoeconvertConfig(QuantizationConfig):
         from moeconvert.integrations.vllm.method import RankShare
         from moeconvert.layouts import get_layout
 
+        from vllm.config import get_current_vllm_config_or_none
+
+        vc = get_current_vllm_config_or_none()
+        loading_with = vc.load_config.load_format if vc is not None else None
+        why = load_format_refusal(self.manifest["family"], prefix, loading_with)
+        if why is not None:
+            raise ValueError(f"moeconvert: {why}")
         pc = layer.moe_config.moe_parallel_config
         have = {"tp_size": pc.tp_size, "tp_rank": pc.tp_rank, "ep_size": pc.ep_size if pc.use_ep else 1,
                 "ep_rank": pc.ep_rank if pc.use_ep else 0}
@@ -234,15 +251,11 @@ class MoeconvertConfig(QuantizationConfig):
             T = have["tp_size"]
             stored = entry.get("tp_sizes", {}).get(str(T))
             if stored and stored["stored"]:
-                from vllm.config import get_current_vllm_config_or_none
-
-                vc = get_current_vllm_config_or_none()
-                load_format = vc.load_config.load_format if vc is not None else None
-                if load_format != "moeconvert":
+                if loading_with != "moeconvert":
                     raise ValueError(
                         f"moeconvert: {prefix}: this vLLM builds the layer for {shape}; the folder stores its TP {T} "
                         f"rank tensors beside the full ones, which only moeconvert's model loader reads: serve with "
-                        f"--load-format moeconvert (this vLLM loads with {load_format!r})")
+                        f"--load-format moeconvert (this vLLM loads with {loading_with!r})")
                 return RankShare(experts_from_layer=True, tp_size=T, tp_rank=have["tp_rank"], stored=stored)
             fix = (f"or convert once more adding this TP size: {self._command(tp_sizes=T)}"
                    if cuts.convertible else f"a TP rank of {T} cannot hold it in this layout at all")

@@ -32,20 +32,22 @@ def quant_config_for(folder: Path):
 
 
 @contextlib.contextmanager
-def one_process(device: str, moe_backend: str = "auto", model_config=None):
+def one_process(device: str, moe_backend: str = "auto", model_config=None, load_format: str = "auto"):
     """A ``VllmConfig`` for ``device`` in context, vLLM's model-parallel groups for one process and, on a
     GPU, vLLM's workspace manager (what vLLM's model runner sets up before it builds a model).
 
     ``model_config`` (a vLLM ``ModelConfig``) is for the methods that read the model's settings while
     they are built (vLLM's online MXFP4); the config then also holds the quantization config vLLM makes
-    for that model (``VllmConfig.quant_config``)."""
-    from vllm.config import DeviceConfig, KernelConfig, VllmConfig, set_current_vllm_config
+    for that model (``VllmConfig.quant_config``). ``load_format`` is ``--load-format`` (``"moeconvert"``:
+    the plugin's model loader, which a gpt-oss folder needs)."""
+    from vllm.config import DeviceConfig, KernelConfig, LoadConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.distributed.parallel_state import model_parallel_is_initialized
 
     model = {"model_config": model_config} if model_config is not None else {}
     vc = VllmConfig(device_config=DeviceConfig(device=torch.device(device).type),
-                    kernel_config=KernelConfig(moe_backend=moe_backend), **model)
+                    kernel_config=KernelConfig(moe_backend=moe_backend), load_config=LoadConfig(load_format=load_format),
+                    **model)
     with set_current_vllm_config(vc):
         if not model_parallel_is_initialized():
             with tempfile.TemporaryDirectory() as tmp:
@@ -200,10 +202,19 @@ def build_load_process(cfg, tensors: list[tuple[str, torch.Tensor]], *, device: 
     return timed
 
 
-def run_experts(experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """The layer's experts on routed tokens, through the kernel its quantization method built."""
-    y = experts.quant_method.apply(layer=experts, x=x, topk_weights=topk_weights, topk_ids=topk_ids,
-                                   shared_experts=None, shared_experts_input=None)
+def run_experts(experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                router_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """The layer's experts on routed tokens, through the kernel its quantization method built; a monolithic
+    kernel (it routes itself: triton_kernels' for vLLM's TRITON backend) gets ``router_logits`` instead, which
+    must route to ``topk_ids`` / ``topk_weights`` under the layer's routing."""
+    method = experts.quant_method
+    if method.is_monolithic:
+        if router_logits is None:
+            raise ValueError(f"{type(method.moe_kernel.fused_experts).__name__} routes itself: pass router_logits")
+        y = method.apply_monolithic(layer=experts, x=x, router_logits=router_logits)
+    else:
+        y = method.apply(layer=experts, x=x, topk_weights=topk_weights, topk_ids=topk_ids, shared_experts=None,
+                         shared_experts_input=None)
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"vLLM's MoE kernel returned {type(y).__name__}, not a finished output")
     return y

@@ -80,6 +80,13 @@ def _read_into(fd: int, dst: torch.Tensor, ranges) -> None:
             done += got
 
 
+def _open(fds: dict[Path, int], file: Path) -> int:
+    """The one descriptor of ``file`` for this load (opened on first use, closed by the caller)."""
+    if file not in fds:
+        fds[file] = os.open(file, os.O_RDONLY)
+    return fds[file]
+
+
 class MoeconvertModelLoader(DefaultModelLoader):
     def load_weights(self, model: torch.nn.Module, model_config) -> None:
         from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -114,9 +121,13 @@ class MoeconvertModelLoader(DefaultModelLoader):
                     if list(info.shape) != list(t["shape"]) or info.dtype != t["dtype"]:
                         raise method._refuse(f"{suffix}: the file holds {list(info.shape)} {info.dtype}, the manifest "
                                              f"{t['shape']} {t['dtype']}")
-                    fd = fds.setdefault(info.file, os.open(info.file, os.O_RDONLY))
+                    fd = _open(fds, info.file)
                     param = getattr(module, suffix)
                     cut = share.cuts.get(suffix) if share.tp_size > 1 and not share.stored else None
+                    if cut is not None and cut.zeros_on(share.tp_rank):  # rank 0's alone (w2's bias): read nothing
+                        param.data.zero_()
+                        method.loaded[suffix] = method.loaded.get(suffix, 0) + 1
+                        continue
                     if share.stored:  # this rank's block [r] of the stored [T, E, ...] tensor
                         block = info.nbytes // share.tp_size
                         info = dataclasses.replace(info, shape=tuple(info.shape[1:]), start=info.start + share.tp_rank * block,
@@ -137,7 +148,7 @@ class MoeconvertModelLoader(DefaultModelLoader):
                 for name, info in infos.items():
                     if name in stacked:
                         continue
-                    fd = fds.setdefault(info.file, os.open(info.file, os.O_RDONLY))
+                    fd = _open(fds, info.file)
                     tensor = torch.empty(info.shape, dtype=info.torch_dtype)
                     _read_into(fd, tensor, [(info.start, 0, info.nbytes)])
                     yield name, tensor

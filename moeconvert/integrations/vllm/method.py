@@ -103,6 +103,7 @@ class _FinalLayoutMethod(FusedMoEMethodBase):
         self.experts_cls = self._experts_cls()
         self.entry = entry
         self.partition = manifest["partition"]
+        self.manifest_dtype = manifest["dtype"]
         self.share = share or RankShare()
         self.loaded: dict[str, int] = {}
 
@@ -193,6 +194,9 @@ class _FinalLayoutMethod(FusedMoEMethodBase):
             if share.stored:
                 loaded_weight = loaded_weight[share.tp_rank]  # this rank's block of [T, E, ...]
             runs = _expert_runs(local_experts(layer)) if share.experts_from_layer else [(0, slice(None))]
+            if cut is not None and cut.zeros_on(share.tp_rank):  # added once after the all-reduce: rank 0's
+                param.data.zero_()
+                runs = []
             for slot, rows in runs:
                 src = loaded_weight[rows]
                 dst = param.data.narrow(0, slot, src.shape[0])
@@ -216,12 +220,29 @@ class _FinalLayoutMethod(FusedMoEMethodBase):
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)
         self.moe_kernel = self._make_kernel(layer)
 
+    def _kernel_weights(self, layer) -> tuple:
+        """(w1, w2) as the kernel takes them: the parameters themselves."""
+        return layer.w13_weight, layer.w2_weight
+
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        w1, w2 = self._kernel_weights(layer)
         return self.moe_kernel.apply(
-            x, layer.w13_weight, layer.w2_weight, topk_weights=topk_weights, topk_ids=topk_ids,
+            x, w1, w2, topk_weights=topk_weights, topk_ids=topk_ids,
             activation=layer.activation, global_num_experts=layer.global_num_experts, expert_map=layer.expert_map,
             apply_router_weight_on_input=layer.apply_router_weight_on_input, shared_experts=shared_experts,
             shared_experts_input=shared_experts_input)
+
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        """A monolithic kernel (routing inside it, e.g. triton_kernels' for vLLM's TRITON backend) is called
+        with the layer's routing settings, as vLLM's own MXFP4 methods call it (quantization/mxfp4.py)."""
+        w1, w2 = self._kernel_weights(layer)
+        return self.moe_kernel.apply_monolithic(
+            hidden_states=x, w1=w1, w2=w2, router_logits=router_logits, activation=layer.activation,
+            global_num_experts=layer.global_num_experts, expert_map=layer.expert_map,
+            apply_router_weight_on_input=layer.apply_router_weight_on_input, num_expert_group=layer.num_expert_group,
+            topk_group=layer.topk_group, e_score_correction_bias=layer.e_score_correction_bias,
+            routed_scaling_factor=layer.routed_scaling_factor, routing_sink=layer.routing_sink, input_ids=input_ids,
+            hash_indices_table=layer.hash_indices_table)
 
 
 class MarlinWNA16Method(_FinalLayoutMethod):
@@ -269,11 +290,12 @@ class TritonWNA16Method(MarlinWNA16Method):
         return TritonWNA16Experts
 
 
-class MarlinMXFP4Method(_FinalLayoutMethod):
-    """``marlin`` MXFP4 (``moeconvert quantize --format mxfp4``): vLLM's ``MarlinExperts`` with e2m1 weights
-    and e8m0 scales, over H and I zero-padded as vLLM pads them for Marlin (the folder holds them padded)."""
+class _MXFP4Method(_FinalLayoutMethod):
+    """What the MXFP4 methods share: the padded sizes the folder holds, and gpt-oss's activation constants
+    passed to vLLM's quant config as its own gpt-oss method passes them."""
 
-    supports_eplb = True  # as vLLM's Mxfp4MoEMethod (quantization/mxfp4.py), Marlin backend included
+    #: vLLM's MXFP4 backend whose round-up of (H, I) the layout was padded with
+    backend = "MARLIN"
 
     def maybe_roundup_sizes(self, hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config):
         from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import (
@@ -281,25 +303,46 @@ class MarlinMXFP4Method(_FinalLayoutMethod):
 
         H, I = super().maybe_roundup_sizes(hidden_size, intermediate_size_per_partition, act_dtype,
                                            moe_parallel_config)
-        return mxfp4_round_up_hidden_size_and_intermediate_size(Mxfp4MoeBackend.MARLIN, H, I)
+        return mxfp4_round_up_hidden_size_and_intermediate_size(Mxfp4MoeBackend[self.backend], H, I)
 
     def _sizes(self, entry: dict | None = None) -> tuple[int, int]:
         e = entry or self.entry
         return e["hidden_size_padded"], e["intermediate_size_padded"]
+
+    def _activation_constants(self) -> dict:
+        """``gemm1_alpha`` / ``gemm1_beta`` / ``gemm1_clamp_limit`` for the quant config: for swigluoai, the
+        layer's alpha and limit (the manifest's; the plugin serves gpt-oss's only, ``scope.SWIGLUOAI``) and
+        beta 1, as vLLM's GptOssMxfp4MoEMethod passes them; nothing for silu, as vLLM's Mxfp4MoEMethod."""
+        if self.entry["activation"] != "swigluoai":
+            return {"gemm1_alpha": None, "gemm1_beta": None, "gemm1_clamp_limit": None}
+        from moeconvert.integrations.vllm.scope import SWIGLUOAI, SWIGLUOAI_BETA
+
+        params = {**SWIGLUOAI, **(self.entry.get("activation_params") or {})}
+        return {"gemm1_alpha": params["alpha"], "gemm1_beta": SWIGLUOAI_BETA, "gemm1_clamp_limit": params["limit"]}
+
+    def _make_kernel(self, layer):
+        from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend, make_mxfp4_moe_kernel
+
+        kernel = make_mxfp4_moe_kernel(moe_quant_config=self.moe_quant_config, moe_config=self.moe,
+                                       experts_cls=self.experts_cls, mxfp4_backend=Mxfp4MoeBackend[self.backend],
+                                       routing_tables=layer._expert_routing_tables())
+        kernel.fused_experts.process_weights_after_loading(layer)  # as vLLM's MXFP4 methods do (a no-op today)
+        return kernel
+
+
+class MarlinMXFP4Method(_MXFP4Method):
+    """``marlin`` MXFP4 (``moeconvert quantize --format mxfp4``, and gpt-oss): vLLM's ``MarlinExperts`` with
+    e2m1 weights and e8m0 scales, over H and I zero-padded as vLLM pads them for Marlin (the folder holds
+    them padded)."""
+
+    supports_eplb = True  # as vLLM's Mxfp4MoEMethod (quantization/mxfp4.py), Marlin backend included
 
     def get_fused_moe_quant_config(self, layer):
         from vllm.model_executor.layers.fused_moe.config import mxfp4_w4a16_moe_quant_config
 
         return mxfp4_w4a16_moe_quant_config(w1_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale,
                                             w1_bias=getattr(layer, "w13_bias", None),
-                                            w2_bias=getattr(layer, "w2_bias", None))
-
-    def _make_kernel(self, layer):
-        from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend, make_mxfp4_moe_kernel
-
-        return make_mxfp4_moe_kernel(moe_quant_config=self.moe_quant_config, moe_config=self.moe,
-                                     experts_cls=self.experts_cls, mxfp4_backend=Mxfp4MoeBackend.MARLIN,
-                                     routing_tables=layer._expert_routing_tables())
+                                            w2_bias=getattr(layer, "w2_bias", None), **self._activation_constants())
 
 
 class HummingWNA16Method(_FinalLayoutMethod):
@@ -473,3 +516,91 @@ class HummingWNA16Method(_FinalLayoutMethod):
         return make_wna16_moe_kernel(moe_quant_config=self.moe_quant_config, moe_config=self.moe,
                                      experts_cls=self.experts_cls, backend=WNA16MoEBackend.HUMMING,
                                      routing_tables=layer._expert_routing_tables())
+
+
+class TritonMXFP4Method(_MXFP4Method):
+    """``triton`` MXFP4 (gpt-oss): vLLM's triton_kernels experts for its TRITON backend (``matmul_ogs`` with the
+    fused swiglu epilogue; the first of ``OAITritonMxfp4ExpertsMonolithic`` and ``OAITritonExperts`` that
+    supports the layer, as vLLM picks), over the folder's swizzled buffers wrapped as triton_kernels tensors
+    without moving a byte (docs/layouts/triton-mxfp4.md, "Loader recipe"). The parameters stay the folder's
+    bytes; the wrappers are views of them, held by the method."""
+
+    backend = "TRITON"
+    supports_eplb = False  # vLLM's GptOssMxfp4MoEMethod declares none, and the monolithic kernel takes none
+
+    def __init__(self, moe, entry: dict, manifest: dict, share: RankShare | None = None):
+        super().__init__(moe, entry, manifest, share)
+        self.w13_tk = self.w2_tk = None
+
+    def _experts_cls(self):
+        from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+        from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend, backend_to_kernel_cls
+        from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Static
+
+        why = None
+        for cls in backend_to_kernel_cls(Mxfp4MoeBackend.TRITON):  # vLLM's preference order
+            ok, why = cls.is_supported_config(cls, self.moe, kMxfp4Static, None, mk.FusedMoEActivationFormat.Standard)
+            if ok:
+                return cls
+        raise ValueError(f"moeconvert: {self.moe.moe_parallel_config}: vLLM's triton_kernels MXFP4 experts do not "
+                         f"run this layer ({why})")
+
+    def _wrap(self, layer, gemm: str):
+        """One GEMM's weight and precision config as triton_kernels objects over the parameters' ``.mT`` views
+        (the recipe's ``rebuild``; the manifest's ``layout_metadata`` for this rank's sizes)."""
+        from triton_kernels.matmul_ogs import FlexCtx, PrecisionConfig
+        from triton_kernels.numerics import InFlexData
+        from triton_kernels.tensor import FP4, Storage, Tensor
+        from triton_kernels.tensor_details.layout import HopperMXScaleLayout, HopperMXValueLayout
+
+        m = self._metadata()[gemm]
+        E = getattr(layer, f"{gemm}_weight").shape[0]  # this rank's experts
+        logical, scale_shape = [E, *m["logical_shape"][1:]], [E, *m["scale_shape"][1:]]
+        vl, sl = m["value_layout"], m["scale_layout"]
+        w = Tensor(Storage(getattr(layer, f"{gemm}_weight").data.mT,
+                           HopperMXValueLayout([E, *vl["shape"][1:]], mx_axis=vl["mx_axis"],
+                                               mma_version=vl["mma_version"])),
+                   dtype=FP4, shape=logical, shape_max=logical)
+        s = Tensor(Storage(getattr(layer, f"{gemm}_weight_scale").data.mT,
+                           HopperMXScaleLayout([E, *sl["shape"][1:]], mx_axis=sl["mx_axis"], num_warps=sl["num_warps"])),
+                   dtype=torch.uint8, shape=scale_shape)
+        return w, PrecisionConfig(weight_scale=s, flex_ctx=FlexCtx(rhs_data=InFlexData()))
+
+    def _metadata(self) -> dict:
+        """The layout's metadata for this rank's sizes: the stored TP size's, the layout's own for a TP cut
+        (its rank shape), else the layer's."""
+        if self.share.stored:
+            return self.share.stored["layout_metadata"]
+        if self.share.tp_size > 1:
+            from moeconvert.layouts import get_layout
+            from moeconvert.layouts.output import layer_shape_from_manifest, parse_scheme, rank_shape
+
+            layout = get_layout("triton", "mxfp4")
+            scheme = parse_scheme(self.entry["scheme"], "scheme")
+            shape = layer_shape_from_manifest(self.entry, self.manifest_dtype)
+            return layout.layer_metadata(rank_shape(shape, layout, scheme, self.share.tp_size), scheme)
+        return self.entry["layout_metadata"]
+
+    def process_weights_after_loading(self, layer) -> None:
+        # vLLM's TRITON path sets these process-wide when it swizzles (mxfp4_utils._swizzle_mxfp4); the bytes
+        # were made for them: split_k 1 on SM90 (layout_metadata's opt_flags_constraints)
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cuda() and current_platform.is_device_capability(90):
+            from triton_kernels.matmul_ogs_details.opt_flags import update_opt_flags_constraints
+
+            update_opt_flags_constraints(self.entry["layout_metadata"]["opt_flags_constraints"])
+        (self.w13_tk, self.w13_precision), (self.w2_tk, self.w2_precision) = self._wrap(layer, "w13"), self._wrap(layer, "w2")
+        super().process_weights_after_loading(layer)
+
+    def get_fused_moe_quant_config(self, layer):
+        from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend, make_mxfp4_moe_quant_config
+
+        c = self._activation_constants()
+        return make_mxfp4_moe_quant_config(
+            mxfp4_backend=Mxfp4MoeBackend.TRITON, w1_scale=self.w13_precision, w2_scale=self.w2_precision,
+            w1_bias=getattr(layer, "w13_bias", None), w2_bias=getattr(layer, "w2_bias", None),
+            gemm1_alpha=c["gemm1_alpha"], gemm1_beta=c["gemm1_beta"], swiglu_limit=c["gemm1_clamp_limit"], layer=layer)
+
+    def _kernel_weights(self, layer) -> tuple:
+        return self.w13_tk, self.w2_tk
