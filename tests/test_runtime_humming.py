@@ -69,7 +69,7 @@ def fresh(monkeypatch):
 
 
 def _humming_installed():
-    humming = pytest.importorskip("humming", reason="humming-kernels is not installed (pip install 'moeconvert[humming]')")
+    humming = pytest.importorskip("humming", reason="humming-kernels is not installed (moeconvert[humming])")
     if humming.__version__ != "0.1.19":
         pytest.skip(f"humming-kernels {humming.__version__} is installed, the folders are made for 0.1.19")
     return humming
@@ -241,7 +241,8 @@ def _source_sublayers(src: Path, layer: int, num_experts: int) -> dict[str, dict
 
     out = {}
     for sub, projs in (("w13", ("gate_proj", "up_proj")), ("w2", ("down_proj",))):
-        out[sub] = {name: torch.cat([stack(proj, name) for proj in projs], 1) for name in ("weight_packed", "weight_scale")}
+        out[sub] = {name: torch.cat([stack(proj, name) for proj in projs], 1)
+                    for name in ("weight_packed", "weight_scale")}
         shape = stack(projs[0], "weight_shape")
         out[sub]["weight_shape"] = shape * torch.tensor([len(projs), 1])
     return out

@@ -426,7 +426,7 @@ class HummingWNA16Method(_FinalLayoutMethod):
         """``layer.weight_schemas``, ``layer.input_schemas`` and ``layer.humming_configs`` as vLLM's conversion
         leaves them: each sublayer's schema and ``LayerConfig`` from ``moeconvert.layouts.humming.humming_configs``
         (humming's own ``prepare_layer_config``, the runtime's humming kernel builds its configs there too),
-        with vLLM's sizes, dtype and input schema, checked against the folder's padded sizes and weight dtype."""
+        with vLLM's sizes, dtype and input schemas, checked against every field the folder records."""
         from moeconvert.errors import MoeConvertError
         from moeconvert.layouts.humming import humming_configs
 
