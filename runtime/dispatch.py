@@ -2,9 +2,9 @@
 
 A runtime kernel is a :class:`Kernel` registered under its name with how to tell whether it can run a
 layer here and how to run it (:func:`register_kernel`): the built-in adapters are vllm_marlin.py
-(``vllm-marlin``) and moeconvert_triton.py (``triton``); other distributions add theirs through the
-``moeconvert.kernels`` entry-point group, loaded the first time the registry is asked. A layout
-declares the names of the runtime kernels that read it, in order of preference
+(``vllm-marlin``), moeconvert_triton.py (``triton``) and humming.py (``humming``); other distributions
+add theirs through the ``moeconvert.kernels`` entry-point group, loaded the first time the registry is
+asked. A layout declares the names of the runtime kernels that read it, in order of preference
 (``Layout.runtime_kernels``): that is the only link between the two. For a layer, :func:`select` takes
 
 1. the override, if any: the ``kernel=`` argument of ``load``, else ``$MOECONVERT_KERNEL``; an
@@ -157,3 +157,4 @@ def select(layer, device: torch.device, override: str | None = None) -> Choice:
 # The built-in runtime kernels register themselves on import (one adapter module per kernel).
 from moeconvert.runtime import vllm_marlin  # noqa: E402,F401
 from moeconvert.runtime import moeconvert_triton  # noqa: E402,F401
+from moeconvert.runtime import humming  # noqa: E402,F401

@@ -263,7 +263,7 @@ class HummingLayout(Layout):
     name = "humming"
     version = 1
     schemes = ("wna16",)
-    runtime_kernels = ()
+    runtime_kernels = ("humming",)  # runtime/humming.py; the reference when it cannot run (and says why)
     kernel = "humming-kernels HummingGroupedExperts (vLLM 0.33.0, SM90, 16-bit activations)"
     made_for = {"vllm": "0.33.0", "humming-kernels": "0.1.19", "sm": "90", "activation": "16-bit (model dtype)"}
     vllm_method = "HummingWNA16Method"
@@ -488,3 +488,87 @@ def _runs(ids: list[int]) -> str:
         if i is not None:
             start = prev = i
     return ", ".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# humming's own schema and LayerConfig for a folder's layer: what a consumer of these bytes hands humming.
+# The runtime's ``humming`` kernel (runtime/humming.py) and the vLLM plugin (HummingWNA16Method) both build
+# theirs here, so the two never diverge. humming is imported only when they are asked for.
+
+
+def vllm_state_problem(symmetric: bool, group_size: int) -> str | None:
+    """Why no vLLM 0.33.0 memory holds such a humming layer (None: vLLM runs humming for it).
+
+    vLLM's WNA16 oracle finds no humming experts for the asymmetric weight key, and its compressed-tensors
+    MoE method asserts group scales for every backend but Marlin: it serves both with Marlin."""
+    if symmetric and group_size != -1:
+        return None
+    what = "asymmetric" if not symmetric else "channelwise"
+    return (f"vLLM 0.33.0 never runs humming for {what} compressed-tensors experts (it serves them with Marlin), "
+            "so this humming folder has no vLLM state to match")
+
+
+@dataclasses.dataclass(frozen=True)
+class HummingSublayer:
+    """What humming is handed for one sublayer: its weight schema and the ``LayerConfig`` its kernels run."""
+
+    weight_schema: object  # humming.schema.HummingWeightSchema
+    config: object  # humming.config.LayerConfig
+
+
+#: LayerConfig fields the manifest's layout_metadata records per sublayer (``num_experts`` is left out: a
+#: vLLM EP rank of a whole folder holds fewer experts than the folder, and checks that count itself)
+CONFIG_FIELDS = ("shape_n", "shape_k", "pad_shape_n", "pad_shape_k", "b_dtype", "a_dtype", "c_dtype", "bs_dtype",
+                 "weight_scale_group_size", "weight_scale_type", "has_zero_point", "has_bias", "sm_version")
+
+
+def humming_weight_schema(metadata: dict, sub: str, *, group_size: int, symmetric: bool):
+    """humming's ``HummingWeightSchema`` for a ``pack-quantized`` sublayer, as humming's
+    ``CompressedTensorsWeightSchema.convert_humming`` leaves it: unsigned codes, or sign-magnitude where no
+    code of the sublayer is 0 (``metadata[sub]["b_dtype"]``, chosen over the rank's experts as vLLM does)."""
+    from humming import dtypes
+    from humming.schema import HummingWeightSchema
+
+    b_dtype = metadata[sub]["b_dtype"]
+    if b_dtype is None:
+        raise MoeConvertError(f"layout_metadata.{sub}.b_dtype is null: the folder records no weight dtype; "
+                              "convert the source again with this moeconvert")
+    return HummingWeightSchema(b_dtype=dtypes.DataType.from_str(b_dtype), weight_scale_group_size=max(group_size, 0),
+                               has_zero_point=not symmetric)
+
+
+def humming_configs(metadata: dict, *, group_size: int, symmetric: bool, hidden_size: int, intermediate_size: int,
+                    num_experts: int, has_bias: bool, dtype: torch.dtype, input_schemas: dict | None = None,
+                    device=None) -> dict[str, HummingSublayer]:
+    """Each sublayer's humming weight schema and ``LayerConfig`` for a layer of H ``hidden_size``, I
+    ``intermediate_size`` per rank and ``num_experts`` local experts, made by humming's own
+    ``prepare_layer_config`` as vLLM's ``convert_to_humming_moe_kernel_format`` calls it (w13: N = 2I, K = H;
+    w2: N = H, K = I; N padded to 256, K to 128; the model ``dtype``; ``input_schemas`` per sublayer,
+    None: 16-bit activations in that dtype), on ``device`` (humming reads its SM there). Every field the folder's
+    ``metadata`` records must come out the same, or a one-line error names the differences: the bytes are
+    made for that config only."""
+    from humming.transform import prepare_layer_config
+
+    out = {}
+    for sub, (n, k) in (("w13", (2 * intermediate_size, hidden_size)), ("w2", (hidden_size, intermediate_size))):
+        schema = humming_weight_schema(metadata, sub, group_size=group_size, symmetric=symmetric)
+        config = prepare_layer_config(shape_n=n, shape_k=k, weight_schema=schema,
+                                      input_schema=(input_schemas or {}).get(sub),
+                                      num_experts=num_experts, pad_n_to_multiple=PAD_N, pad_k_to_multiple=PAD_K,
+                                      has_bias=has_bias, torch_dtype=dtype, device=device)
+        meta = metadata[sub]
+        got = {key: config_value(config, key) for key in CONFIG_FIELDS}
+        differ = [f"{key} {v} here, {meta.get(key)} in the folder" for key, v in got.items() if meta.get(key) != v]
+        if differ:
+            raise MoeConvertError(f"{sub}: humming's LayerConfig for this layer differs from the folder's "
+                                  f"({', '.join(differ)})")
+        out[sub] = HummingSublayer(schema, config)
+    return out
+
+
+def config_value(config, key: str):
+    """A ``LayerConfig`` field as the manifest writes it (dtypes and enums by name, sizes as ints)."""
+    v = getattr(config, key)
+    if isinstance(v, (bool, int)) or v is None:
+        return v
+    return str(getattr(v, "value", v))

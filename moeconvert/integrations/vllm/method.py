@@ -376,14 +376,11 @@ class HummingWNA16Method(_FinalLayoutMethod):
         from vllm.platforms import current_platform
         from vllm.utils.import_utils import has_humming
 
-        if not self.symmetric or self.group_size == -1:
-            # vLLM 0.33.0 never builds humming experts for such a compressed-tensors layer (its WNA16 oracle
-            # finds no humming experts for the asymmetric weight key, and its compressed-tensors MoE method
-            # asserts group scales for every backend but Marlin): there is no vLLM memory these bytes match
-            what = "asymmetric" if not self.symmetric else "channelwise"
-            raise self._refuse(f"vLLM 0.33.0 never runs humming for {what} compressed-tensors experts (it serves them "
-                               "with Marlin), so this humming folder has no vLLM state to match: convert with "
-                               "--backend marlin")
+        from moeconvert.layouts.humming import vllm_state_problem
+
+        problem = vllm_state_problem(self.symmetric, self.group_size)
+        if problem:
+            raise self._refuse(f"{problem}: convert with --backend marlin")
         want = self.made_for.get("humming-kernels")
         if not has_humming():
             raise self._refuse(f"this folder holds humming-kernels {want}'s bytes and this Python has no humming "
@@ -439,17 +436,14 @@ class HummingWNA16Method(_FinalLayoutMethod):
         return dtypes.DataType.from_str(name)
 
     def _weight_schema(self, sub: str):
-        """What humming's ``CompressedTensorsWeightSchema.convert_humming`` returns for a ``pack-quantized``
-        sublayer: unsigned codes, or sign-magnitude where no code of the sublayer is 0 (the manifest's
-        ``b_dtype``, chosen over this rank's experts as vLLM chooses it)."""
-        from vllm.utils.humming import HummingWeightSchema
+        """humming's weight schema for a sublayer (``moeconvert.layouts.humming``, shared with the runtime)."""
+        from moeconvert.errors import MoeConvertError
+        from moeconvert.layouts.humming import humming_weight_schema
 
-        b_dtype = self.metadata[sub]["b_dtype"]
-        if b_dtype is None:
-            raise self._refuse(f"layout_metadata.{sub}.b_dtype is null: the folder records no weight dtype; "
-                               "convert the source again with this moeconvert")
-        return HummingWeightSchema(b_dtype=self._dtype(b_dtype), weight_scale_group_size=max(self.group_size, 0),
-                                   has_zero_point=not self.symmetric)
+        try:
+            return humming_weight_schema(self.metadata, sub, group_size=self.group_size, symmetric=self.symmetric)
+        except MoeConvertError as e:
+            raise self._refuse(e.line()) from None
 
     @staticmethod
     def _input_schema(layer, weight_schema):
@@ -473,33 +467,27 @@ class HummingWNA16Method(_FinalLayoutMethod):
 
     def _humming_configs(self, layer) -> None:
         """``layer.weight_schemas``, ``layer.input_schemas`` and ``layer.humming_configs`` as vLLM's conversion
-        leaves them, each ``LayerConfig`` from humming's ``prepare_layer_config`` and checked against the
-        folder's padded sizes and weight dtype."""
-        from humming.transform import prepare_layer_config
-
-        from moeconvert.layouts.humming import PAD_K, PAD_N
+        leaves them: each sublayer's schema and ``LayerConfig`` from ``moeconvert.layouts.humming.humming_configs``
+        (humming's own ``prepare_layer_config``, the runtime's humming kernel builds its configs there too),
+        with vLLM's sizes, dtype and input schemas, checked against every field the folder records."""
+        from moeconvert.errors import MoeConvertError
+        from moeconvert.layouts.humming import humming_configs
 
         mc = layer.moe_config
-        I, H = mc.intermediate_size_per_partition, mc.hidden_dim
-        sizes = {"w13": (I * (2 if mc.activation.is_gated else 1), H), "w2": (H, I)}
-        layer.weight_schemas, layer.input_schemas, configs = {}, {}, {}
-        for sub, (n, k) in sizes.items():
-            weight_schema = self._weight_schema(sub)
-            input_schema = self._input_schema(layer, weight_schema)
-            config = prepare_layer_config(shape_n=n, shape_k=k, weight_schema=weight_schema, input_schema=input_schema,
-                                          num_experts=mc.num_local_experts, pad_n_to_multiple=PAD_N,
-                                          pad_k_to_multiple=PAD_K, has_bias=mc.has_bias, torch_dtype=layer.params_dtype,
-                                          device=layer.w13_weight.device)
-            meta = self.metadata[sub]
-            got = {"shape_n": config.shape_n, "shape_k": config.shape_k, "pad_shape_n": config.pad_shape_n,
-                   "pad_shape_k": config.pad_shape_k, "b_dtype": str(config.b_dtype),
-                   "sm_version": config.sm_version, "has_zero_point": config.has_zero_point}
-            differ = {key: (v, meta.get(key)) for key, v in got.items() if meta.get(key) != v}
-            if differ:
-                raise self._refuse(f"{sub}: humming's LayerConfig for this layer differs from the folder's "
-                                   f"({', '.join(f'{key} {a} here, {b} in the folder' for key, (a, b) in differ.items())})")
-            layer.weight_schemas[sub], layer.input_schemas[sub], configs[sub] = weight_schema, input_schema, config
-        layer.humming_configs = configs
+        if not mc.activation.is_gated:
+            raise self._refuse(f"vLLM builds this layer with the non-gated activation {mc.activation}; the humming "
+                               "layout holds gated experts (w13 = gate and up rows)")
+        input_schemas = {sub: self._input_schema(layer, self._weight_schema(sub)) for sub in ("w13", "w2")}
+        try:
+            subs = humming_configs(self.metadata, group_size=self.group_size, symmetric=self.symmetric,
+                                   hidden_size=mc.hidden_dim, intermediate_size=mc.intermediate_size_per_partition,
+                                   num_experts=mc.num_local_experts, has_bias=mc.has_bias, dtype=layer.params_dtype,
+                                   input_schemas=input_schemas, device=layer.w13_weight.device)
+        except MoeConvertError as e:
+            raise self._refuse(e.line()) from None
+        layer.weight_schemas = {sub: s.weight_schema for sub, s in subs.items()}
+        layer.input_schemas = input_schemas
+        layer.humming_configs = {sub: s.config for sub, s in subs.items()}
 
     def get_fused_moe_quant_config(self, layer):
         from vllm.model_executor.layers.quantization.utils.humming import get_humming_moe_quant_config
