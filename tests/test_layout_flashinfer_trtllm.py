@@ -329,7 +329,7 @@ def test_registered_for_wna16_under_the_backend_name():
     assert isinstance(LAYOUT, FlashInferTrtllmWNA16Layout)
     assert LAYOUT.name == "flashinfer-trtllm" and LAYOUT.schemes == ("wna16",) and LAYOUT.version == 1
     assert "trtllm_mxint4_block_scale_moe" in LAYOUT.kernel
-    assert LAYOUT.made_for["vllm"] == "0.33.0" and LAYOUT.made_for["flashinfer"]
+    assert LAYOUT.made_for["vllm"] == ["0.33.0"] and LAYOUT.made_for["flashinfer"]
 
 
 def test_warnings():

@@ -68,7 +68,7 @@ def test_a_marlin_folder_names_the_plugin_and_keeps_the_sources_config(folders):
     cfg = json.loads((out / "config.json").read_text())
     qc = cfg.pop("quantization_config")
     assert qc == {"quant_method": "moeconvert", "format_version": 2, "layout": {"name": "marlin", "version": 1},
-                  "made_for": {"vllm": "0.33.0"}, "dtype": "bfloat16",
+                  "made_for": {"vllm": ["0.33.0", "0.34.0"]}, "dtype": "bfloat16",
                   "partition": {"tp_size": 1, "tp_rank": 0, "ep_size": 1, "ep_rank": 0},
                   "source_quantization_config": source_cfg.pop("quantization_config")}
     assert cfg == source_cfg  # nothing else changes
@@ -211,8 +211,34 @@ def test_a_vllm_started_for_another_tp_size_is_refused_before_loading(folders):
 @needs_vllm
 def test_another_vllm_version_is_refused_naming_it(folders):
     _, out = folders["w4a16-g128"]
-    got = _child(out, "--pretend-vllm", "0.34.0")
-    assert "this vLLM is 0.34.0; the moeconvert plugin serves its folders on vLLM 0.33.0 only" in got["error"]
+    got = _child(out, "--pretend-vllm", "0.35.0")
+    assert "this vLLM is 0.35.0; the moeconvert plugin serves its folders on vLLM 0.33.0, 0.34.0 only" in got["error"]
+    assert "\n" not in got["error"]
+
+
+@needs_vllm
+def test_a_folder_made_before_version_lists_is_still_served(folders, tmp_path):
+    """A folder written when made_for named one version (``"vllm": "0.33.0"``, in config.json and the manifest)
+    has the bytes of the same layout version: it is served on every version the layout lists now."""
+    _, out = folders["w4a16-g128"]
+    old = _edited_copy(out, tmp_path / "old", lambda qc: qc.update(made_for={"vllm": "0.33.0"}))
+    manifest = json.loads((old / "moeconvert.json").read_text())
+    manifest["layout"]["made_for"] = {"vllm": "0.33.0"}
+    (old / "moeconvert.json").write_text(json.dumps(manifest, indent=1))
+    got = _child(old)
+    assert "error" not in got, got.get("error")
+    assert set(got["layers"]) == {m["prefix"] for m in manifest["moe_layers"]}
+
+
+@needs_vllm
+def test_a_vllm_the_folders_layout_does_not_list_is_refused_naming_those_it_lists(folders):
+    """The plugin serves a folder on the vLLM versions its layout lists (made_for): here the child takes 0.34.0
+    out of the Marlin layout's list, as for a layout whose oracles have not passed against 0.34.0."""
+    _, out = folders["w4a16-g128"]
+    got = _child(out, "--pretend-vllm", "0.34.0", "--layout-lists", "0.33.0")
+    assert ("this vLLM is 0.34.0; this folder's layout (marlin version 1, wna16) is served on vLLM 0.33.0 only, the "
+            "versions whose processing its bytes were checked against: pip install vllm==0.33.0") in got["error"]
+    assert got["layers"] == {}
 
 
 @needs_vllm
@@ -392,7 +418,7 @@ def test_hostile_quantization_configs_are_refused_in_one_line(folders, tmp_path)
                                 lambda qc: qc.update(layout={"name": "triton", "version": qc["layout"]["version"]}))
     cases = {  # name: (quantization_config, the folder vLLM was given), what the line must say
         "made_for a string": ((changed(made_for="0.33.0"), out),
-                              'config.json: quantization_config.made_for: expected an object of version strings'),
+                              'config.json: quantization_config.made_for: expected an object of versions or lists'),
         "made_for a list": ((changed(made_for=["vllm", "0.33.0"]), out), "quantization_config.made_for: expected"),
         "source config a string": ((changed(source_quantization_config="compressed-tensors"), out),
                                    "quantization_config.source_quantization_config: expected an object"),
