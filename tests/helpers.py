@@ -211,6 +211,14 @@ def vllm_reader(version: str = VLLM_VERSION) -> Callable[[str], str]:
     return _reader_at(where, "vllm")
 
 
+#: the environment of a child running vLLM on its CPU platform (the plugin and parallel tests). No CUDA device is
+#: visible (``CUDA_VISIBLE_DEVICES`` empty): vLLM 0.34.0's CPU platform refuses an x86 CPU whose Triton has no
+#: active driver (platforms/cpu.py ``check_and_update_config``; the stock triton wheel has none for the CPU), and
+#: vllm/triton_utils/importing.py keeps Triton where no device is visible. Nothing in those children runs a Triton
+#: kernel.
+VLLM_CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+
+
 @functools.lru_cache(maxsize=1)
 def vllm_moe_ops():
     """vLLM's compiled MoE ops (its ``_moe_C`` library, as the runtime loads it), or skip."""

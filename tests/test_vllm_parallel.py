@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli, st_tensors
+from helpers import VLLM_CPU_ENV, cli, st_tensors
 from test_vllm_plugin import VLLM_PYTHON, needs_vllm
 
 CHILD = Path(__file__).with_name("vllm_parallel_child.py")
@@ -159,7 +159,7 @@ def _ranks(folder: Path, tmp_path: Path, world: int = 2, **shape) -> list[dict]:
     ``redundant``) run at once, each a vLLM process on the CPU platform; what each reports."""
     spec = tmp_path / f"shape-{_free_port()}.json"
     spec.write_text(json.dumps({"mode": "layers", **shape}))
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "MASTER_ADDR": "127.0.0.1"}
+    env = {**os.environ, **VLLM_CPU_ENV, "MASTER_ADDR": "127.0.0.1"}
     port = _free_port()
     procs = [subprocess.Popen([VLLM_PYTHON, str(CHILD), str(folder), str(r), str(world), str(port), str(spec)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import cli
+from helpers import VLLM_CPU_ENV, cli
 
 _REPO_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm-cpu"  # what scripts/setup.sh makes
 VLLM_PYTHON = os.environ.get("MOECONVERT_VLLM_PYTHON") or (
@@ -97,7 +97,7 @@ def test_the_runtime_still_reads_a_folder_written_for_vllm(example_ckpt, tmp_pat
 
 
 def _child(folder: Path, *args, env: dict[str, str] | None = None) -> dict:
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", **(env or {})}
+    env = {**os.environ, **VLLM_CPU_ENV, **(env or {})}
     p = subprocess.run([VLLM_PYTHON, str(CHILD), str(folder), *args], capture_output=True, text=True, env=env,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -435,7 +435,7 @@ def test_hostile_quantization_configs_are_refused_in_one_line(folders, tmp_path)
     jobs = tmp_path / "jobs.json"
     jobs.write_text(json.dumps([[qc, str(folder)] for (qc, folder), _ in cases.values()]))
     p = subprocess.run([VLLM_PYTHON, "-c", _CONFIG_CHILD, str(jobs)], capture_output=True, text=True,
-                       env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, timeout=600)
+                       env={**os.environ, **VLLM_CPU_ENV}, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     for (name, (_, needle)), result in zip(cases.items(), got):
