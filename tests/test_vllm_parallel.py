@@ -280,6 +280,8 @@ def test_pp2_each_rank_builds_and_loads_only_its_layers(convert, tmp_path):
     full = convert("qwen3-moe", "marlin-w4a16-g128")
     files, manifest = st_tensors(full), _manifest(full)
     ranks = _ranks(full, tmp_path, mode="model", pp=2)
+    for got in ranks:
+        assert "error" not in got, got["error"]
     held = [sorted(got["layers"]) for got in ranks]
     prefixes = [m["prefix"] for m in manifest["moe_layers"]]
     assert held == [prefixes[:len(prefixes) // 2], prefixes[len(prefixes) // 2:]]

@@ -216,26 +216,36 @@ def test_another_vllm_version_is_refused_naming_it(folders):
     assert "\n" not in got["error"]
 
 
+def _made_for_one_version(folder: Path, dest: Path) -> Path:
+    """A copy of ``folder`` as written before made_for listed versions: ``"vllm": "0.33.0"`` in config.json and
+    in the manifest."""
+    old = _edited_copy(folder, dest, lambda qc: qc.update(made_for={"vllm": "0.33.0"}))
+    manifest = json.loads((old / "moeconvert.json").read_text())
+    manifest["layout"]["made_for"] = {"vllm": "0.33.0"}
+    (old / "moeconvert.json").write_text(json.dumps(manifest, indent=1))
+    return old
+
+
 @needs_vllm
 def test_a_folder_made_before_version_lists_is_still_served(folders, tmp_path):
     """A folder written when made_for named one version (``"vllm": "0.33.0"``, in config.json and the manifest)
     has the bytes of the same layout version: it is served on every version the layout lists now."""
     _, out = folders["w4a16-g128"]
-    old = _edited_copy(out, tmp_path / "old", lambda qc: qc.update(made_for={"vllm": "0.33.0"}))
+    old = _made_for_one_version(out, tmp_path / "old")
     manifest = json.loads((old / "moeconvert.json").read_text())
-    manifest["layout"]["made_for"] = {"vllm": "0.33.0"}
-    (old / "moeconvert.json").write_text(json.dumps(manifest, indent=1))
     got = _child(old)
     assert "error" not in got, got.get("error")
     assert set(got["layers"]) == {m["prefix"] for m in manifest["moe_layers"]}
 
 
 @needs_vllm
-def test_a_vllm_the_folders_layout_does_not_list_is_refused_naming_those_it_lists(folders):
+def test_a_vllm_the_folders_layout_does_not_list_is_refused_naming_those_it_lists(folders, tmp_path):
     """The plugin serves a folder on the vLLM versions its layout lists (made_for): here the child takes 0.34.0
-    out of the Marlin layout's list, as for a layout whose oracles have not passed against 0.34.0."""
+    out of the Marlin layout's list, as for a layout whose oracles have not passed against 0.34.0, and serves a
+    folder made for 0.33.0 alone (a folder listing 0.34.0 would be refused for that, by the manifest check)."""
     _, out = folders["w4a16-g128"]
-    got = _child(out, "--pretend-vllm", "0.34.0", "--layout-lists", "0.33.0")
+    old = _made_for_one_version(out, tmp_path / "old")
+    got = _child(old, "--pretend-vllm", "0.34.0", "--layout-lists", "0.33.0")
     assert ("this vLLM is 0.34.0; this folder's layout (marlin version 1, wna16) is served on vLLM 0.33.0 only, the "
             "versions whose processing its bytes were checked against: pip install vllm==0.33.0") in got["error"]
     assert got["layers"] == {}
