@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from moeconvert.errors import MoeConvertError
+from moeconvert.format.manifest import made_for_versions
 from moeconvert.layouts.base import W2, W13
 from moeconvert.runtime.dispatch import Kernel, register_kernel
 
@@ -95,9 +96,9 @@ def unavailable_reason(device: torch.device, made_for: dict) -> str | None:
     path, where = find_library()
     if path is None:
         return where
-    want, have = made_for.get("vllm"), installed_vllm_version()
-    if want and have and have != want and not os.environ.get(ENV_LIB):
-        return f"the installed vLLM is {have}, the layout was made for vLLM {want}"
+    want, have = made_for_versions(made_for.get("vllm")), installed_vllm_version()
+    if want and have and have not in want and not os.environ.get(ENV_LIB):
+        return f"the installed vLLM is {have}, the layout was made for vLLM {', '.join(want)}"
     try:
         lib = ops()
     except MoeConvertError as e:

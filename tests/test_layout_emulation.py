@@ -25,7 +25,7 @@ from moeconvert.layouts.plain import PlainLayout
 from moeconvert.schemes import FloatScheme, WNA16Scheme
 
 from helpers import assert_lists_exactly, cli, st_tensors
-from test_layout_triton import ct_params, lift_from_vllm, make_block
+from test_layout_triton import ct_params, lift_from_vllm, make_block, vllm_convert_wna16
 
 LAYOUT = get_layout("emulation", "wna16")
 
@@ -179,12 +179,12 @@ def test_repack_refuses_int8(example_ckpt, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Oracle: vLLM 0.33.0's EMULATION branch
+# Oracle: each vLLM version's EMULATION branch
 
 
-@functools.lru_cache(maxsize=1)
-def vllm_emulation():
-    ns = lift_from_vllm("model_executor/layers/fused_moe/oracle/int_wna16.py",
+@functools.lru_cache(maxsize=None)
+def vllm_emulation(version: str):
+    ns = lift_from_vllm(version, "model_executor/layers/fused_moe/oracle/int_wna16.py",
                         ["WNA16MoEBackend", "_unpack_and_dequant_int4_gptq", "_process_weights_emulation_gptq",
                          "convert_to_wna16_moe_kernel_format"], {"torch": torch, "Enum": Enum})
     return types.SimpleNamespace(**ns)
@@ -203,16 +203,14 @@ def _stub_auto_awq(monkeypatch):
 
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("g,H,I,E", [(32, 128, 64, 1), (128, 256, 128, 3), (16, 128, 384, 2)])
-def test_bytes_equal_vllm_emulation_branch(monkeypatch, sym, g, H, I, E):
-    ref = vllm_emulation()
+def test_bytes_equal_vllm_emulation_branch(monkeypatch, sym, g, H, I, E, vllm_version):
+    ref = vllm_emulation(vllm_version)
     _stub_auto_awq(monkeypatch)
     shape, block = layer(E, H, I), make_block(E, H, I, 4, g, sym, seed=31 + g + E)
     ours = LAYOUT.encode(block, shape)
     p = ct_params(block, torch.bfloat16)
-    out = ref.convert_to_wna16_moe_kernel_format(
-        ref.WNA16MoEBackend.EMULATION, None, None, torch.bfloat16,
-        p["w13"], p["w2"], p["w13_scale"], p["w2_scale"], p["w13_zero"], p["w2_zero"], None, None)
-    w13, w2, s13, s2, z13, z2, _, _, b13, b2 = out
+    out = vllm_convert_wna16(ref, ref.WNA16MoEBackend.EMULATION, p)
+    w13, w2, s13, s2, z13, z2, b13, b2 = (out[k] for k in ("w13", "w2", "s13", "s2", "z13", "z2", "b13", "b2"))
     assert z13 is None and z2 is None and b13 is None and b2 is None
     assert s13.numel() == 1 and s2.numel() == 1  # dummies no kernel reads
     for name, theirs in (("w13_weight", w13), ("w2_weight", w2)):

@@ -413,7 +413,7 @@ def test_trtllm_check_reports_every_violation_at_once():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Oracle: vLLM 0.33.0's conversion functions with FlashInfer's own helpers (optional)
+# Oracle: each vLLM version's conversion functions with FlashInfer's own helpers (optional)
 
 
 @functools.lru_cache(maxsize=1)
@@ -443,10 +443,9 @@ class _MoEActivation(Enum):  # the members vLLM's conversions compare against
     SWIGLUOAI_UNINTERLEAVE = "swigluoai_uninterleave"
 
 
-@functools.lru_cache(maxsize=1)
-def vllm_conversions():
-    read = vllm_reader("vLLM sources not found (set MOECONVERT_VLLM_SRC to a vllm-0.33.0 wheel or a folder holding "
-                       "vllm/)", check_version=False)
+@functools.lru_cache(maxsize=None)
+def vllm_conversions(version: str):
+    read = vllm_reader(version)
     ns: dict = {"torch": torch, "Enum": Enum, "Union": Union, "MoEActivation": _MoEActivation,
                 "current_platform": types.SimpleNamespace(is_rocm=lambda: False, is_xpu=lambda: False)}
     lift(read, "model_executor/layers/quantization/utils/flashinfer_utils.py", ["swap_w13_to_w31"], ns,
@@ -481,9 +480,10 @@ def _fake_flashinfer(monkeypatch, weight_interleave):
         monkeypatch.setitem(sys.modules, name, mod)
 
 
-def _vllm_convert(backend: str, block: ExpertBlock, gpt_oss: bool, weight_interleave, monkeypatch):
-    """vLLM's conversion of the params it holds for ``block`` (generic: rows [gate; up]; gpt-oss: interleaved)."""
-    v = vllm_conversions()
+def _vllm_convert(version: str, backend: str, block: ExpertBlock, gpt_oss: bool, weight_interleave, monkeypatch):
+    """vLLM ``version``'s conversion of the params it holds for ``block`` (generic: rows [gate; up]; gpt-oss:
+    interleaved)."""
+    v = vllm_conversions(version)
     _fake_flashinfer(monkeypatch, weight_interleave)
     w13, s13, b13 = block.w13.clone(), block.w13_scale.clone(), block.w13_bias
     b2 = None if block.w2_bias is None else block.w2_bias.clone()
@@ -515,12 +515,13 @@ ORACLE_CASES = [
 
 
 @pytest.mark.parametrize("backend,which,Hp,Ip,E,bias,gpt_oss", ORACLE_CASES)
-def test_bytes_equal_vllm_conversion_with_flashinfer_helpers(backend, which, Hp, Ip, E, bias, gpt_oss, monkeypatch):
+def test_bytes_equal_vllm_conversion_with_flashinfer_helpers(backend, which, Hp, Ip, E, bias, gpt_oss, monkeypatch,
+                                                              vllm_version):
     L = CUTLASS if which == "cutlass" else TRTLLM
     shape = layer(E, Hp, Ip, bias=bias, activation="swigluoai" if gpt_oss else "silu")
     block = make_block(E, Hp, Ip, bias, seed=Hp * Ip + E)
     ours = L.encode(block, shape)
-    theirs = _vllm_convert(backend, block, gpt_oss, cuda_port_interleave, monkeypatch)
+    theirs = _vllm_convert(vllm_version, backend, block, gpt_oss, cuda_port_interleave, monkeypatch)
     assert set(ours) == set(theirs)
     for name in ours:
         assert same_bits(ours[name], theirs[name]), name
@@ -609,10 +610,10 @@ def test_interleave_equals_flashinfers_cuda_kernel(n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("which,Hp,Ip,bias", [("cutlass", 384, 256, True), ("cutlass", 2944, 384, False)])
-def test_bytes_equal_vllm_conversion_with_flashinfers_cuda_interleave(which, Hp, Ip, bias, monkeypatch):
+def test_bytes_equal_vllm_conversion_with_flashinfers_cuda_interleave(which, Hp, Ip, bias, monkeypatch, vllm_version):
     run = flashinfer_cuda_interleave()
     shape, block = layer(2, Hp, Ip, bias=bias), make_block(2, Hp, Ip, bias, seed=9)
     ours = CUTLASS.encode(block, shape)
-    theirs = _vllm_convert("FLASHINFER_CUTLASS_MXFP4_BF16", block, False, run, monkeypatch)
+    theirs = _vllm_convert(vllm_version, "FLASHINFER_CUTLASS_MXFP4_BF16", block, False, run, monkeypatch)
     for name in ours:
         assert same_bits(ours[name], theirs[name]), name

@@ -329,7 +329,7 @@ def test_registered_for_wna16_under_the_backend_name():
     assert isinstance(LAYOUT, FlashInferTrtllmWNA16Layout)
     assert LAYOUT.name == "flashinfer-trtllm" and LAYOUT.schemes == ("wna16",) and LAYOUT.version == 1
     assert "trtllm_mxint4_block_scale_moe" in LAYOUT.kernel
-    assert LAYOUT.made_for["vllm"] == "0.33.0" and LAYOUT.made_for["flashinfer"]
+    assert LAYOUT.made_for["vllm"] == ["0.33.0"] and LAYOUT.made_for["flashinfer"]
 
 
 def test_warnings():
@@ -466,17 +466,28 @@ _VLLM_PREPARE_IMPORTS = {"block_scale_interleave", "convert_to_block_layout",
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
+    """FlashInfer's own helpers (its Python, and its C++ scale-interleave index compiled for the host)."""
     fi = package_reader(FLASHINFER_SRC, "flashinfer")
     if fi is None:
         pytest.skip("FlashInfer's source is not at hand (pip download flashinfer-python==0.7.2.post1 --no-deps, "
                     "and set MOECONVERT_FLASHINFER_SRC to the wheel or to a folder holding flashinfer/)")
-    vllm = vllm_reader("vLLM is not installed (pip install vllm==0.33.0 --no-deps, or set MOECONVERT_VLLM_SRC to a "
-                       "vllm-0.33.0 wheel): the oracle comparison needs its Python code")
-
     ns: dict = {"torch": torch}
     for rel, (names, optional) in _FI_FUNCTIONS.items():
         lift(fi, rel, names, ns, package="flashinfer", optional=optional)
     ns["block_scale_interleave"] = _compile_sf_index(fi, tmp_path_factory.mktemp("flashinfer-sf"))
+    ns["flashinfer_version"] = package_version(fi, "_build_meta.py") or package_version(fi, "version.py")
+    return types.SimpleNamespace(**ns)
+
+
+_PREPARED: dict = {}
+
+
+def vllm_prepare(reference, version: str):
+    """vLLM ``version``'s ``prepare_static_weights_for_trtllm_mxint4_moe``, run with FlashInfer's helpers."""
+    if version in _PREPARED:
+        return _PREPARED[version]
+    vllm = vllm_reader(version)
+    ns = dict(vars(reference))
 
     def on_cpu(key, node):  # the in-place uint4b8 -> int4 conversion asserts CUDA only to be fast
         node.body = [n for n in node.body if not (isinstance(n, ast.Assert) and "is_cuda" in ast.unparse(n.test))]
@@ -494,9 +505,9 @@ def reference(tmp_path_factory):
         return node
 
     lift(vllm, _VLLM_PREPARE, ["prepare_static_weights_for_trtllm_mxint4_moe"], ns, edit=imports_from_namespace)
-    assert imported == _VLLM_PREPARE_IMPORTS, f"vLLM's prepare now imports {sorted(imported)}"
-    ns["flashinfer_version"] = package_version(fi, "_build_meta.py") or package_version(fi, "version.py")
-    return types.SimpleNamespace(**ns)
+    assert imported == _VLLM_PREPARE_IMPORTS, f"vLLM {version}'s prepare now imports {sorted(imported)}"
+    _PREPARED[version] = ns["prepare_static_weights_for_trtllm_mxint4_moe"]
+    return _PREPARED[version]
 
 
 def ct_params(block: ExpertBlock):
@@ -512,11 +523,12 @@ def ct_params(block: ExpertBlock):
     (2, 256, 256, "bfloat16"), (3, 512, 256, "bfloat16"), (2, 256, 512, "bfloat16"), (1, 768, 768, "bfloat16"),
     (2, 512, 512, "float32"),
 ])
-def test_bytes_equal_vllm_prepare_static_weights_for_trtllm_mxint4_moe(reference, E, H, I, scale_dtype):
+def test_bytes_equal_vllm_prepare_static_weights_for_trtllm_mxint4_moe(reference, E, H, I, scale_dtype, vllm_version):
+    prepare = vllm_prepare(reference, vllm_version)
     block = make_block(E, H, I, scale_dtype=scale_dtype, seed=E + H + I)
     ours = LAYOUT.encode(block, layer(E, H, I))
     w13, s13, w2, s2 = ct_params(block)
-    theirs = reference.prepare_static_weights_for_trtllm_mxint4_moe(w13, s13, w2, s2)
+    theirs = prepare(w13, s13, w2, s2)
     assert same_bits(ours["w13_weight_packed"], theirs["gemm1_weights"])
     assert same_bits(ours["w13_weight_scale"], theirs["gemm1_scales"])
     assert same_bits(ours["w2_weight_packed"], theirs["gemm2_weights"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import math
 import types
 
@@ -429,7 +430,7 @@ def test_padding_is_recorded_and_noted():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Oracle: vLLM 0.33.0's own Python (``_process_weights_marlin`` with its reference repack)
+# Oracle: each vLLM version's own Python (``_process_weights_marlin`` with its reference repack)
 
 _VLLM_FUNCTIONS = {
     "model_executor/layers/fused_moe/oracle/int_wna16.py":
@@ -444,9 +445,9 @@ _VLLM_FUNCTIONS = {
 }
 
 
-@functools.lru_cache(maxsize=1)
-def vllm_reference():
-    """vLLM's own functions, lifted out of its files with ast and run with numpy/torch only.
+@functools.lru_cache(maxsize=None)
+def vllm_reference(version: str):
+    """vLLM ``version``'s own functions, lifted out of its files with ast and run with numpy/torch only.
 
     Importing the modules would drag in vLLM's CUDA build and config machinery; these functions need
     none of it. The CUDA repack op is stood in by vLLM's own Python reference (``get_weight_perm`` +
@@ -454,23 +455,41 @@ def vllm_reference():
     """
     import numpy
 
-    read = vllm_reader("vLLM is not installed (pip install vllm==0.33.0 --no-deps, or set MOECONVERT_VLLM_SRC to a "
-                       "vllm-0.33.0 wheel): the oracle comparison needs its Python reference code")
+    read = vllm_reader(version)
     ns: dict = {"torch": torch, "numpy": numpy, "np": numpy, "math": math, "GPTQ_MARLIN_TILE": 16,
                 "logger": types.SimpleNamespace(warning_once=lambda *a, **k: None, info_once=lambda *a, **k: None)}
     for path, names in _VLLM_FUNCTIONS.items():
         lift(read, path, names, ns)
 
     def gptq_marlin_moe_repack(b_q_weight, size_k, size_n, num_bits, is_a_8bit=False):
-        perm = ns["get_weight_perm"](num_bits, is_a_8bit)
+        # 0.33.0 passes is_a_8bit (False for 16-bit activations, the only path the layout is for); 0.34.0
+        # dropped the 8-bit activation path and the argument with it
+        assert not is_a_8bit
+        perm = ns["get_weight_perm"](num_bits)
         out = []
         for e in range(b_q_weight.shape[0]):
             q = ns["unpack_cols"](b_q_weight[e].T.contiguous(), num_bits, size_n, size_k).T.contiguous()
-            out.append(ns["marlin_weights"](q, size_k, size_n, num_bits, perm, is_a_8bit=is_a_8bit))
+            out.append(ns["marlin_weights"](q, size_k, size_n, num_bits, perm))
         return torch.stack(out)
 
     ns["ops"] = types.SimpleNamespace(gptq_marlin_moe_repack=gptq_marlin_moe_repack)
     return types.SimpleNamespace(**ns)
+
+
+def vllm_process_marlin(ref, bits: int, g: int, I: int, p: dict) -> dict:
+    """``_process_weights_marlin`` of ``ref``'s version on ``p`` for 16-bit activations, its outputs by name.
+
+    0.33.0 takes an ``input_dtype`` (None: 16-bit activations) and returns the 8-bit path's input global
+    scales (None here) between the zero points and the biases; 0.34.0 has neither."""
+    layer = types.SimpleNamespace(intermediate_size_per_partition=I)
+    fn = ref._process_weights_marlin
+    lead = (layer, None) if "input_dtype" in inspect.signature(fn).parameters else (layer,)
+    out = fn(*lead, bits, 32 // bits, g, p["w13"], p["w2"], p["w13_scale"], p["w2_scale"], p["w13_zero"],
+             p["w2_zero"], p["w13_bias"], p["w2_bias"])
+    if len(out) == 10:
+        assert out[6] is None and out[7] is None  # no input global scales for 16-bit activations
+        out = out[:6] + out[8:]
+    return dict(zip(("w13", "w2", "s13", "s2", "z13", "z2", "b13", "b2"), out, strict=True))
 
 
 def ct_params(block: ExpertBlock, params_dtype: torch.dtype):
@@ -502,15 +521,13 @@ ORACLE_GRID = [
 
 
 @pytest.mark.parametrize("bits,sym,g,I,H,bias", ORACLE_GRID)
-def test_bytes_equal_vllm_process_weights_marlin(bits, sym, g, I, H, bias):
-    ref = vllm_reference()
+def test_bytes_equal_vllm_process_weights_marlin(bits, sym, g, I, H, bias, vllm_version):
+    ref = vllm_reference(vllm_version)
     shape, block = layer(2, H, I, bias=bias), make_block(2, H, I, bits, g, sym, bias, seed=11)
     ours = LAYOUT.encode(block, shape)
     p = ct_params(block, torch.bfloat16)
-    out = ref._process_weights_marlin(
-        types.SimpleNamespace(intermediate_size_per_partition=I), None, bits, 32 // bits, g,
-        p["w13"], p["w2"], p["w13_scale"], p["w2_scale"], p["w13_zero"], p["w2_zero"], p["w13_bias"], p["w2_bias"])
-    w13, w2, s13, s2, z13, z2, _, _, b13, b2 = out
+    out = vllm_process_marlin(ref, bits, g, I, p)
+    w13, w2, s13, s2, z13, z2, b13, b2 = (out[k] for k in ("w13", "w2", "s13", "s2", "z13", "z2", "b13", "b2"))
     assert same_bits(ours["w13_weight"], w13)
     assert same_bits(ours["w2_weight"], w2)
     assert same_bits(ours["w2_weight_scale"], s2)
@@ -542,8 +559,8 @@ def test_oracle_covers_the_deviation_cases():
     assert (4, True, 128, 256, 128, False) in ORACLE_GRID  # H == g < I
 
 
-def test_weight_perm_equals_vllm_get_weight_perm():
-    ref = vllm_reference()
+def test_weight_perm_equals_vllm_get_weight_perm(vllm_version):
+    ref = vllm_reference(vllm_version)
     for bits in (4, 8):
         codes = torch.randint(0, 1 << bits, (1, 128, 64), generator=torch.Generator().manual_seed(bits))
         codes = codes.to(torch.uint8)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import enum
 import functools
+import mmap
 import sys
 import types
 
@@ -264,7 +265,7 @@ def test_metadata_names_the_w13_row_order():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Oracle: vLLM 0.33.0's own Python, lifted out of its files with ast and run on CPU
+# Oracle: each vLLM version's own Python, lifted out of its files with ast and run on CPU
 
 _VLLM_DEFS = {
     "model_executor/layers/quantization/utils/marlin_utils_fp4.py":
@@ -282,15 +283,14 @@ _VLLM_DEFS = {
 ORACLE_MXFP4 = "model_executor/layers/fused_moe/oracle/mxfp4.py"
 
 
-@functools.lru_cache(maxsize=1)
-def vllm_reference():
-    """vLLM's functions run with torch/numpy only. The CUDA ``gptq_marlin_repack`` is stood in by vLLM's
+@functools.lru_cache(maxsize=None)
+def vllm_reference(version: str):
+    """vLLM ``version``'s functions run with torch/numpy only. The CUDA ``gptq_marlin_repack`` is stood in by vLLM's
     own Python reference (``get_weight_perm`` + ``marlin_weights``), which its ``test_gptq_marlin_repack``
     holds the CUDA op to; ``VLLM_MARLIN_INPUT_DTYPE`` is unset (``get_marlin_input_dtype() -> None``)."""
     import numpy
 
-    read = vllm_reader("vLLM is not installed (pip install vllm==0.33.0 --no-deps, or set MOECONVERT_VLLM_SRC to a "
-                       "vllm-0.33.0 wheel): the oracle comparison needs its Python reference code")
+    read = vllm_reader(version)
     ns: dict = {"torch": torch, "numpy": numpy, "np": numpy, "Enum": enum.Enum, "GPTQ_MARLIN_TILE": 16,
                 "get_marlin_input_dtype": lambda *a, **k: None,
                 "current_platform": types.SimpleNamespace(is_xpu=lambda: False, is_rocm=lambda: False)}
@@ -303,12 +303,17 @@ def vllm_reference():
     loaders = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "weight_loader"
                and not any("overload" in ast.unparse(d) for d in n.decorator_list)]
     assert len(loaders) == 1, f"vllm/{rel}: RoutedExperts.weight_loader changed"
+    # 0.34.0's loader copies through copy_weight_ (a plain copy_ off integrated GPUs, as here: CPU tensors)
+    if "copy_weight_" in top_level(read("model_executor/utils.py")):
+        ns.update(functools=functools, mmap=mmap)
+        lift(read, "model_executor/utils.py", ["copy_weight_", "_is_integrated_gpu"], ns)
     exec_nodes(loaders, f"vllm/{rel}", ns)
 
     def gptq_marlin_repack(b_q_weight, size_k, size_n, num_bits, is_a_8bit=False):
+        # 0.33.0 passes is_a_8bit (False: 16-bit activations); 0.34.0 dropped the 8-bit activation path
+        assert not is_a_8bit
         q = ns["unpack_cols"](b_q_weight.T.contiguous(), num_bits, size_n, size_k).T.contiguous()
-        return ns["marlin_weights"](q, size_k, size_n, num_bits, ns["get_weight_perm"](num_bits, is_a_8bit),
-                                    is_a_8bit=is_a_8bit)
+        return ns["marlin_weights"](q, size_k, size_n, num_bits, ns["get_weight_perm"](num_bits))
 
     ns["ops"] = types.SimpleNamespace(gptq_marlin_repack=gptq_marlin_repack)
     return types.SimpleNamespace(read=read, **ns)
@@ -328,20 +333,20 @@ def _assert_equal_to_vllm(ours: dict, theirs: dict) -> None:
 
 
 @pytest.mark.parametrize("E,Hp,Ip,bias", [(2, 256, 128, False), (3, 256, 384, True), (1, 512, 256, True)])
-def test_bytes_equal_vllm_online_marlin_path(E, Hp, Ip, bias):
+def test_bytes_equal_vllm_online_marlin_path(E, Hp, Ip, bias, vllm_version):
     """Online path (silu): vLLM quantizes its padded [gate; 0; up; 0] params and hands them straight to
     prepare_moe_mxfp4_layer_for_marlin; our canonical block is those params."""
-    ref = vllm_reference()
+    ref = vllm_reference(vllm_version)
     shape, block = layer(E, Hp, Ip, bias), make_block(E, Hp, Ip, bias, seed=E + Hp + Ip)
     theirs = vllm_marlin(ref, block.w13, block.w2, block.w13_scale, block.w2_scale, block.w13_bias, block.w2_bias)
     _assert_equal_to_vllm(LAYOUT.encode(block, shape), theirs)
 
 
 @pytest.mark.parametrize("E,H,I,bias", [(2, 192, 96, True), (1, 256, 128, True), (2, 480, 320, False)])
-def test_bytes_equal_vllm_gpt_oss_checkpoint_marlin_path(E, H, I, bias):
+def test_bytes_equal_vllm_gpt_oss_checkpoint_marlin_path(E, H, I, bias, vllm_version):
     """gpt-oss MXFP4 checkpoint (swigluoai): its interleaved rows are copied into the zeroed padded params
     by vLLM's own weight_loader, then prepared for Marlin as they are."""
-    ref = vllm_reference()
+    ref = vllm_reference(vllm_version)
     Hp, Ip = -(-H // 256) * 256, -(-I // 128) * 128
     gen = torch.Generator().manual_seed(H + I)
     rnd = lambda *s: torch.randint(0, 256, s, generator=gen).to(torch.uint8)
@@ -383,10 +388,10 @@ def test_bytes_equal_vllm_gpt_oss_checkpoint_marlin_path(E, H, I, bias):
     _assert_equal_to_vllm(LAYOUT.encode(block, layer(E, Hp, Ip, bias, activation="swigluoai")), theirs)
 
 
-def test_vllm_marlin_branches_pass_the_loaded_tensors_through():
+def test_vllm_marlin_branches_pass_the_loaded_tensors_through(vllm_version):
     """Both routes into Marlin (gpt-oss checkpoint, online) reorder nothing: the layout's row order is
     the loader's, i.e. interleaved for gpt-oss and [gate; up] for per-expert checkpoints."""
-    ref = vllm_reference()
+    ref = vllm_reference(vllm_version)
     found = top_level(ref.read(ORACLE_MXFP4))
     for fn in ("convert_gpt_oss_weight_to_mxfp4_moe_kernel_format", "convert_weight_to_mxfp4_moe_kernel_format"):
         branches = [n for n in ast.walk(found[fn]) if isinstance(n, ast.If) and "Mxfp4MoeBackend.MARLIN" in ast.unparse(n.test)]
@@ -398,17 +403,17 @@ def test_vllm_marlin_branches_pass_the_loaded_tensors_through():
 
 
 @pytest.mark.parametrize("H,I", [(2880, 2880), (256, 128), (300, 100), (4096, 1536)])
-def test_pad_multiples_equal_vllm_round_up(H, I):
-    ref = vllm_reference()
+def test_pad_multiples_equal_vllm_round_up(H, I, vllm_version):
+    ref = vllm_reference(vllm_version)
     for backend in (ref.Mxfp4MoeBackend.MARLIN, ref.Mxfp4MoeBackend.BATCHED_MARLIN):
         Hp, Ip = ref.mxfp4_round_up_hidden_size_and_intermediate_size(backend, H, I)
         m_h, m_i = LAYOUT.pad_multiples
         assert (Hp, Ip) == (-(-H // m_h) * m_h, -(-I // m_i) * m_i)
 
 
-def test_vllm_fp16_path_corrupts_scale_bytes_outside_103_142():
+def test_vllm_fp16_path_corrupts_scale_bytes_outside_103_142(vllm_version):
     """The evidence for refusing fp16 models (besides the missing kernel): vLLM's own processing."""
-    ref = vllm_reference()
+    ref = vllm_reference(vllm_version)
     E, Hp, Ip = 1, 256, 128
     block = make_block(E, Hp, Ip, seed=2)
     block.w2_scale.view(-1)[:256] = torch.arange(256).to(torch.uint8)
@@ -427,8 +432,8 @@ FLOAT4_E2M1F = 0x2000000010102  # vllm/scalar_type.py: scalar_types.float4_e2m1f
 SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0  # SwigluOAIAndMul defaults (gpt-oss)
 
 
-def test_float4_e2m1f_id_equals_vllms():
-    ref = vllm_reference()
+def test_float4_e2m1f_id_equals_vllms(vllm_version):
+    ref = vllm_reference(vllm_version)
     mod = types.ModuleType("_vllm_scalar_type")
     sys.modules[mod.__name__] = mod
     try:

@@ -11,6 +11,7 @@ accepts, plan == what encode writes, streaming by chunks, refusals) is tests/tes
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import types
 from enum import Enum
@@ -60,7 +61,7 @@ def hex_bytes(t: torch.Tensor) -> str:
 
 
 def test_it_is_the_layout_behind_backend_triton():
-    assert isinstance(LAYOUT, TritonWNA16Layout) and LAYOUT.made_for == {"vllm": "0.33.0"}
+    assert isinstance(LAYOUT, TritonWNA16Layout) and LAYOUT.made_for == {"vllm": ["0.33.0", "0.34.0"]}
 
 
 @pytest.mark.parametrize("signed,expected", [
@@ -280,21 +281,33 @@ def test_repack_refuses_what_vllm_triton_cannot_run(example_ckpt, tmp_path, sche
 
 
 # ---------------------------------------------------------------------------------------------------
-# Oracle: vLLM 0.33.0's own convert_to_wna16_moe_kernel_format, TRITON branch
+# Oracle: each vLLM version's own convert_to_wna16_moe_kernel_format, TRITON branch
 
 
-def lift_from_vllm(rel: str, names: list[str], ns: dict) -> dict:
-    """Top-level functions/classes ``names`` of vllm/``rel``, compiled into ``ns`` (no vLLM import)."""
-    read = vllm_reader("vLLM is not installed (pip install vllm==0.33.0 --no-deps, or set MOECONVERT_VLLM_SRC to a "
-                       "vllm-0.33.0 wheel): the oracle comparison runs vLLM's own Python")
-    return lift(read, rel, names, ns)
+def lift_from_vllm(version: str, rel: str, names: list[str], ns: dict) -> dict:
+    """Top-level functions/classes ``names`` of vLLM ``version``'s vllm/``rel``, compiled into ``ns`` (no vLLM
+    import)."""
+    return lift(vllm_reader(version), rel, names, ns)
 
 
-@functools.lru_cache(maxsize=1)
-def vllm_convert():
-    ns = lift_from_vllm("model_executor/layers/fused_moe/oracle/int_wna16.py",
+@functools.lru_cache(maxsize=None)
+def vllm_convert(version: str):
+    ns = lift_from_vllm(version, "model_executor/layers/fused_moe/oracle/int_wna16.py",
                         ["WNA16MoEBackend", "convert_to_wna16_moe_kernel_format"], {"torch": torch, "Enum": Enum})
     return types.SimpleNamespace(**ns)
+
+
+def vllm_convert_wna16(ref, backend, p: dict, params_dtype=torch.bfloat16) -> dict:
+    """``convert_to_wna16_moe_kernel_format`` of ``ref``'s version for ``backend`` on the loaded params ``p``,
+    its outputs by name. 0.33.0 takes an ``input_dtype`` after the quant config and returns the 8-bit
+    activation path's input global scales between the zero points and the biases; 0.34.0 has neither."""
+    fn = ref.convert_to_wna16_moe_kernel_format
+    lead = (backend, None, None) + ((params_dtype,) if "input_dtype" in inspect.signature(fn).parameters else ())
+    out = fn(*lead, p["w13"], p["w2"], p["w13_scale"], p["w2_scale"], p["w13_zero"], p["w2_zero"], None, None)
+    if len(out) == 10:
+        assert out[6] is None and out[7] is None  # no input global scales for 16-bit activations
+        out = out[:6] + out[8:]
+    return dict(zip(("w13", "w2", "s13", "s2", "z13", "z2", "b13", "b2"), out, strict=True))
 
 
 ORACLE_GRID = [
@@ -306,21 +319,19 @@ ORACLE_GRID = [
 
 
 @pytest.mark.parametrize("E,bits,sym,g,H,I,dtype", ORACLE_GRID)
-def test_bytes_equal_vllm_convert_to_wna16_moe_kernel_format(E, bits, sym, g, H, I, dtype):
-    ref = vllm_convert()
+def test_bytes_equal_vllm_convert_to_wna16_moe_kernel_format(E, bits, sym, g, H, I, dtype, vllm_version):
+    ref = vllm_convert(vllm_version)
     shape, block = layer(E, H, I, dtype=dtype), make_block(E, H, I, bits, g, sym, seed=17 + E + g + H)
     ours = LAYOUT.encode(block, shape)
     p = ct_params(block, DTYPES[dtype])
-    out = ref.convert_to_wna16_moe_kernel_format(
-        ref.WNA16MoEBackend.TRITON, None, None, torch.bfloat16,
-        p["w13"], p["w2"], p["w13_scale"], p["w2_scale"], p["w13_zero"], p["w2_zero"], None, None)
-    w13, w2, s13, s2, z13, z2, gs13, gs2, b13, b2 = out
+    out = vllm_convert_wna16(ref, ref.WNA16MoEBackend.TRITON, p)
+    w13, w2, s13, s2, z13, z2, b13, b2 = (out[k] for k in ("w13", "w2", "s13", "s2", "z13", "z2", "b13", "b2"))
     expected = {"w13_weight": w13, "w2_weight": w2, "w13_weight_scale": s13, "w2_weight_scale": s2}
     if not sym:
         expected.update(w13_weight_zero_point=z13, w2_weight_zero_point=z2)
     else:
         assert z13 is None and z2 is None
-    assert gs13 is None and gs2 is None and b13 is None and b2 is None
+    assert b13 is None and b2 is None
     assert set(ours) == set(expected)
     for name, theirs in expected.items():
         assert ours[name].dtype == theirs.dtype and ours[name].shape == theirs.shape, name

@@ -39,7 +39,7 @@ from moeconvert.layouts.triton_mxfp4 import (
 )
 from moeconvert.schemes import MXFP4Scheme
 
-from helpers import VLLM_SRC, lift, package_location, package_reader, rel
+from helpers import VLLM_SRC, lift, package_location, rel, vllm_reader
 
 LAYOUT = get_layout("triton", "mxfp4")
 
@@ -504,6 +504,15 @@ def test_loader_recipe_rebuilds_the_objects_without_moving_data():
             assert ours.storage.layout.name == ref.storage.layout.name
 
 
+#: the triton_kernels files whose code the swizzles run (tensor + layouts)
+_TK_LAYOUT_FILES = ("tensor.py", "tensor_details/layout.py", "tensor_details/layout_details/base.py",
+                    "tensor_details/layout_details/hopper_value.py", "tensor_details/layout_details/hopper_scale.py")
+
+
+def _triton_kernels_digest(read) -> str:
+    return hashlib.sha256("".join(read(rel) for rel in _TK_LAYOUT_FILES).encode()).hexdigest()
+
+
 _VLLM_STUB_FUNCTIONS = {
     "model_executor/layers/quantization/utils/mxfp4_utils.py": ["_swizzle_mxfp4"],
     "model_executor/layers/fused_moe/oracle/mxfp4.py": ["_interleave_gate_up_rows"],
@@ -527,14 +536,17 @@ def _as_hopper(tk):
         opt_flags._opt_flags_constraints.update(saved[2])
 
 
-@functools.lru_cache(maxsize=1)
-def vllm_swizzle():
-    """vLLM 0.33.0's own ``_swizzle_mxfp4`` (and ``_interleave_gate_up_rows``), lifted out with ast and
-    run as on an H200: CUDA, capability 9.0, torch >= 2.8.1, the vendored triton_kernels ("3.5.1")."""
+@functools.lru_cache(maxsize=None)
+def vllm_swizzle(version: str):
+    """vLLM ``version``'s own ``_swizzle_mxfp4`` (and ``_interleave_gate_up_rows``), lifted out with ast and
+    run as on an H200: CUDA, capability 9.0, torch >= 2.8.1, the triton_kernels that version vendors
+    ("3.5.1"; the same files in 0.33.0 and 0.34.0, checked here against the copy imported)."""
     tk = triton_kernels()
-    read = package_reader(VLLM_SRC, "vllm")
-    if read is None:
-        pytest.skip("vLLM 0.33.0 source not found (set MOECONVERT_VLLM_SRC to the wheel or a folder holding vllm/)")
+    read = vllm_reader(version)
+    vendored = _triton_kernels_digest(lambda rel: read(f"third_party/triton_kernels/{rel}"))
+    if vendored != _triton_kernels_digest(lambda rel: (tk.root / "triton_kernels" / rel).read_text()):
+        pytest.skip(f"vLLM {version} vendors other triton_kernels layout files than those imported from {tk.root}: "
+                    f"set MOECONVERT_TRITON_KERNELS_SRC to that version's wheel and run this version alone")
     platform = types.SimpleNamespace(
         is_cuda=lambda: True, is_rocm=lambda: False, is_device_capability=lambda cap: cap == 90,
         is_device_capability_family=lambda cap: False)
@@ -559,10 +571,10 @@ def vllm_swizzle():
 
 
 @pytest.mark.parametrize("E,H,I,bias", [(2, 64, 64, True), (1, 96, 128, False), (3, 2880, 64, True)])
-def test_layer_bytes_equal_vllm_gpt_oss_triton_path(E, H, I, bias):
+def test_layer_bytes_equal_vllm_gpt_oss_triton_path(E, H, I, bias, vllm_version):
     """vLLM's gpt-oss checkpoint path to TRITON (convert_gpt_oss_weight_to_mxfp4_moe_kernel_format): the
     checkpoint's interleaved rows, biases cast to fp32, then ``_swizzle_mxfp4`` of each weight."""
-    ref = vllm_swizzle()
+    ref = vllm_swizzle(vllm_version)
     shape = layer(E, H, I, bias=bias)
     block = make_block(E, H, I, bias=bias, seed=H + I)
     ours = LAYOUT.encode(block, shape)
@@ -581,8 +593,8 @@ def test_layer_bytes_equal_vllm_gpt_oss_triton_path(E, H, I, bias):
         assert torch.equal(ours["w2_bias"], block.w2_bias.to(torch.float32))
 
 
-def test_our_interleave_is_vllms():
-    ref = vllm_swizzle()
+def test_our_interleave_is_vllms(vllm_version):
+    ref = vllm_swizzle(vllm_version)
     x = torch.randint(0, 256, (2, 128, 5), dtype=torch.uint8)
     assert torch.equal(interleave_gate_up(x), ref.interleave(x))
 

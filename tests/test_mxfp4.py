@@ -1,16 +1,15 @@
 """moeconvert.mxfp4: the three MXFP4 rules, bit for bit (docs/mxfp4-rounding.md, docs/mxfp4-rounding.md).
 
 The oracle tests run the engines' own Triton quantizers on CPU under ``TRITON_INTERPRET=1`` in a
-subprocess (this file, run as a script) and require zero differing bytes. They need vLLM 0.33.0's
-source: ``MOECONVERT_VLLM_SRC=/path/to/vllm-0.33.0-*.whl`` (from ``pip download vllm==0.33.0
---no-deps``) or a directory holding ``vllm/``, a wheel in the repository's ``.whl/``, or an
-installed vllm. Without one they skip.
+subprocess (this file, run as a script) and require zero differing bytes, once per vLLM version in
+``helpers.VLLM_VERSIONS``, each against that version's source (``.oracles/`` from scripts/setup-tests.sh,
+``MOECONVERT_VLLM_SRC`` naming wheels or folders holding ``vllm/``, or an installed vllm). A version whose
+source is not at hand skips, saying how to get it.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import importlib.util
 import json
 import logging
@@ -24,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import VLLM_SRC, package_location  # tests/ is on sys.path (under pytest, and as the oracle script)
+from helpers import VLLM_VERSION, VLLM_VERSIONS, vllm_location, vllm_missing  # tests/ is on sys.path (under pytest, and as the oracle script)
 from moeconvert.errors import MoeConvertError
 from moeconvert.mxfp4 import (
     E2M1_VALUES,
@@ -36,7 +35,6 @@ from moeconvert.mxfp4 import (
     require_finite,
 )
 
-VLLM_VERSION = "0.33.0"
 VLLM_QUANTIZER = "vllm/model_executor/layers/quantization/utils/mxfp4_utils.py"
 TRITON_KERNELS = "vllm/third_party/triton_kernels/"
 REPO = Path(__file__).resolve().parent.parent
@@ -380,35 +378,22 @@ def _oracle_cases() -> dict[str, torch.Tensor]:
     return cases
 
 
-def _find_vllm_source() -> tuple[str | None, str]:
-    """(path to a vllm 0.33.0 wheel or a directory holding vllm/, or None, why not)."""
-    candidates = sorted(glob.glob(str(REPO / ".whl" / f"vllm-{VLLM_VERSION}-*.whl")))
-    # $MOECONVERT_VLLM_SRC, the installed vllm, or the vLLM environment of the plugin tests (helpers.py)
-    where = package_location(VLLM_SRC, "vllm")
-    if where is not None:
-        candidates.insert(0, str(where if where.is_file() else where.parent))
-    for src in candidates:
-        try:
-            if src.endswith(".whl"):
-                with zipfile.ZipFile(src) as z:
-                    names = set(z.namelist())
-                    version = z.read("vllm/_version.py").decode() if "vllm/_version.py" in names else ""
-                ok = VLLM_QUANTIZER in names
-            else:
-                ok = (Path(src) / VLLM_QUANTIZER).is_file()
-                version = (Path(src) / "vllm/_version.py").read_text() if (Path(src) / "vllm/_version.py").is_file() else ""
-        except (OSError, zipfile.BadZipFile, KeyError):
-            continue
-        if ok and f"'{VLLM_VERSION}'" in version or ok and f'"{VLLM_VERSION}"' in version:
-            return src, ""
-        if ok:
-            return None, f"{src} is not vLLM {VLLM_VERSION}"
-    return None, (f"vLLM {VLLM_VERSION} source not found: set MOECONVERT_VLLM_SRC to the wheel "
-                  f"(pip download vllm=={VLLM_VERSION} --no-deps) or to a directory holding vllm/")
+def _find_vllm_source(version: str) -> tuple[str | None, str]:
+    """(path to vLLM ``version``'s wheel or a directory holding its vllm/, or None, why not)."""
+    where = vllm_location(version)  # $MOECONVERT_VLLM_SRC, the installed vllm, the plugin tests' (helpers.py)
+    if where is None:
+        return None, vllm_missing(version)
+    src = str(where if where.is_file() else where.parent)
+    try:
+        ok = (VLLM_QUANTIZER in zipfile.ZipFile(src).namelist()) if src.endswith(".whl") else \
+            (Path(src) / VLLM_QUANTIZER).is_file()
+    except (OSError, zipfile.BadZipFile):
+        ok = False
+    return (src, "") if ok else (None, f"{src} (vLLM {version}) has no {VLLM_QUANTIZER}")
 
 
-def _run_oracles(tmp: Path, cases: dict[str, torch.Tensor], device: str) -> dict:
-    src, why = _find_vllm_source()
+def _run_oracles(tmp: Path, cases: dict[str, torch.Tensor], device: str, version: str = VLLM_VERSION) -> dict:
+    src, why = _find_vllm_source(version)
     if src is None:
         pytest.skip(why)
     pytest.importorskip("triton", reason="the oracles are Triton kernels")
@@ -453,14 +438,15 @@ def _compare(results: dict, cases: dict) -> list[str]:
     return problems
 
 
-@pytest.fixture(scope="module")
-def interpreter_results(tmp_path_factory):
+@pytest.fixture(scope="module", params=VLLM_VERSIONS, ids=lambda v: f"vllm{v}")
+def interpreter_results(tmp_path_factory, request):
+    """Each vLLM version's quantizer run on the cases (its own mxfp4_utils.py and vendored triton_kernels)."""
     cases = _oracle_cases()
-    return cases, _run_oracles(tmp_path_factory.mktemp("mxfp4_oracle"), cases, "cpu")
+    return cases, _run_oracles(tmp_path_factory.mktemp("mxfp4_oracle"), cases, "cpu", request.param)
 
 
 def test_vllm_rule_matches_vllms_triton_quantizer(interpreter_results):
-    """vLLM 0.33.0 ``mxfp4_utils.downcast_to_mxfp`` (the online MoE quantizer), zero differing bytes.
+    """Each vLLM version's ``mxfp4_utils.downcast_to_mxfp`` (the online MoE quantizer), zero differing bytes.
 
     bf16/fp16 through vLLM's own wrapper; fp32 (which that wrapper refuses) through a two-line
     kernel that calls vLLM's ``_compute_quant_and_scale`` on fp32 tiles.
@@ -528,10 +514,10 @@ def test_cpu_and_cuda_give_identical_bytes(rule):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_vllm_rule_matches_vllms_kernel_compiled_for_the_gpu(tmp_path):
+def test_vllm_rule_matches_vllms_kernel_compiled_for_the_gpu(tmp_path, vllm_version):
     """The same oracle, compiled (no interpreter): settles docs/mxfp4-rounding.md on this GPU."""
     cases = {k: v for k, v in _gpu_inputs().items()}
-    results = _run_oracles(tmp_path, cases, "cuda")
+    results = _run_oracles(tmp_path, cases, "cuda", vllm_version)
     assert _compare(results, cases) == []
 
 

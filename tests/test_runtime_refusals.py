@@ -118,6 +118,17 @@ def test_layout_made_for_another_kernel_library_version(copy):
     edit_manifest(out, lambda m: m["layout"].update(made_for={"vllm": "0.30.0"}))
     msg = refused("made for other kernel library versions", out, device="cpu")
     assert "0.33.0" in msg and "0.30.0" in msg
+    edit_manifest(out, lambda m: m["layout"].update(made_for={"vllm": ["0.33.0", "0.35.0"]}))  # one not checked
+    assert "0.35.0" in refused("made for other kernel library versions", out, device="cpu")
+
+
+def test_a_manifest_naming_one_vllm_version_as_a_string_still_loads(copy):
+    """Folders written before made_for listed versions name one (``"vllm": "0.33.0"``): same layout version, same
+    bytes, so it loads; the list written today names every version the layout was checked against."""
+    out = copy("marlin")
+    assert json.loads((out / "moeconvert.json").read_text())["layout"]["made_for"] == {"vllm": ["0.33.0", "0.34.0"]}
+    edit_manifest(out, lambda m: m["layout"].update(made_for={"vllm": "0.33.0"}))
+    assert load(out, device="cpu").moe_layers
 
 
 def test_layout_made_for_another_tp_size(outputs):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli, st_tensors
+from helpers import VLLM_CPU_ENV, cli, st_tensors
 from test_vllm_plugin import VLLM_PYTHON, needs_vllm
 
 CHILD = Path(__file__).with_name("vllm_parallel_child.py")
@@ -178,7 +178,7 @@ def _ranks(folder: Path, tmp_path: Path, world: int = 2, **shape) -> list[dict]:
     ``redundant``) run at once, each a vLLM process on the CPU platform; what each reports."""
     spec = tmp_path / f"shape-{_free_port()}.json"
     spec.write_text(json.dumps({"mode": "layers", **shape}))
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "MASTER_ADDR": "127.0.0.1"}
+    env = {**os.environ, **VLLM_CPU_ENV, "MASTER_ADDR": "127.0.0.1"}
     port = _free_port()
     procs = [subprocess.Popen([VLLM_PYTHON, str(CHILD), str(folder), str(r), str(world), str(port), str(spec)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -299,6 +299,8 @@ def test_pp2_each_rank_builds_and_loads_only_its_layers(convert, tmp_path):
     full = convert("qwen3-moe", "marlin-w4a16-g128")
     files, manifest = st_tensors(full), _manifest(full)
     ranks = _ranks(full, tmp_path, mode="model", pp=2)
+    for got in ranks:
+        assert "error" not in got, got["error"]
     held = [sorted(got["layers"]) for got in ranks]
     prefixes = [m["prefix"] for m in manifest["moe_layers"]]
     assert held == [prefixes[:len(prefixes) // 2], prefixes[len(prefixes) // 2:]]

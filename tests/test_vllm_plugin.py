@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import cli
+from helpers import VLLM_CPU_ENV, cli
 from moeconvert.verify import verify_output
 
 _REPO_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm-cpu"  # what scripts/setup.sh makes
@@ -69,7 +69,7 @@ def test_a_marlin_folder_names_the_plugin_and_keeps_the_sources_config(folders):
     cfg = json.loads((out / "config.json").read_text())
     qc = cfg.pop("quantization_config")
     assert qc == {"quant_method": "moeconvert", "format_version": 2, "layout": {"name": "marlin", "version": 1},
-                  "made_for": {"vllm": "0.33.0"}, "dtype": "bfloat16",
+                  "made_for": {"vllm": ["0.33.0", "0.34.0"]}, "dtype": "bfloat16",
                   "partition": {"tp_size": 1, "tp_rank": 0, "ep_size": 1, "ep_rank": 0},
                   "source_quantization_config": source_cfg.pop("quantization_config")}
     assert cfg == source_cfg  # nothing else changes
@@ -98,7 +98,7 @@ def test_the_runtime_still_reads_a_folder_written_for_vllm(example_ckpt, tmp_pat
 
 
 def _child(folder: Path, *args, env: dict[str, str] | None = None) -> dict:
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", **(env or {})}
+    env = {**os.environ, **VLLM_CPU_ENV, **(env or {})}
     p = subprocess.run([VLLM_PYTHON, str(CHILD), str(folder), *args], capture_output=True, text=True, env=env,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -212,8 +212,44 @@ def test_a_vllm_started_for_another_tp_size_is_refused_before_loading(folders):
 @needs_vllm
 def test_another_vllm_version_is_refused_naming_it(folders):
     _, out = folders["w4a16-g128"]
-    got = _child(out, "--pretend-vllm", "0.34.0")
-    assert "this vLLM is 0.34.0; the moeconvert plugin serves its folders on vLLM 0.33.0 only" in got["error"]
+    got = _child(out, "--pretend-vllm", "0.35.0")
+    assert "this vLLM is 0.35.0; the moeconvert plugin serves its folders on vLLM 0.33.0, 0.34.0 only" in got["error"]
+    assert "\n" not in got["error"]
+
+
+def _made_for_one_version(folder: Path, dest: Path) -> Path:
+    """A copy of ``folder`` as written before made_for listed versions: ``"vllm": "0.33.0"`` in config.json and
+    in the manifest."""
+    old = _edited_copy(folder, dest, lambda qc: qc.update(made_for={"vllm": "0.33.0"}))
+    manifest = json.loads((old / "moeconvert.json").read_text())
+    manifest["layout"]["made_for"] = {"vllm": "0.33.0"}
+    (old / "moeconvert.json").write_text(json.dumps(manifest, indent=1))
+    return old
+
+
+@needs_vllm
+def test_a_folder_made_before_version_lists_is_still_served(folders, tmp_path):
+    """A folder written when made_for named one version (``"vllm": "0.33.0"``, in config.json and the manifest)
+    has the bytes of the same layout version: it is served on every version the layout lists now."""
+    _, out = folders["w4a16-g128"]
+    old = _made_for_one_version(out, tmp_path / "old")
+    manifest = json.loads((old / "moeconvert.json").read_text())
+    got = _child(old)
+    assert "error" not in got, got.get("error")
+    assert set(got["layers"]) == {m["prefix"] for m in manifest["moe_layers"]}
+
+
+@needs_vllm
+def test_a_vllm_the_folders_layout_does_not_list_is_refused_naming_those_it_lists(folders, tmp_path):
+    """The plugin serves a folder on the vLLM versions its layout lists (made_for): here the child takes 0.34.0
+    out of the Marlin layout's list, as for a layout whose oracles have not passed against 0.34.0, and serves a
+    folder made for 0.33.0 alone (a folder listing 0.34.0 would be refused for that, by the manifest check)."""
+    _, out = folders["w4a16-g128"]
+    old = _made_for_one_version(out, tmp_path / "old")
+    got = _child(old, "--pretend-vllm", "0.34.0", "--layout-lists", "0.33.0")
+    assert ("this vLLM is 0.34.0; this folder's layout (marlin version 1, wna16) is served on vLLM 0.33.0 only, the "
+            "versions whose processing its bytes were checked against: pip install vllm==0.33.0") in got["error"]
+    assert got["layers"] == {}
 
 
 @needs_vllm
@@ -491,7 +527,7 @@ def test_hostile_quantization_configs_are_refused_in_one_line(folders, tmp_path)
                                 lambda qc: qc.update(layout={"name": "triton", "version": qc["layout"]["version"]}))
     cases = {  # name: (quantization_config, the folder vLLM was given), what the line must say
         "made_for a string": ((changed(made_for="0.33.0"), out),
-                              'config.json: quantization_config.made_for: expected an object of version strings'),
+                              'config.json: quantization_config.made_for: expected an object of versions or lists'),
         "made_for a list": ((changed(made_for=["vllm", "0.33.0"]), out), "quantization_config.made_for: expected"),
         "source config a string": ((changed(source_quantization_config="compressed-tensors"), out),
                                    "quantization_config.source_quantization_config: expected an object"),
@@ -508,7 +544,7 @@ def test_hostile_quantization_configs_are_refused_in_one_line(folders, tmp_path)
     jobs = tmp_path / "jobs.json"
     jobs.write_text(json.dumps([[qc, str(folder)] for (qc, folder), _ in cases.values()]))
     p = subprocess.run([VLLM_PYTHON, "-c", _CONFIG_CHILD, str(jobs)], capture_output=True, text=True,
-                       env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, timeout=600)
+                       env={**os.environ, **VLLM_CPU_ENV}, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     for (name, (_, needle)), result in zip(cases.items(), got):

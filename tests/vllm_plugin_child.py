@@ -7,7 +7,7 @@ tokens against ``runtime/reference.py`` on the source's own weights (decoded fro
 the way the folder's manifest says for a bf16 source); ``--bench SRC`` prints ``moeconvert bench
 vllm-startup``'s result.
 
-``python vllm_plugin_child.py FOLDER [--tp-size N] [--pretend-vllm VERSION] [--skip SUFFIX] [--direct] [--whole-model]``: builds every MoE layer the folder's manifest holds
+``python vllm_plugin_child.py FOLDER [--tp-size N] [--pretend-vllm VERSION] [--layout-lists V1,V2] [--skip SUFFIX] [--direct] [--whole-model]``: builds every MoE layer the folder's manifest holds
 with vLLM's own ``FusedMoEFactory`` on the CPU platform (one-process gloo group), the quantization config
 taken from the folder's config.json through vLLM's registry (after the plugin's ``register``), loads the
 folder's tensors through vLLM's own ``MoERunner.load_weights`` with the config's checkpoint name mapper,
@@ -44,6 +44,10 @@ def main() -> None:
 
     if "--pretend-vllm" in sys.argv:  # the version refusal, without a second vLLM
         vllm.__version__ = sys.argv[sys.argv.index("--pretend-vllm") + 1]
+    if "--layout-lists" in sys.argv:  # a layout listing fewer vLLM versions (the folder's own list is within it)
+        from moeconvert.layouts import get_layout
+
+        get_layout("marlin", "wna16").made_for["vllm"] = sys.argv[sys.argv.index("--layout-lists") + 1].split(",")
     from moeconvert.integrations.vllm.harness import build_layer, layer_tensors, one_process, quant_config_for
 
     # Marlin, vLLM's Triton MoE kernel and triton_kernels' need CUDA to run, not to be built: vLLM's kernel

@@ -114,6 +114,14 @@ def show_field(v: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def made_for_versions(value: object) -> tuple[str, ...]:
+    """The versions a ``layout.made_for`` entry names: a list of the versions the layout was checked against
+    (``"vllm": ["0.33.0", "0.34.0"]``), or one version string, as manifests written before lists name one."""
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value) if isinstance(value, (list, tuple)) else ()
+
+
 def field_error(where: str, message: str) -> MoeConvertError:
     """One line: ``moeconvert.json: <field path>: <message>``."""
     return MoeConvertError(message, file=MANIFEST_NAME, tensor=where)
@@ -277,8 +285,9 @@ def validate_fields(m: dict) -> None:
     get_field(lay, "kernel", "layout", "str")
     made_for = get_field(lay, "made_for", "layout", "dict")
     for k, v in made_for.items():
-        if not isinstance(v, str):
-            raise field_error(f"layout.made_for.{k}", f"expected a version string, found {show_field(v)}")
+        if not (isinstance(v, str) or isinstance(v, list) and v and all(isinstance(x, str) for x in v)):
+            raise field_error(f"layout.made_for.{k}",
+                              f"expected a version string or a non-empty list of them, found {show_field(v)}")
     part = get_field(m, "partition", "", "dict")
     exact_keys(part, "partition", {"tp_size", "tp_rank", "ep_size", "ep_rank"})
     for size, rank in (("tp_size", "tp_rank"), ("ep_size", "ep_rank")):

@@ -160,9 +160,10 @@ class Layout(ABC):
     #: refuses one that would inherit it).
     runtime_kernels: ClassVar[tuple[str, ...]]
     #: the engine kernel the bytes were made for, in words (the manifest's and ``inspect``'s ``kernel``),
-    #: and the library versions they were made to match
+    #: and the library versions they were made to match: for vLLM, the list of versions whose own processing
+    #: the oracle tests check the bytes against (``tests/helpers.py`` VLLM_VERSIONS; docs/format.md)
     kernel: ClassVar[str]
-    made_for: ClassVar[dict[str, str]] = {}
+    made_for: ClassVar[dict[str, str | list[str]]] = {}
     #: the plugin's MoE method (``moeconvert/integrations/vllm/method.py``) that serves these bytes in vLLM,
     #: or None: the converter then writes a config.json whose ``quantization_config`` names the plugin
     #: (``moeconvert[vllm]``, docs/vllm.md), and the plugin builds this method for the layer

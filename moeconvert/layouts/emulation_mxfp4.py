@@ -51,7 +51,7 @@ class EmulationMXFP4Layout(PlainLayout):
     schemes = ("mxfp4",)
     runtime_kernels = ()  # vLLM's emulation is not called by the runtime (yet)
     kernel = "vllm OCP_MXQuantizationEmulationTritonExperts (dequantize, then bf16 Triton MoE)"
-    made_for = {"vllm": "0.33.0"}
+    made_for = {"vllm": ["0.33.0"]}  # no oracle runs vLLM's own code for it yet
     pad_multiples = (32, 32)
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from moeconvert.errors import InternalError
 MXFP4_BLOCK = 32
 ACTIVATIONS = ("silu", "swigluoai")  # both kernels run these gated activations (vLLM's _supports_activation)
 #: vLLM 0.33.0 pins flashinfer-python 0.7.2.post1; every helper these bytes follow is identical in 0.7.4
-MADE_FOR = {"vllm": "0.33.0", "flashinfer": "0.7.2.post1"}
+MADE_FOR = {"vllm": ["0.33.0"], "flashinfer": "0.7.2.post1"}
 
 
 def common_problems(layout: str, shape: LayerShape, pads: tuple[int, int]) -> list[str]:

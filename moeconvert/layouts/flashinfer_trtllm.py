@@ -157,7 +157,7 @@ class FlashInferTrtllmWNA16Layout(Layout):
     runtime_kernels = ()  # FlashInfer is not called by the runtime (yet)
     kernel = "flashinfer.fused_moe.trtllm_mxint4_block_scale_moe"
     # vLLM 0.33.0 pins flashinfer-python 0.7.2.post1; its helpers were checked, and 0.7.4's give the same bytes
-    made_for = {"vllm": "0.33.0", "flashinfer": "0.7.2.post1"}
+    made_for = {"vllm": ["0.33.0"], "flashinfer": "0.7.2.post1"}
 
     def _check(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         assert isinstance(scheme, WNA16Scheme)

@@ -265,7 +265,7 @@ class HummingLayout(Layout):
     schemes = ("wna16",)
     runtime_kernels = ("humming",)  # runtime/humming.py; the reference when it cannot run (and says why)
     kernel = "humming-kernels HummingGroupedExperts (vLLM 0.33.0, SM90, 16-bit activations)"
-    made_for = {"vllm": "0.33.0", "humming-kernels": "0.1.19", "sm": "90", "activation": "16-bit (model dtype)"}
+    made_for = {"vllm": ["0.33.0"], "humming-kernels": "0.1.19", "sm": "90", "activation": "16-bit (model dtype)"}
     vllm_method = "HummingWNA16Method"
 
     def _check(self, shape: LayerShape, scheme: Scheme) -> list[str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from moeconvert.canonical import LayerShape, Partition
 from moeconvert.errors import MoeConvertError
 from moeconvert.format import CONFIG_NAME, TORCH_TO_CODE, TensorInfo, family_name
-from moeconvert.format.manifest import (MANIFEST_NAME, check_shards, exact_keys, field_error, get_field, is_int,
+from moeconvert.format.manifest import (MANIFEST_NAME, check_shards, made_for_versions, exact_keys, field_error, get_field, is_int,
                                         layer_tensor_entries, one_of, read_manifest, read_output_config, show_field,
                                         validate_fields)
 from moeconvert.layouts import Layout, get_layout
@@ -110,12 +110,22 @@ def check_layout(manifest: dict, kind: str, made_for: bool = True) -> Layout:
             "layout version " + ("is newer than this moeconvert knows (upgrade moeconvert)" if newer
                                  else "differs from this moeconvert's (convert the checkpoint again)"),
             file=MANIFEST_NAME, tensor=f"layout {layout.name}", expected=layout.version, found=info["version"])
-    if made_for and dict(info["made_for"]) != dict(layout.made_for):
+    if made_for and not made_for_within(info["made_for"], layout.made_for):
         raise MoeConvertError(
             "layout was made for other kernel library versions than this moeconvert's layout targets "
             "(its bytes may not be what those kernels read; convert again)", file=MANIFEST_NAME,
             tensor=f"layout {layout.name} made_for", expected=dict(layout.made_for), found=dict(info["made_for"]))
     return layout
+
+
+def made_for_within(found: dict, layout_made_for: dict) -> bool:
+    """Whether a folder's ``made_for`` is one this moeconvert's layout (same name and version, so the same
+    bytes) stands behind: the same libraries, and for each only versions the layout lists. A folder written
+    before a version was added to the list names fewer (a string: the one version then checked)."""
+    if set(found) != set(layout_made_for):
+        return False
+    return all(made_for_versions(found[k]) and set(made_for_versions(found[k])) <= set(made_for_versions(v))
+               for k, v in layout_made_for.items())
 
 
 def _json_equal(a: object, b: object) -> bool:

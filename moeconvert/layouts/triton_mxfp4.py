@@ -281,7 +281,7 @@ class TritonMXFP4Layout(Layout):
     # not called by the runtime (yet)
     runtime_kernels = ()
     kernel = "triton_kernels.matmul_ogs (HopperMXValueLayout / HopperMXScaleLayout), vLLM TRITON / TRITON_UNFUSED"
-    made_for = {"vllm": "0.33.0", "triton_kernels": f"{TRITON_KERNELS_API} API (vendored in vLLM 0.33.0)"}
+    made_for = {"vllm": ["0.33.0", "0.34.0"], "triton_kernels": f"{TRITON_KERNELS_API} API (vendored in vLLM 0.33.0)"}
     vllm_method = "TritonMXFP4Method"
     # vLLM's round-up for TRITON (mxfp4_round_up_hidden_size_and_intermediate_size, generic branch):
     # I to 64, H unchanged; H must then be whole MXFP4 blocks already, which _check demands (§5.3, §8).

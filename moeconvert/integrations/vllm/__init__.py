@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 
-SUPPORTED_VLLM = ("0.33.0",)  # the versions whose MoE layer internals our method was checked against
+#: the vLLM versions whose MoE layer internals (and model loaders) the plugin was checked against; a folder is
+#: served on those of them its layout lists (``Layout.made_for["vllm"]``: its bytes checked against their processing)
+SUPPORTED_VLLM = ("0.33.0", "0.34.0")
 
 _log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 from moeconvert.errors import MoeConvertError
+from moeconvert.format.manifest import made_for_versions
 from moeconvert.integrations.vllm import SUPPORTED_VLLM
 from moeconvert.integrations.vllm.scope import load_format, load_format_refusal, method_name, refusal
 
@@ -30,6 +31,10 @@ _STORED_TP = re.compile(r"\.experts\.tp\d+\.((?:w13|w2)_(?:weight|weight_scale|w
 #: what ends every refusal of a folder's own files: they are made by the conversion, never by hand
 _CONVERT_AGAIN = ("convert the source again with this moeconvert (moeconvert repack SRC OUT --backend marlin, or "
                   "moeconvert quantize SRC OUT --format mxfp4 --backend marlin) rather than edit the file")
+
+
+def _versions(versions) -> str:
+    return ", ".join(versions)
 
 
 def _show(value: object) -> str:
@@ -53,7 +58,8 @@ class MoeconvertConfig(QuantizationConfig):
 
         if vllm.__version__ not in SUPPORTED_VLLM:
             raise ValueError(f"moeconvert: this vLLM is {vllm.__version__}; the moeconvert plugin serves its folders on "
-                             f"vLLM {', '.join(SUPPORTED_VLLM)} only (the MoE layer's internals change between releases)")
+                             f"vLLM {_versions(SUPPORTED_VLLM)} only (the MoE layer's internals change between releases): "
+                             f"pip install vllm=={SUPPORTED_VLLM[-1]}")
         from moeconvert.format import FORMAT_VERSION
 
         self.raw = raw
@@ -65,12 +71,15 @@ class MoeconvertConfig(QuantizationConfig):
         if not (isinstance(layout, dict) and isinstance(layout.get("name"), str) and
                 type(layout.get("version")) is int):
             raise _refuse("layout", 'an object {"name": ..., "version": ...}', layout)
-        if not (isinstance(raw.get("made_for"), dict) and all(isinstance(v, str) for v in raw["made_for"].values())):
-            raise _refuse("made_for", 'an object of version strings, e.g. {"vllm": "0.33.0"}', raw.get("made_for"))
-        made_for = raw["made_for"].get("vllm")
-        if made_for not in SUPPORTED_VLLM:
-            raise ValueError(f"moeconvert: this folder's layout was made for vLLM {made_for}; the plugin serves "
-                             f"{', '.join(SUPPORTED_VLLM)}")
+        if not (isinstance(raw.get("made_for"), dict) and all(
+                isinstance(v, str) or isinstance(v, list) and v and all(isinstance(x, str) for x in v)
+                for v in raw["made_for"].values())):
+            raise _refuse("made_for", 'an object of versions or lists of them, e.g. {"vllm": ["0.33.0", "0.34.0"]}',
+                          raw.get("made_for"))
+        made_for = made_for_versions(raw["made_for"].get("vllm"))
+        if not set(made_for) & set(SUPPORTED_VLLM):
+            raise ValueError(f"moeconvert: this folder's layout was made for vLLM {_versions(made_for) or 'none'}; the "
+                             f"plugin serves {_versions(SUPPORTED_VLLM)}: {_CONVERT_AGAIN}")
         if not isinstance(raw.get("partition"), dict):
             raise _refuse("partition", "an object (tp_size, tp_rank, ep_size, ep_rank)", raw.get("partition"))
         self.partition = raw["partition"]
@@ -176,6 +185,7 @@ class MoeconvertConfig(QuantizationConfig):
                       [(m["activation"], m.get("activation_params") or {}) for m in manifest["moe_layers"]])
         if why is not None:
             raise ValueError(f"moeconvert: {why}")
+        self._check_served(manifest, kind or manifest["moe_layers"][0]["scheme"]["kind"])
         if self.raw.get("load_format") != load_format(manifest["family"]):
             raise _refuse("load_format", f"{_show(load_format(manifest['family']))} (what a {manifest['family']} "
                           "folder is served with)", self.raw.get("load_format"))
@@ -183,6 +193,23 @@ class MoeconvertConfig(QuantizationConfig):
             raise ValueError(f"moeconvert: config.json says dtype {self.raw['dtype']}, the manifest {manifest['dtype']}")
         self.manifest = manifest
         self.layers = {m["prefix"]: m for m in manifest["moe_layers"]}
+
+    @staticmethod
+    def _check_served(manifest: dict, kind: str) -> None:
+        """This vLLM must be one the folder's layout lists: the layout (same name and version, so the same
+        bytes; ``check_output`` holds the folder's own list within it) was checked against the processing of
+        exactly those versions (``Layout.made_for``), and any other may hold other bytes."""
+        import vllm
+
+        from moeconvert.layouts import get_layout
+
+        layout = get_layout(manifest["layout"]["name"], kind)
+        served = tuple(v for v in made_for_versions(layout.made_for.get("vllm")) if v in SUPPORTED_VLLM)
+        if vllm.__version__ not in served:
+            raise ValueError(f"moeconvert: this vLLM is {vllm.__version__}; this folder's layout ({layout.name} "
+                             f"version {layout.version}, {kind}) is served on vLLM {_versions(served)} only, the "
+                             f"versions whose processing its bytes were checked against: pip install "
+                             f"vllm=={served[-1] if served else SUPPORTED_VLLM[-1]}")
 
     # -- per layer -------------------------------------------------------------------------------------
 

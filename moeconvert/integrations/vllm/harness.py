@@ -81,10 +81,17 @@ def process_group(device: str, *, rank: int, world_size: int, init_method: str, 
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     os.environ["RANK"] = str(rank)
+    # vLLM 0.34.0 refuses PP > 1 with external_launcher (config/vllm.py, _get_model_runner_unsupported_features:
+    # its model runner does not broadcast PP outputs between torchrun ranks); no model runner runs here, and
+    # without DP the executor only names who started the ranks, so PP takes vLLM's own "mp" executor's config
+    if pipeline_parallel_size > 1 and data_parallel_size > 1:
+        raise ValueError(f"PP {pipeline_parallel_size} with DP {data_parallel_size}: this harness builds DP ranks "
+                         "as vLLM's external_launcher does, which vLLM 0.34.0 refuses with PP; run them apart")
+    executor = "mp" if pipeline_parallel_size > 1 else "external_launcher"
     parallel = ParallelConfig(
         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
         data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
-        expert_placement_strategy=expert_placement_strategy, distributed_executor_backend="external_launcher")
+        expert_placement_strategy=expert_placement_strategy, distributed_executor_backend=executor)
     if parallel.world_size != world_size:
         raise ValueError(f"{world_size} processes for TP {tensor_parallel_size} x PP {pipeline_parallel_size} x DP "
                          f"{data_parallel_size} = {parallel.world_size}")
