@@ -94,7 +94,7 @@ def test_the_table_is_printed(example_ckpt, monkeypatch):
 # the facts of vLLM 0.33.0's selection the advice rests on, read from its source
 
 def _read():
-    return vllm_reader("vLLM's source is needed to check the backend order the advice follows")
+    return vllm_reader()
 
 
 def _names(text: str, function: str, enum: str) -> list[str]:

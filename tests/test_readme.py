@@ -65,6 +65,12 @@ NOT_RUN = {
         "tests of this suite (the README's test command runs them)",
     ("docs/vllm.md", "MOECONVERT_VLLM_PYTHON=python3 python3 -m pytest -m gpu tests/test_vllm_plugin.py"):
         "a GPU and vLLM's CUDA build",
+    ("docs/vllm.md", "moeconvert quantize openai/gpt-oss-20b gpt-oss-marlin/ --backend marlin   # or --backend triton"):
+        "a 21B-parameter checkpoint from the Hub, and vllm serve needs vLLM's CUDA build and a GPU; the gpt-oss "
+        "plugin tests run this path on a tiny gpt-oss checkpoint",
+    ("docs/vllm.md", "moeconvert repack RedHatAI/Qwen3-30B-A3B-quantized.w4a16 qwen3-humming/ --backend humming"):
+        "a 30B-parameter checkpoint from the Hub, and vllm serve needs an SM90 GPU; the humming plugin tests run "
+        "this path on a tiny checkpoint",
     ("docs/runtime.md", "import torch"):
         "written for a CUDA device (device=\"cuda\"); the README's load snippet is its CPU form and runs",
     ("docs/layouts/triton-mxfp4.md", "import torch"):
