@@ -271,3 +271,12 @@ def lift(read: Callable[[str], str], rel: str, names, ns: dict, *, package: str 
     if edit is not None:
         nodes = [edit(by_node[id(node)], node) for node in nodes]
     return exec_nodes(nodes, filename, ns)
+
+
+def kernel_and_reference(layer, M: int, dtype):
+    """(input, the layer's kernel's output, the reference's) for M tokens drawn from a seed of M and routed
+    by the layer's own router: the GPU dispatch tests compare the two."""
+    gen = torch.Generator(device="cuda").manual_seed(M)
+    x = (torch.randn(M, layer.hidden_size, device="cuda", generator=gen) * 4).to(dtype)
+    w, ids = layer.route(layer.router_logits(x))
+    return x, layer(x, w, ids), layer.reference(x, w, ids)

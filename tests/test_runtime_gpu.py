@@ -18,7 +18,7 @@ import torch
 
 from moeconvert.example import make_example
 
-from helpers import cli, rel
+from helpers import cli, kernel_and_reference, rel
 
 pytestmark = pytest.mark.gpu
 
@@ -80,11 +80,7 @@ def test_marlin_dispatch_matches_the_reference(marlin_output, name, M):
     dt = torch.bfloat16  # the examples' model dtype: Marlin's scales are in it
     for layer in model:
         assert layer.kernel == "vllm-marlin", layer.kernel_note
-        gen = torch.Generator(device="cuda").manual_seed(M)
-        x = (torch.randn(M, layer.hidden_size, device="cuda", generator=gen) * 4).to(dt)
-        w, ids = layer.route(layer.router_logits(x))
-        got = layer(x, w, ids)
-        want = layer.reference(x, w, ids)
+        x, got, want = kernel_and_reference(layer, M, dt)
         err = rel(got, want)
         print(f"\n{name} {layer.prefix} M={M}: vllm-marlin vs reference rel err {err:.2e}")
         assert got.shape == x.shape and got.dtype == dt

@@ -28,7 +28,7 @@ from moeconvert.layouts import humming as hl
 from moeconvert.runtime import KernelFallbackWarning, dispatch, load
 from moeconvert.runtime import humming as rh
 
-from helpers import cli, rel
+from helpers import cli, kernel_and_reference, rel
 
 ALL = tuple(range(8))
 FOLDERS = {  # name: example kwargs (qwen3-moe, 8 experts, H 256)
@@ -339,11 +339,7 @@ def test_humming_dispatch_matches_the_reference(folder, case, M):
         assert layer.kernel == "humming", layer.kernel_note
         want_dtype = (hl.sign_magnitude_dtype if "no-zero" in name else hl.unsigned_dtype)(layer.entry.scheme.bits)
         assert {layer.entry.metadata[s]["b_dtype"] for s in hl.SUBLAYERS} == {want_dtype}  # the case it says
-        gen = torch.Generator(device="cuda").manual_seed(M)
-        x = (torch.randn(M, layer.hidden_size, device="cuda", generator=gen) * 4).to(dt)
-        w, ids = layer.route(layer.router_logits(x))
-        got = layer(x, w, ids)
-        want = layer.reference(x, w, ids)
+        x, got, want = kernel_and_reference(layer, M, dt)
         err = rel(got, want)
         print(f"\n{case} {layer.prefix} M={M}: humming vs reference rel err {err:.2e}")
         assert got.shape == x.shape and got.dtype == dt and torch.isfinite(got).all()
