@@ -4,7 +4,8 @@
 keys ``BLOCK_M BLOCK_N BLOCK_K GROUP_M SPLIT_K num_warps num_stages`` (both GEMMs share BLOCK_M: they
 share one alignment; a split-K GEMM1's last split of a tile sums the partials and runs the epilogue).
 
-Tables are JSON files written by ``moeconvert bench kernel --tune`` (moeconvert/bench/kernel.py)::
+Tables are JSON files written by ``moeconvert bench kernel --tune`` or the opt-in tune on first use
+(kernels/tune.py), merged by :func:`write_table`::
 
     {"device": "NVIDIA H200", "triton": "3.6.0", "entries": {
         "int4/g128 E=128 k=8 H=2048 I=768": {"1": [cfg1, cfg2], "16": [...], ...}, ...}}
@@ -84,8 +85,37 @@ def _lookup(env: str | None, key: str, M: int, device_name: str) -> tuple[dict, 
     return None
 
 
+def has_entry(key: str, device_name: str) -> bool:
+    """A table the kernel reads for ``device_name`` has ``key`` (read now, not from the process's cache)."""
+    return any(_load(str(p), p.stat().st_mtime).get(key) for p in _tables(device_name))
+
+
 def clear_cache() -> None:
     _lookup.cache_clear()
+
+
+def write_table(path, device_name: str, entries: dict) -> None:
+    """Merge ``entries`` into the table at ``path`` (other layers' entries kept), atomically, under a lock
+    file beside it: the ranks of one model may tune the same GPU's table at once."""
+    import fcntl
+
+    import triton
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = {"device": device_name, "triton": triton.__version__, "entries": {}}
+        if path.is_file():
+            try:
+                data["entries"] = dict(json.loads(path.read_text()).get("entries", {}))
+            except (OSError, json.JSONDecodeError, AttributeError):
+                pass  # an unreadable table is replaced by the entries written now
+        data["entries"].update(entries)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    clear_cache()
 
 
 def heuristic_configs(fmt: str, E: int, top_k: int, H: int, I: int, M: int, num_sms: int = 132) -> tuple[dict, dict]:

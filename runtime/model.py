@@ -10,6 +10,7 @@ from typing import Iterable
 import torch
 
 from moeconvert.errors import MoeConvertError
+from moeconvert.kernels.tune import tune_opted_in
 from moeconvert.runtime.layer import MoELayer
 from moeconvert.runtime.loader import make_reader
 from moeconvert.runtime.manifest import CheckedManifest, LayerEntry, read_checked
@@ -116,7 +117,7 @@ def load(path_or_repo: str | Path, device: str | torch.device | None = None, lay
          tp_rank: int | None = None, *, tp_size: int | None = None, ep_size: int | None = None,
          ep_rank: int | None = None, verify: bool = False, kernel: str | None = None, reader: str = "auto",
          revision: str | None = None, threads: int | None = None, buffer_mb: float | None = None,
-         progress: bool | None = None) -> MoEModel:
+         progress: bool | None = None, tune: bool | None = None) -> MoEModel:
     """Load a ``moeconvert`` output's MoE layers onto ``device`` (default: cuda if present, else cpu).
 
     ``layers``: decoder layer numbers or experts prefixes (default: all). ``tp_rank`` / ``tp_size`` /
@@ -128,13 +129,18 @@ def load(path_or_repo: str | Path, device: str | torch.device | None = None, lay
     ``auto`` | ``direct`` | ``pinned`` | ``threaded`` (loader.py, fastload.py). ``threads`` /
     ``buffer_mb``: the threaded reader's workers and buffer size (default ``$MOECONVERT_LOAD_THREADS``
     or min(8, cpus), ``$MOECONVERT_LOAD_BUFFER_MB`` or 64). ``progress``: a bar with GB/s on stderr
-    (default: for loads above 1 GB on a terminal). Nothing is returned unless every tensor was read.
+    (default: for loads above 1 GB on a terminal). ``tune``: tune our Triton kernel's tiles for each
+    ``triton-fast`` layer shape that no table holds, once per GPU, into the user's table (default
+    ``$MOECONVERT_KERNEL_TUNE``; docs/kernels.md, "Tuning"). Nothing is returned unless every tensor was read.
     """
     root = _resolve(path_or_repo, revision)
     dev = torch.device(device or _default_device())
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise MoeConvertError("a CUDA device was asked for, but torch sees none", tensor="device",
                               expected="cpu, or a machine with CUDA", found=str(dev))
+    if tune and dev.type != "cuda":  # asked for by name; the variable applies to CUDA loads only
+        raise MoeConvertError("tuning the kernel's tiles times CUDA graphs: it needs a CUDA device",
+                              tensor="tune", expected="cuda", found=str(dev))
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     checked = read_checked(root, tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank, verify=verify)
@@ -162,6 +168,10 @@ def load(path_or_repo: str | Path, device: str | torch.device | None = None, lay
             router = router_from_tensors(router_config(family, config, entry.top_k), rt)
         shared = {n: read[n] for n in entry.shared}
         out[entry.prefix] = MoELayer(entry, tensors, dev, router, shared, config, part["tp_size"], kernel)
+    if dev.type == "cuda" and (tune if tune is not None else tune_opted_in()):
+        from moeconvert.runtime.moeconvert_triton import tune_first_use
+
+        tune_first_use(out.values())
     return MoEModel(path=root, device=dev, manifest=checked.raw, config=config, moe_layers=out, checked=checked,
                     reader=reader_name, verify=verify)
 

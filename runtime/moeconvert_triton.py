@@ -63,6 +63,35 @@ def fast_forward(layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     return y[:, :H]
 
 
+def fast_shape(layer):
+    """(``kernels.tune.LayerShape``, w13, w2) of a ``triton-fast`` layer: what ``fast_forward`` runs."""
+    from moeconvert.kernels.tune import LayerShape
+
+    s = layer.entry.scheme
+    fmt = "mxfp4" if s.kind == "mxfp4" else f"int{s.bits}"
+    w13, w2 = weights_from_tensors(layer.tensors, "w13"), weights_from_tensors(layer.tensors, "w2")
+    shape = LayerShape.of(w13, w2, fmt=fmt, group=32 if s.kind == "mxfp4" else s.group_size, top_k=layer.top_k,
+                          activation=layer.entry.activation)
+    return shape, w13, w2
+
+
+def tune_first_use(layers, log=print) -> dict:
+    """The opt-in tune on first use (``load(..., tune=True)``, ``$MOECONVERT_KERNEL_TUNE=1``): each distinct
+    ``triton-fast`` layer shape this kernel runs on CUDA that no table holds is tuned on the layer's own
+    tensors and written to the user's table for this GPU (kernels/tune.py). {key: result, or None if a
+    table had it}."""
+    from moeconvert.kernels.tune import ensure_tuned
+
+    done: dict = {}
+    for layer in layers:
+        if layer.kernel != NAME or forward_for(layer.entry.layout) is not fast_forward or layer.device.type != "cuda":
+            continue
+        shape, w13, w2 = fast_shape(layer)
+        if shape.key not in done:
+            done[shape.key] = ensure_tuned(shape, w13, w2, layer.device, log=log)
+    return done
+
+
 def wna16_forward(layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """One ``MoELayer`` in the WNA16 ``triton`` layout."""
     from moeconvert.kernels.moe_wna16 import WNA16Weights, fused_moe_wna16

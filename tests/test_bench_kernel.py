@@ -16,11 +16,19 @@ import torch
 from moeconvert.kernels import configs
 from moeconvert.kernels.moe_fast import check_config
 from moeconvert.layouts import get_layout
-from moeconvert.bench.kernel import SHAPES, _candidates, _fmt, problems, write_table
+from moeconvert.kernels.configs import write_table
+from moeconvert.kernels.tune import LayerShape, candidates
+from moeconvert.bench.kernel import SHAPES, _fmt, problems
 from moeconvert.bench.contenders import Problem, padded_shape, random_layout_tensors
 
 from helpers import cli
 from interpreted import REPO, run_child
+
+
+def _candidates(p: Problem, M: int, sms: int):
+    """The tuning space of a bench problem (its sizes as given: the bench shapes need no padding)."""
+    fmt, group = _fmt(p)
+    return candidates(LayerShape(fmt, group, p.E, p.top_k, p.H, p.I, p.activation), M, sms)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
@@ -214,6 +222,7 @@ def test_contenders_are_built_and_timed_one_at_a_time(monkeypatch):
 
 def _tune_child(out: Path) -> None:
     import moeconvert.bench.kernel as bk
+    import moeconvert.kernels.tune as kt
 
     calls = []
 
@@ -222,7 +231,7 @@ def _tune_child(out: Path) -> None:
         calls.append(1)
         return 1000.0 - len(calls)
 
-    bk.graph_us = falling_time
+    bk.graph_us = kt.graph_us = falling_time
     p = Problem("tiny", 4, 2, 256, 128, "int4-g128")
     r = bk.tune(p, "cpu", [1, 40], log=lambda *a: None, dtype=torch.float32)
     n_tune = len(calls)

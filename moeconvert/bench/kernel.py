@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 import time
 import traceback
@@ -34,6 +33,7 @@ import triton
 
 from moeconvert.errors import MoeConvertError
 from moeconvert.bench.contenders import Problem, Unavailable, parse_format, random_layout_tensors
+from moeconvert.kernels.tune import LayerShape, NoConfigRan, StepTimer, graph_us, tune_layer
 
 SHAPES = {  # E, top_k, H, I, format
     "mixtral": (8, 2, 4096, 14336, "int4-g128"),
@@ -74,22 +74,6 @@ def problems(names: list[str], fmt: str | None = None, custom: list[str] = ()) -
 
 # ---------------------------------------------------------------------------------------------------
 # timing and floors
-
-
-def graph_us(fn, rep_ms: int = 100) -> float:
-    """Microseconds per replay of a CUDA graph of ``fn()`` (run twice first on a side stream: JIT)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    t = triton.testing.do_bench(g.replay, warmup=max(5, rep_ms // 10), rep=rep_ms)
-    del g
-    return t * 1e3
 
 
 def copy_bandwidth(device) -> float:
@@ -145,145 +129,24 @@ def ours(p: Problem, device):
 
 
 # ---------------------------------------------------------------------------------------------------
-# --tune
+# --tune (kernels/tune.py)
 
 
-def _candidates(p: Problem, M: int, num_sms: int) -> list[tuple[int, list[dict], list[dict]]]:
-    """(BLOCK_M, GEMM1 configs, GEMM2 configs) to try for one (shape, M): the tile widths and depths
-    that matter at this M (4 stages; 6 too for two tiles when an expert gets few pairs), split-K for a
-    GEMM whose programs would not fill the GPU, and for int8 both operand orders (``SWAP_AB``; 4-bit
-    weights always multiply as the first operand)."""
-    ppe = M * p.top_k / p.E
-    bms = [16] if ppe <= 8 else [16, 32] if ppe <= 32 else [32, 64] if ppe <= 96 else [64, 128]
-    swaps = (0, 1) if _fmt(p)[0] == "int8" else (0,)
-    out = []
-    for bm in bms:
-        if bm <= 32:
-            if p.fmt == "mxfp4":
-                tiles = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 64, 8)]
-            else:
-                tiles = [(64, 128, 4), (128, 128, 4), (64, 256, 4), (64, 64, 4), (128, 128, 8)]
-            blocks = min(p.E, M * p.top_k)
-            # few pairs an expert: deeper pipelines for the first two tiles too (more bytes in flight)
-            depths = [(bn, bk, w, 4) for bn, bk, w in tiles] + ([(bn, bk, w, 6) for bn, bk, w in tiles[:2]]
-                                                                 if ppe <= 8 else [])
-            g1, g2 = [], []
-            for bn, bk, w, st in depths:
-                for n, k, out_list in ((p.I, p.H, g1), (p.H, p.I, g2)):
-                    programs = blocks * math.ceil(n / bn)
-                    splits = (1, 2, 4) if programs < 2 * num_sms else (1, 2) if programs < 4 * num_sms else (1,)
-                    out_list += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=sk, SWAP_AB=sw,
-                                      GROUP_M=1) for sk in splits if k // bk >= sk for sw in swaps]
-        else:
-            tiles = [(64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (256, 64, 8)]
-            base = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, GROUP_M=8, SPLIT_K=1, SWAP_AB=sw)
-                    for bn, bk, w in tiles for sw in swaps]
-            g1, g2 = base, [dict(c) for c in base]
-        out.append((bm, [dict(c, BLOCK_M=bm) for c in g1], [dict(c, BLOCK_M=bm) for c in g2]))
-    return out
-
-
-class StepTimer:
-    """Times the steps of our layer one by one for one (shape, M): the align for a BLOCK_M, GEMM1 and
-    GEMM2 (with its reduction: the sum over top-k, or split-K's zeroing and cast) for a config, each
-    alone under a CUDA graph (``graph_us``)."""
-
-    def __init__(self, p: Problem, M: int, device, w13, w2, dtype=torch.bfloat16):
-        from moeconvert.kernels.moe_fast import ACTIVATIONS, FORMATS, mx_small_scales
-
-        self.p, self.M, self.device, self.w13, self.w2 = p, M, device, w13, w2
-        self.fmt, self.group = _fmt(p)
-        self.f, self.act = FORMATS[self.fmt], ACTIVATIONS[p.activation]
-        self.x, tw, self.ids, _ = routing_inputs(p, M, device, dtype)
-        self.P = M * p.top_k
-        self.a = torch.randn(self.P, p.I, device=device, dtype=dtype) * 0.1  # GEMM2's input
-        self.h = torch.empty(self.P, p.I, device=device, dtype=dtype)  # GEMM1's output
-        self.weights = tw.reshape(-1).contiguous()
-        self.mx_fold = self.fmt == "mxfp4" and mx_small_scales(w13, w2)
-
-    def align(self, bm: int):
-        """(the alignment, its µs): one token's pairs need none (moe_fast.use_pair_blocks), 0 µs."""
-        from moeconvert.kernels.moe_fast import PairBlocks, align, use_pair_blocks
-
-        if use_pair_blocks(self.M):
-            return PairBlocks(self.ids.reshape(-1).contiguous(), self.p.E, 0), 0.0
-        aligned = align(self.ids, bm, self.p.E)
-        return aligned, graph_us(lambda: align(self.ids, bm, self.p.E), rep_ms=20)
-
-    def _launch(self, a, w, out, aligned, weights, cfg, gated, atomic_row_div, workspace=None):
-        from moeconvert.kernels.moe_fast import launch_gemm
-
-        launch_gemm(a, w, out, aligned, weights, fmt=self.f, group=self.group, gated=gated, act=self.act,
-                    alpha=1.702, limit=7.0, a_row_div=self.p.top_k if gated else 1, atomic_row_div=atomic_row_div,
-                    num_pairs=self.P, cfg=cfg, workspace=workspace, mx_fold=self.mx_fold)
-
-    def gemm1(self, cfg: dict, aligned) -> float:
-        """GEMM1 (split-K: with its workspace's zeroing)."""
-        from moeconvert.kernels.moe_fast import gemm1_workspace
-
-        def fn():
-            ws = gemm1_workspace(cfg, aligned, self.p.I, self.P, self.device)
-            self._launch(self.x, self.w13, self.h, aligned, None, cfg, True, 0, ws)
-
-        return graph_us(fn, rep_ms=20)
-
-    def gemm2(self, cfg: dict, aligned) -> float:
-        M, H, k, dt = self.M, self.p.H, self.p.top_k, self.x.dtype
-        if cfg.get("SPLIT_K", 1) > 1:
-            def fn():
-                out = torch.zeros(M, H, device=self.device, dtype=torch.float32)
-                self._launch(self.a, self.w2, out, aligned, self.weights, cfg, False, k)
-                return out.to(dt)
-        else:
-            def fn():
-                y = torch.empty(self.P, H, device=self.device, dtype=dt)
-                self._launch(self.a, self.w2, y, aligned, self.weights, cfg, False, 0)
-                return y.view(M, k, H).sum(1)
-        return graph_us(fn, rep_ms=20)
-
-
-def _num_sms(device) -> int:
-    device = torch.device(device)
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+def layer_shape(p: Problem, w13, w2) -> LayerShape:
+    """What our kernel runs for ``p``'s tensors (w13's K padded as the layout pads it)."""
+    fmt, group = _fmt(p)
+    return LayerShape.of(w13, w2, fmt=fmt, group=group, top_k=p.top_k, activation=p.activation)
 
 
 def tune(p: Problem, device, ms: list[int], log=print, dtype=torch.bfloat16) -> dict:
-    """{str(M): [GEMM1 config, GEMM2 config]} of the fastest tiles found for ``p``, with their times."""
-    from moeconvert.kernels.moe_fast import check_config
-
+    """kernels/tune.py's sweep on random ``triton-fast`` tensors of ``p``: ``{"key", "entry", "report"}``."""
     _, _, (w13, w2) = ours(p, device)
-    fmt, _ = _fmt(p)
-    sms = _num_sms(device)
-    entry, report = {}, {}
-    for M in ms:
-        timer = StepTimer(p, M, device, w13, w2, dtype)
-        best = None
-        for bm, g1s, g2s in _candidates(p, M, sms):
-            aligned, t_align = timer.align(bm)
-            picked = []
-            for which, cands, time_it in (("GEMM1", g1s, timer.gemm1), ("GEMM2", g2s, timer.gemm2)):
-                times = []
-                for c in cands:
-                    check_config(c, fmt)
-                    try:
-                        times.append((time_it(c, aligned), c))
-                    except Exception as e:  # a tile the GPU cannot hold (shared memory, registers)
-                        log(f"  skip {which} {c}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-                if not times:
-                    break
-                picked.append(min(times, key=lambda tc: tc[0]))
-            if len(picked) < 2:
-                continue
-            total = t_align + picked[0][0] + picked[1][0]
-            if best is None or total < best[0]:
-                best = (total, picked[0][1], picked[1][1], t_align, picked[0][0], picked[1][0])
-        if best is None:
-            raise MoeConvertError(f"no tile config ran for {p.name} at M={M}")
-        entry[str(M)] = [best[1], best[2]]
-        report[str(M)] = dict(total_us=round(best[0], 1), align_us=round(best[3], 1), gemm1_us=round(best[4], 1),
-                              gemm2_us=round(best[5], 1))
-        log(f"  {p.name} M={M}: {report[str(M)]} GEMM1 {best[1]} GEMM2 {best[2]}")
-    return {"entry": entry, "report": report}
+    s = layer_shape(p, w13, w2)
+    try:
+        r = tune_layer(s, w13, w2, device, ms, log, dtype)
+    except NoConfigRan as e:
+        raise MoeConvertError(f"{p.name}: {e}") from None
+    return dict(r, key=s.key)
 
 
 def _steps(p: Problem, M: int, device, weights, hit: int, bw: float) -> dict:
@@ -292,35 +155,14 @@ def _steps(p: Problem, M: int, device, weights, hit: int, bw: float) -> dict:
     from moeconvert.kernels.configs import get_configs
 
     fmt, group = _fmt(p)
-    c1, c2 = get_configs(fmt, p.E, p.top_k, H=p.H, I=p.I, M=M, group=group, device=device)
-    timer = StepTimer(p, M, device, *weights)
+    s = layer_shape(p, *weights)
+    c1, c2 = get_configs(fmt, s.E, s.top_k, H=s.H, I=s.I, M=M, group=group, device=device)
+    timer = StepTimer(s, M, device, *weights)
     aligned, t_align = timer.align(c1["BLOCK_M"])
     w13_bytes, w2_bytes = hit * p.projection_bytes(2 * p.I, p.H), hit * p.projection_bytes(p.H, p.I)
     return {"align_us": round(t_align, 2), "gemm1_us": round(timer.gemm1(c1, aligned), 2),
             "gemm2_us": round(timer.gemm2(c2, aligned), 2), "gemm1_floor_us": round(w13_bytes / bw * 1e6, 2),
             "gemm2_floor_us": round(w2_bytes / bw * 1e6, 2), "configs": [c1, c2]}
-
-
-def write_table(path, device_name: str, entries: dict) -> None:
-    """Merge ``entries`` into the table at ``path`` (other layers' entries kept), atomically."""
-    from pathlib import Path
-
-    path = Path(path)
-    data = {"device": device_name, "triton": triton.__version__, "entries": {}}
-    if path.is_file():
-        try:
-            old = json.loads(path.read_text())
-            data["entries"] = dict(old.get("entries", {}))
-        except (OSError, json.JSONDecodeError):
-            pass
-    data["entries"].update(entries)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    from moeconvert.kernels.configs import clear_cache
-
-    clear_cache()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -350,10 +192,9 @@ def bench_kernel(shapes: list[str], ms: list[int], contenders: list[str], *, cus
         path = table or str(configs.user_table_path(name))
         t0 = time.time()
         for p in probs:
-            f, g = _fmt(p)
             log(f"tuning {p.name} ({p.fmt})")
             r = tune(p, device, ms, log)
-            write_table(path, name, {configs.entry_key(f, g, p.E, p.top_k, p.H, p.I): r["entry"]})
+            configs.write_table(path, name, {r["key"]: r["entry"]})
             result["tuned"][p.name] = r["report"]
             torch.cuda.empty_cache()
         result["tune_seconds"] = round(time.time() - t0, 1)
