@@ -335,3 +335,19 @@ def test_encode_equals_hummings_cuda_transform(E, H, Ip, bias, I):
             a, b = out[theirs].cpu(), ours[mine]
             assert a.shape == b.shape and a.dtype == b.dtype, (sub, theirs, a.shape, b.shape, a.dtype, b.dtype)
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (sub, theirs)
+
+
+def test_gpt_oss_is_refused_in_one_line(tmp_path):
+    """vLLM serves gpt-oss's MXFP4 experts with its gpt-oss method (triton_kernels on SM90), never this path."""
+    pytest.importorskip("transformers")
+    from helpers import cli
+    from moeconvert.example import make_example
+
+    src = make_example(tmp_path / "ckpt", "gpt-oss", "bf16", num_experts=4, hidden_size=256, intermediate_size=128,
+                       num_layers=1)
+    out = tmp_path / "out"
+    r = cli("quantize", str(src), str(out), "--format", "mxfp4", "--backend", "humming", expect=2)
+    lines = [ln for ln in r.err.strip().splitlines() if ln]
+    assert len(lines) == 1 and "activation swigluoai (gpt-oss)" in lines[0] and "--backend triton" in lines[0], r.err
+    assert not out.exists() or not (out / "moeconvert.json").exists()
+
