@@ -98,7 +98,8 @@ def test_golden_words_and_scale_positions():
     w13_scale[0, 10, 1] = 200
     w13_scale[0, 77, 3] = 201
     block = ExpertBlock(scheme=MX, w13=w13, w13_scale=w13_scale,
-                        w2=torch.zeros(E, H, Ip // 2, dtype=torch.uint8), w2_scale=torch.zeros(E, H, 2, dtype=torch.uint8))
+                        w2=torch.zeros(E, H, Ip // 2, dtype=torch.uint8),
+                        w2_scale=torch.zeros(E, H, 2, dtype=torch.uint8))
     enc = layout().encode(block, shape_of(E, H, Ip))
     words = (enc["w13_weight"].to(torch.int64) & 0xFFFFFFFF)
     assert enc["w13_weight"].shape == (1, 128 // 16, 2 * 256)
@@ -272,7 +273,8 @@ def test_quantize_writes_the_layout_and_verify_requantizes_it(qwen, tmp_path):
     unpad13 = torch.cat([p13[:, :80], p13[:, 96:176]], 1)
     s13 = ref[f"{prefix}.w13_weight_scale"]
     unpad13s = torch.cat([s13[:, :80], s13[:, 96:176]], 1)
-    block = ExpertBlock(scheme=MX, w13=_pad_rows(unpad13, 80, 128), w13_scale=_pad_rows(unpad13s.view(torch.uint8), 80, 128),
+    block = ExpertBlock(scheme=MX, w13=_pad_rows(unpad13, 80, 128),
+                        w13_scale=_pad_rows(unpad13s.view(torch.uint8), 80, 128),
                         w2=_pad_k(ref[f"{prefix}.w2_weight"][..., :40], 64),
                         w2_scale=_pad_k(ref[f"{prefix}.w2_weight_scale"].view(torch.uint8)[..., :80 // 32], 4))
     # 80 is not a whole number of 32-blocks: w2's third block (k 64..95) is partly padding in both files
@@ -329,7 +331,8 @@ def test_encode_equals_hummings_cuda_transform(E, H, Ip, bias, I):
         for key in hl.CONFIG_FIELDS:
             assert meta[sub][key] == hl.config_value(cfg, key), (sub, key)
         names = hm.NAMES[sub]
-        pairs = [("weight", names.weight), ("weight_scale", names.weight_scale)] + ([("bias", names.bias)] if bias else [])
+        pairs = [("weight", names.weight), ("weight_scale", names.weight_scale)]
+        pairs += [("bias", names.bias)] if bias else []
         assert set(out) == {p[0] for p in pairs}, (sub, set(out))
         for theirs, mine in pairs:
             a, b = out[theirs].cpu(), ours[mine]

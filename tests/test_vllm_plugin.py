@@ -565,8 +565,8 @@ HUMMING = {  # name: (example arguments, the weight dtype humming gives both sub
     # no expert has a 0 code: humming's sign-magnitude codes
     "humming-w4a16-no-zero": (dict(scheme="w4a16", experts_without_zero_code=tuple(range(8))), "float4e0m3"),
     "humming-w8a16-no-zero": (dict(scheme="w8a16", experts_without_zero_code=tuple(range(8))), "float8e0m7"),
-    # MXFP4 (quantize --format mxfp4 from bf16): I 80 -> 128 as vLLM pads it for HUMMING
-    "humming-mxfp4": (dict(scheme="bf16", intermediate_size=80), "float4e2m1"),
+    # MXFP4 (quantize --format mxfp4 from bf16): I 96 -> 128 as vLLM pads it for HUMMING
+    "humming-mxfp4": (dict(scheme="bf16", intermediate_size=96), "float4e2m1"),
 }
 
 
@@ -671,7 +671,7 @@ def test_vllm_serves_a_humming_mxfp4_folder_with_its_humming_experts(humming_fol
             assert (cfg["sm_version"], cfg["weight_scale_group_size"], cfg["has_zero_point"]) == ("90", "32", "False")
             assert h[sub]["weight_schema"]["b_dtype"] == "float4e2m1"
             assert h[sub]["input_schema"]["a_dtype"] == "None"  # 16-bit: humming's default input schema
-        assert (m["intermediate_size"], m["intermediate_size_padded"]) == (80, 128)
+        assert (m["intermediate_size"], m["intermediate_size_padded"]) == (96, 128)
         assert m["layout_metadata"]["w13"]["shape_n"] == 256 and m["layout_metadata"]["w2"]["shape_k"] == 128
         assert h["quant_config"]["w1_config_is_layers"] and h["quant_config"]["w2_config_is_layers"]
         assert h["quant_config"]["w1"]["dtype"] == "float4e2m1"

@@ -153,7 +153,8 @@ class HummingMXFP4Layout(Layout):
         """Biases come back in bfloat16: vLLM's Mxfp4MoEMethod holds them in a bfloat16 parameter."""
         if block.w13_bias is None:
             return block
-        return dataclasses.replace(block, w13_bias=block.w13_bias.to(MODEL_DTYPE), w2_bias=block.w2_bias.to(MODEL_DTYPE))
+        return dataclasses.replace(block, w13_bias=block.w13_bias.to(MODEL_DTYPE),
+                                   w2_bias=block.w2_bias.to(MODEL_DTYPE))
 
     def tp_cuts(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> dict[str, TPCut] | NotASlice:
         rank = self._rank_shape(shape, scheme, tp_size)

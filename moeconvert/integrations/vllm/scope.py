@@ -61,8 +61,8 @@ def refusal(layout: str, kind: str | None, family: str, activations: list[tuple[
     activations (``(activation, its parameters)`` per MoE layer); None when it does."""
     method = method_name(layout, kind)
     if method is None:
-        return (f"the vLLM plugin serves Marlin WNA16, Marlin MXFP4, Triton WNA16, triton_kernels MXFP4, humming WNA16 and humming MXFP4 folders; "
-                f"this one is {layout} {kind or 'of mixed schemes'}")
+        return ("the vLLM plugin serves Marlin WNA16, Marlin MXFP4, Triton WNA16, triton_kernels MXFP4, humming WNA16 "
+                f"and humming MXFP4 folders; this one is {layout} {kind or 'of mixed schemes'}")
     served = METHOD_ACTIVATIONS[method]
     for activation, params in activations:
         if activation not in served:
