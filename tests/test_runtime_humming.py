@@ -344,6 +344,7 @@ def test_humming_dispatch_matches_the_reference(folder, case, M):
         print(f"\n{case} {layer.prefix} M={M}: humming vs reference rel err {err:.2e}")
         assert got.shape == x.shape and got.dtype == dt and torch.isfinite(got).all()
         assert err < 2e-2
+        w, ids = layer.route(layer.router_logits(x))  # the routing kernel_and_reference drew
         again = layer(x, w, ids)  # the layer's configs, tuning and locks are kept and reused
         assert rel(again, got) < 1e-3
 
