@@ -158,13 +158,8 @@ def hummings_transform(mods, block: ExpertBlock, shape: LayerShape, monkeypatch)
     for ``{"quant_method": "mxfp4"}``: the layer's uint8 weight and scale parameters (bias bfloat16),
     ``convert_humming`` with the gate/up stacks, 16-bit input schema, ``prepare_and_transform_humming_tensors``
     padding N to 256 and K to 128. Returns ({sub: tensors}, {sub: LayerConfig}, repack calls)."""
-    import importlib
-
-    schema_base = importlib.import_module("humming.schema.base")
-    importlib.import_module("humming.schema.mxfp4")
     from humming.schema import BaseWeightSchema, HummingInputSchema
 
-    del schema_base
     calls: list = []
     monkeypatch.setattr(mods["transform"].ops, "repack_weight", _fake_repack(calls), raising=False)
     E = block.num_experts
