@@ -486,8 +486,8 @@ class HummingWNA16Method(_FinalLayoutMethod):
         input_schemas = {sub: self._input_schema(layer, self._weight_schema(sub)) for sub in ("w13", "w2")}
         try:
             subs = self._configs(hidden_size=mc.hidden_dim, intermediate_size=mc.intermediate_size_per_partition,
-                                   num_experts=mc.num_local_experts, has_bias=mc.has_bias, dtype=layer.params_dtype,
-                                   input_schemas=input_schemas, device=layer.w13_weight.device)
+                                 num_experts=mc.num_local_experts, has_bias=mc.has_bias, dtype=layer.params_dtype,
+                                 input_schemas=input_schemas, device=layer.w13_weight.device)
         except MoeConvertError as e:
             raise self._refuse(e.line()) from None
         layer.weight_schemas = {sub: s.weight_schema for sub, s in subs.items()}
