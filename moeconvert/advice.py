@@ -17,7 +17,9 @@ layout for which GPU", says where; tests/test_advice.py reads those places in vL
   with bf16 activations, on Hopper Triton. For other models it walks FlashInfer TRT-LLM with MXFP8
   activations, DeepGEMM, Marlin, humming: on Hopper humming (ahead of Marlin), on SM100 FlashInfer
   TRT-LLM with MXFP8 activations, which no layout here writes (the bf16-activation variant's is the
-  nearest), elsewhere Marlin.
+  nearest), elsewhere Marlin. The humming MXFP4 layout (``quantize --format mxfp4 --backend humming``)
+  holds what vLLM's HUMMING path makes on Hopper, and the vLLM plugin serves it (``inspect`` says so
+  from the layout's ``vllm_method``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The runtime kernel ``humming``: humming-kernels' own Python API on ``humming`` folders (WNA16 int4 / int8,
-symmetric, group scales, unsigned or sign-magnitude codes), on the SM90 GPUs the bytes are laid out for.
+symmetric, group scales, unsigned or sign-magnitude codes; MXFP4), on the SM90 GPUs the bytes are laid out for.
 
 The computation is the one vLLM 0.33.0's ``HummingIndexedExperts`` runs (what it picks without expert
 parallelism), called through humming's ``humming.forward`` (never vLLM's Python):
@@ -13,9 +13,9 @@ parallelism), called through humming's ``humming.forward`` (never vLLM's Python)
 4. w2: the indexed GEMM again (``top_k = 1``; the routes re-aligned if w2's tuning picks another block size);
 5. the weighted sum over the k slots, in float32, cast to the model dtype.
 
-The schemas and LayerConfigs come from ``moeconvert.layouts.humming.humming_configs`` (the vLLM plugin
-builds its own there too) and are checked against the manifest's; the tensors are ``layer.tensors`` as the
-folder holds them (docs/layouts/humming.md).
+The schemas and LayerConfigs come from the layout's ``humming_sublayers`` (``moeconvert.layouts.humming``,
+``humming_mxfp4``; the vLLM plugin builds its own there too) and are checked against the manifest's; the
+tensors are ``layer.tensors`` as the folder holds them (docs/layouts/humming.md).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from moeconvert.errors import MoeConvertError
 from moeconvert.layouts.base import PARAMS_DTYPES
-from moeconvert.layouts.humming import NAMES, humming_configs, vllm_state_problem
+from moeconvert.layouts.humming import NAMES
 from moeconvert.runtime.dispatch import Kernel, register_kernel
 
 NAME = "humming"
@@ -94,7 +94,7 @@ def unavailable_reason(layer, device: torch.device) -> str | None:
     if str(sm) != made_for.get("sm"):
         return (f"the folder holds humming's SM{made_for.get('sm')} bytes (H100 / H200; humming lays weights out per "
                 f"GPU architecture) and this GPU is SM{sm}: convert with --backend marlin for it")
-    problem = vllm_state_problem(e.scheme.symmetric, e.scheme.group_size)
+    problem = e.layout.vllm_state_problem(e.scheme)
     if problem:
         return f"{problem}; the humming kernel runs what vLLM runs"
     if activation_impl(e.activation, e.activation_params) is None:
@@ -156,9 +156,10 @@ def _state(layer, device: torch.device) -> dict:
 
     e = layer.entry
     s = e.scheme
-    subs = humming_configs(e.metadata, group_size=s.group_size, symmetric=s.symmetric, hidden_size=e.hidden_size,
-                           intermediate_size=e.intermediate_size, num_experts=e.num_experts,
-                           has_bias=e.shape.has_bias, dtype=PARAMS_DTYPES[e.shape.dtype], device=device)
+    # the sizes the layout planned with: MXFP4's I is padded to 64 as vLLM pads it (the folder's w13 rows)
+    subs = e.layout.humming_sublayers(e.metadata, s, hidden_size=e.shape.hidden_size,
+                                      intermediate_size=e.shape.intermediate_size, num_experts=e.num_experts,
+                                      has_bias=e.shape.has_bias, dtype=PARAMS_DTYPES[e.shape.dtype], device=device)
     tuning = {sub: get_heuristics_config(layer_config=v.config, use_f16_accum=COMPUTE["use_f16_accum"],
                                          use_batch_invariant=COMPUTE["use_batch_invariant"],
                                          gemm_type=GemmType.INDEXED, device=device) for sub, v in subs.items()}
@@ -208,7 +209,7 @@ def _run(layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     st = _state(layer, x.device)
     cfg13, cfg2 = st["configs"]["w13"], st["configs"]["w2"]
     M, k = topk_ids.shape
-    E, H, I = e.num_experts, e.hidden_size, e.intermediate_size
+    E, H, I = e.num_experts, e.shape.hidden_size, e.shape.intermediate_size
     ids = _local_ids(layer, topk_ids)
     # vLLM's estimate of the routes this rank runs (its tuning key): M*k scaled to the local experts
     valid_m = -(-M * k * E // e.num_experts_global)

@@ -68,6 +68,8 @@ def test_mxfp4_targets(example_ckpt):
     assert {g: b for g, (b, _, _) in _by_gpu(qwen).items()} == {"hopper": "humming", "blackwell": None,
                                                                 "older": "marlin"}
     assert "MXFP8" in next(r["vllm_backend"] for r in qwen["gpus"] if r["gpu"] == "blackwell")
+    # the humming MXFP4 layout holds this checkpoint, and the plugin serves it (HummingMXFP4Method)
+    assert _by_gpu(qwen)["hopper"] == ("humming", True, True)
     (oss,) = _advice(example_ckpt("gpt-oss", "bf16"), "--format", "mxfp4")
     assert oss["has_bias"]
     assert {g: b for g, (b, _, _) in _by_gpu(oss).items()} == {"hopper": "triton", "blackwell": "flashinfer-trtllm",

@@ -22,3 +22,25 @@ def test_bench_convert_fails_loudly_when_the_conversion_fails(example_ckpt, tmp_
     src = example_ckpt("qwen3-moe", "bf16")  # float experts: repack --backend marlin refuses them
     run = cli("bench", "convert", src, "--backend", "marlin", "--runs", "1", "--workdir", tmp_path, expect=2)
     assert "benchmark command failed" in run.err
+
+
+def test_vllm_startup_compares_each_parameter_with_vllms_of_the_same_role():
+    """vLLM keeps our names where its processing replaces the parameters (humming: ``w13_weight``; MXFP4) and
+    its compressed-tensors names where Marlin repacks in place (``w13_weight_packed``): each is found."""
+    import torch
+
+    from moeconvert.bench.vllm_startup import _same_bytes
+
+    def module(**params):
+        m = torch.nn.Module()
+        for k, v in params.items():
+            m.register_parameter(k, torch.nn.Parameter(v, requires_grad=False))
+        return m
+
+    w, s = torch.arange(8, dtype=torch.int32), torch.ones(4, dtype=torch.bfloat16)
+    ours = module(w13_weight=w, w13_weight_scale=s)
+    assert _same_bytes(ours, module(w13_weight=w.clone(), w13_weight_scale=s.clone())) == \
+        {"w13_weight": True, "w13_weight_scale": True}
+    assert _same_bytes(ours, module(w13_weight_packed=w + 1, w13_weight_scale=s)) == \
+        {"w13_weight": False, "w13_weight_scale": True}
+    assert _same_bytes(ours, module(w13_weight_scale=s))["w13_weight"] == "vLLM holds no such tensor"

@@ -53,7 +53,7 @@ NOT_RUN = {
     ("README.md", "moeconvert --version | -h | --help                       (every command takes -h / --help)"):
         "a synopsis with placeholders; tests/test_docs.py checks it against every command's --help",
     ("docs/quantize.md", "moeconvert quantize SRC OUT --format mxfp4 --backend "
-                         "plain|emulation|marlin|triton|triton-fast|flashinfer-cutlass|flashinfer-trtllm"):
+                         "plain|emulation|marlin|humming|triton|triton-fast|flashinfer-cutlass|flashinfer-trtllm"):
         "a synopsis with placeholders; tests/test_docs.py checks that each option and value it names exists",
     ("docs/scale-out.md", "moeconvert quantize SRC OUT --format mxfp4 --backend marlin --dry-run         # jobs, "
                           "memory, time estimate"):

@@ -344,5 +344,83 @@ def test_humming_dispatch_matches_the_reference(folder, case, M):
         print(f"\n{case} {layer.prefix} M={M}: humming vs reference rel err {err:.2e}")
         assert got.shape == x.shape and got.dtype == dt and torch.isfinite(got).all()
         assert err < 2e-2
+        w, ids = layer.route(layer.router_logits(x))  # the routing kernel_and_reference drew
         again = layer(x, w, ids)  # the layer's configs, tuning and locks are kept and reused
         assert rel(again, got) < 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------
+# MXFP4 humming folders (``quantize --format mxfp4 --backend humming``): the same kernel, e2m1 weights
+
+
+@pytest.fixture(scope="module")
+def mxfp4_folder(tmp_path_factory):
+    """(source, its humming MXFP4 folder): qwen3-moe bf16, 8 experts, H 256, I 80 (padded to 128 as vLLM pads
+    it for HUMMING; humming adds no padding of its own then)."""
+    base = tmp_path_factory.mktemp("mxfp4")
+    src = make_example(base / "src", "qwen3-moe", "bf16", num_experts=8, hidden_size=256, intermediate_size=80)
+    cli("quantize", src, base / "out", "--format", "mxfp4", "--backend", "humming", expect=0)
+    return src, base / "out"
+
+
+def test_the_humming_mxfp4_layout_names_the_humming_kernel():
+    from moeconvert.layouts import humming_mxfp4 as hm
+
+    assert hm.HummingMXFP4Layout.runtime_kernels == ("humming",)
+    assert ("humming", "mxfp4") in dispatch.reads("humming")
+
+
+MXFP4_REASONS = {
+    "not-installed": (lambda mp: (_an_sm_gpu(mp), _hide_humming(mp)),
+                      "humming: humming-kernels is not installed: pip install 'moeconvert[humming]' "
+                      "(humming-kernels==0.1.19, the version the folder was made for)"),
+    "no-cuda": (lambda mp: _humming_installed(), "humming: it needs a CUDA device (device is cpu)"),
+    "sm80": (lambda mp: (_humming_installed(), _an_sm_gpu(mp, 80)),
+             "humming: the folder holds humming's SM90 bytes (H100 / H200; humming lays weights out per GPU "
+             "architecture) and this GPU is SM80: convert with --backend marlin for it"),
+}
+
+
+@pytest.mark.parametrize("case", list(MXFP4_REASONS))
+def test_an_mxfp4_folder_falls_back_to_the_reference_saying_why(mxfp4_folder, monkeypatch, fresh, case):
+    set_up, reason = MXFP4_REASONS[case]
+    _, out = mxfp4_folder
+    set_up(monkeypatch)
+    with pytest.warns(KernelFallbackWarning) as warned:
+        model = load(out, device="cpu")
+    said = [str(w.message) for w in warned if issubclass(w.category, KernelFallbackWarning)]
+    assert len(said) == 1 and "'humming' layout (mxfp4) on cpu: running the PyTorch reference" in said[0], said
+    assert reason in said[0] and "\n" not in said[0]
+    for layer in model:
+        assert layer.kernel == "reference" and reason in layer.kernel_note
+
+
+def test_the_reference_computes_an_mxfp4_folder_as_the_plain_layouts(mxfp4_folder, fresh, tmp_path):
+    """The fallback reads the humming bytes back to the quantization the plain layout holds unswizzled (I
+    padded to 96 there, 128 here: zero rows and columns, which add nothing)."""
+    src, out = mxfp4_folder
+    cli("quantize", src, tmp_path / "plain", "--format", "mxfp4", "--backend", "plain", expect=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KernelFallbackWarning)
+        ours, base = load(out, device="cpu"), load(tmp_path / "plain", device="cpu")
+    x = (torch.randn(9, 256, generator=torch.Generator().manual_seed(1)) * 4).to(torch.bfloat16)
+    for a, b in zip(ours, base):
+        w, ids = b.route(b.router_logits(x))
+        got, want = a(x, w, ids), b(x, w, ids)
+        assert a.kernel == "reference" and rel(got, want) < 1e-2, rel(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 7, 64, 300])
+def test_humming_dispatch_runs_an_mxfp4_folder_as_the_reference(mxfp4_folder, M):
+    _require_humming_gpu()
+    _, out = mxfp4_folder
+    model = load(out, device="cuda")
+    for layer in model:
+        assert layer.kernel == "humming", layer.kernel_note
+        assert {layer.entry.metadata[s]["b_dtype"] for s in ("w13", "w2")} == {"float4e2m1"}
+        x, got, want = kernel_and_reference(layer, M, torch.bfloat16)
+        err = rel(got, want)
+        print(f"\nmxfp4 {layer.prefix} M={M}: humming vs reference rel err {err:.2e}")
+        assert got.shape == x.shape and got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+        assert err < 2e-2

@@ -108,17 +108,19 @@ def test_every_layout_the_plugin_serves_declares_its_tp_cuts():
 
     served = [cls for classes in _registry().values() for cls in classes if cls.vllm_method]
     assert served and all(cls.tp_cuts is not Layout.tp_cuts for cls in served), served
-    # the layouts SCHEMES above proves the cuts of: every served one but humming, which declares that no TP
-    # rank is a slice of its full tensors (each rank is padded, tiled and given its codes on its own)
+    # the layouts SCHEMES above proves the cuts of: every served one but humming's (WNA16, MXFP4), which declare
+    # that no TP rank is a slice of their full tensors (each rank is padded and tiled on its own)
     assert {cls.__name__ for cls in served} == {"MarlinLayout", "MarlinMXFP4Layout", "TritonWNA16Layout",
-                                                "TritonMXFP4Layout", "HummingLayout"}
+                                                "TritonMXFP4Layout", "HummingLayout", "HummingMXFP4Layout"}
     from moeconvert.canonical import LayerShape
     from moeconvert.layouts import get_layout
     from moeconvert.layouts.base import NotASlice
-    from moeconvert.schemes import WNA16Scheme
+    from moeconvert.schemes import MXFP4Scheme, WNA16Scheme
 
     cut = get_layout("humming", "wna16").tp_cuts(LayerShape(8, 256, 256, dtype="bfloat16"),
                                                   WNA16Scheme(4, 128, True, "bfloat16"), 2)
+    assert isinstance(cut, NotASlice) and cut.convertible and "pads and tiles each rank's sublayers" in str(cut)
+    cut = get_layout("humming", "mxfp4").tp_cuts(LayerShape(8, 256, 256, dtype="bfloat16"), MXFP4Scheme(), 2)
     assert isinstance(cut, NotASlice) and cut.convertible and "pads and tiles each rank's sublayers" in str(cut)
 
 

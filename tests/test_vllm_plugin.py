@@ -565,6 +565,9 @@ HUMMING = {  # name: (example arguments, the weight dtype humming gives both sub
     # no expert has a 0 code: humming's sign-magnitude codes
     "humming-w4a16-no-zero": (dict(scheme="w4a16", experts_without_zero_code=tuple(range(8))), "float4e0m3"),
     "humming-w8a16-no-zero": (dict(scheme="w8a16", experts_without_zero_code=tuple(range(8))), "float8e0m7"),
+    # MXFP4 (quantize --format mxfp4 from bf16): I 160 -> 192 as vLLM pads it for HUMMING, then humming pads
+    # w13's N 384 -> 512 and w2's K 192 -> 256 (scale 1.0 there, 0 in vLLM's own padding)
+    "humming-mxfp4": (dict(scheme="bf16", intermediate_size=160), "float4e2m1"),
 }
 
 
@@ -580,13 +583,17 @@ def humming_folders(example_ckpt, tmp_path_factory):
     made = {}
     for name, (kw, _) in HUMMING.items():
         src = example_ckpt("qwen3-moe", **kw)
-        cli("repack", src, base / name, "--backend", "humming", expect=0)
+        convert = ["quantize", "--format", "mxfp4"] if kw["scheme"] == "bf16" else ["repack"]
+        cli(convert[0], src, base / name, *convert[1:], "--backend", "humming", expect=0)
         made[name] = (src, base / name)
     return made
 
 
+WNA16_HUMMING = sorted(n for n in HUMMING if HUMMING[n][1] != "float4e2m1")
+
+
 @needs_vllm
-@pytest.mark.parametrize("name", sorted(HUMMING))
+@pytest.mark.parametrize("name", WNA16_HUMMING)
 def test_vllm_serves_a_humming_folder_as_its_own_humming_path_leaves_the_source(humming_folders, name):
     """On vLLM's CPU platform (the device's answers given as an SM90 GPU's: tests/vllm_plugin_child.py
     ``_humming_on_a_cpu``), the plugin's ``HummingWNA16Method`` holds the folder's bytes in the parameters
@@ -630,16 +637,86 @@ def test_vllm_serves_a_humming_folder_as_its_own_humming_path_leaves_the_source(
         assert manifest["moe_layers"][0]["layout_metadata"]["w13"]["pad_shape_n"] == 64  # the padding ran
 
 
+@needs_vllm
+def test_vllm_serves_a_humming_mxfp4_folder_with_its_humming_experts(humming_folders):
+    """On vLLM's CPU platform answering as an SM90 GPU: the plugin's ``HummingMXFP4Method`` holds the folder's
+    bytes in the parameters it made (I rounded up to 64 as vLLM rounds it for HUMMING), and the schemas and
+    LayerConfigs it hands vLLM's humming experts are humming's MXFP4 ones (e2m1 weights, e8m0 scales in groups
+    of 32, 16-bit activations), field for field the folder's; vLLM's quant config takes those very configs.
+
+    Against vLLM's own ``Mxfp4MoEMethod`` with ``--moe-backend humming`` over the MXFP4 block the folder
+    decodes to (its parameters filled as vLLM's loader fills them, then its own processing, run on the CPU up
+    to humming's CUDA weight repack): it picks HUMMING, its weight and input schemas, each sublayer's
+    ``LayerConfig``, its quant config and experts class equal the plugin's, its transformed scales equal the
+    folder's byte for byte, and its padded weight words, before the repack, are the folder's words un-tiled.
+    (vLLM's online MXFP4 path quantizes with a Triton kernel, which does not run here: the bytes are compared
+    with it on a GPU, ``test_the_humming_folder_holds_what_vllms_own_humming_processing_makes``.)"""
+    from moeconvert.layouts.humming import unrepack_weights
+    from moeconvert.packing import pack_int32
+
+    src, out = humming_folders["humming-mxfp4"]
+    got = _child(out, "--humming", "--mxfp4-vllm")
+    assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
+    manifest = json.loads((out / "moeconvert.json").read_text())
+    files = _file_tensors(out)
+    assert sorted(got["layers"]) == sorted(m["prefix"] for m in manifest["moe_layers"])
+    for m in manifest["moe_layers"]:
+        ours = got["layers"][m["prefix"]]
+        assert ours["method"] == "HummingMXFP4Method"
+        assert ours["loaded"] == sorted(f"routed_experts.{s}" for s in m["tensors"])
+        assert sorted(ours["params"]) == sorted(f"routed_experts.{s}" for s in m["tensors"])
+        for suffix, entry in m["tensors"].items():
+            param = ours["params"][f"routed_experts.{suffix}"]
+            want = hashlib.sha256(files[entry["name"]].contiguous().view(torch.uint8).numpy()).hexdigest()
+            assert param["sha256"] == want and not param["moved"], suffix
+        assert ours["scale_is_param"] and ours["weights_are_params"]
+        h = ours["humming"]
+        for sub in ("w13", "w2"):
+            cfg, meta = h[sub]["config"], m["layout_metadata"][sub]
+            assert (cfg["b_dtype"], cfg["bs_dtype"], cfg["a_dtype"], cfg["c_dtype"]) == \
+                ("float4e2m1", "float8e8m0", "bfloat16", "bfloat16") == \
+                (meta["b_dtype"], meta["bs_dtype"], meta["a_dtype"], meta["c_dtype"])
+            assert (int(cfg["shape_n"]), int(cfg["pad_shape_n"]), int(cfg["shape_k"]), int(cfg["pad_shape_k"])) == (
+                meta["shape_n"], meta["pad_shape_n"], meta["shape_k"], meta["pad_shape_k"])
+            assert (cfg["sm_version"], cfg["weight_scale_group_size"], cfg["has_zero_point"]) == ("90", "32", "False")
+            assert h[sub]["weight_schema"]["b_dtype"] == "float4e2m1"
+            assert h[sub]["input_schema"]["a_dtype"] == "None"  # 16-bit: humming's default input schema
+        assert (m["intermediate_size"], m["intermediate_size_padded"]) == (160, 192)
+        assert (m["layout_metadata"]["w13"]["shape_n"], m["layout_metadata"]["w13"]["pad_shape_n"]) == (512, 128)
+        assert (m["layout_metadata"]["w2"]["shape_k"], m["layout_metadata"]["w2"]["pad_shape_k"]) == (256, 64)
+        assert h["quant_config"]["w1_config_is_layers"] and h["quant_config"]["w2_config_is_layers"]
+        assert h["quant_config"]["w1"]["dtype"] == "float4e2m1"
+        assert ours["experts_class"] == h["experts_class"] and ours["experts_class"].startswith("Humming")
+        theirs = got["source"][m["prefix"]]
+        assert (theirs["method"], theirs["backend"]) == ("Mxfp4MoEMethod", "HUMMING")
+        v = theirs["humming"]
+        for sub in ("w13", "w2"):
+            for part in ("config", "config_str", "weight_schema", "input_schema"):
+                assert h[sub][part] == v[sub][part], (sub, part)
+        assert h["quant_config"] == v["quant_config"] and h["experts_class"] == v["experts_class"]
+        assert sorted(theirs["params"]) == sorted(m["tensors"])
+        for suffix, entry in m["tensors"].items():
+            t = files[entry["name"]]
+            if suffix.endswith("_weight"):  # vLLM's words before humming's CUDA repack: ours un-tiled
+                meta = m["layout_metadata"][suffix.removesuffix("_weight")]
+                Np, Kp = meta["shape_n"], meta["shape_k"]
+                t = pack_int32(unrepack_weights(t, 4, Np, Kp).to(torch.int32), 4)
+                assert theirs["shapes"][suffix] == [m["num_experts"], Np, Kp // 8], suffix
+            want = hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
+            assert theirs["params"][suffix] == want, suffix
+
+
 def _one_line(message: str | None) -> str:
     assert message is not None and "\n" not in message, message
     return message
 
 
 @needs_vllm
-def test_the_plugin_refuses_what_its_humming_folder_was_not_made_for(humming_folders):
+@pytest.mark.parametrize("name", ["humming-w4a16-g32", "humming-mxfp4"])
+def test_the_plugin_refuses_what_its_humming_folder_was_not_made_for(humming_folders, name):
     """Each in one line, when vLLM builds the layer (before any byte is read): another humming-kernels,
     another GPU, no GPU, humming activations quantized by ``VLLM_HUMMING_INPUT_QUANT_CONFIG``."""
-    _, out = humming_folders["humming-w4a16-g32"]
+    _, out = humming_folders[name]
     got = _child(out, "--humming", "--refusals")
     r = {k: _one_line(v) for k, v in got["refusals"].items()}
     assert "this folder holds humming-kernels 0.1.19's bytes; this Python has humming-kernels 0.1.20" in r["version"]

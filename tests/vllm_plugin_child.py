@@ -224,6 +224,8 @@ def _humming_cpu(folder: Path) -> None:
                 runner.routed_experts.quant_method.process_weights_after_loading(runner.routed_experts)
                 out["layers"][m["prefix"]] = (_report(runner.routed_experts, loaded, before)
                                               | {"humming": _humming_report(runner.routed_experts)})
+                if "--mxfp4-vllm" in sys.argv:
+                    out["source"][m["prefix"]] = _vllm_mxfp4_humming(folder, m, kw)
                 if src is None:
                     continue
                 import humming.transform
@@ -258,6 +260,57 @@ def _humming_cpu(folder: Path) -> None:
         out["error"] = f"{type(e).__name__}: {e}"
         out["traceback"] = traceback.format_exc()[-3000:]
     print(json.dumps(out))
+
+
+def _vllm_mxfp4_humming(folder: Path, m: dict, kw: dict) -> dict:
+    """vLLM's own ``Mxfp4MoEMethod`` (``quant_method: mxfp4`` checkpoints) with ``--moe-backend humming`` over
+    the MXFP4 block the humming folder decodes to: its uint8 parameters filled as vLLM's loader leaves them
+    (``[gate | 0 | up | 0]`` in I rounded up to 64, zeros beyond), then its own ``process_weights_after_loading``
+    (``convert_to_humming_moe_kernel_format``), run on the CPU up to humming's CUDA weight repack
+    (``transform_humming_weight``, which leaves the padded weight words as it gets them here)."""
+    import contextlib
+    import types
+
+    import humming.transform
+    import torch
+    from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config
+
+    from moeconvert.canonical import LayerShape
+    from moeconvert.layouts import get_layout
+    from moeconvert.layouts.output import parse_scheme
+    from moeconvert.integrations.vllm.harness import build_layer, layer_tensors
+
+    humming.transform.transform_humming_weight = lambda weight, **_: weight  # the CUDA repack
+    torch.cuda.device = lambda device=None: contextlib.nullcontext()  # convert_humming's device context
+    layout = get_layout("humming", "mxfp4")
+    shape = LayerShape(num_experts=m["num_experts"], hidden_size=m["hidden_size_padded"],
+                       intermediate_size=m["intermediate_size_padded"], has_bias=m["has_bias"])
+    tensors = dict(layer_tensors(folder, m["prefix"]))
+    block = layout.decode(tensors, shape, parse_scheme(m["scheme"], "scheme"))
+    runner = build_layer(Mxfp4Config(), **kw)
+    experts = runner.routed_experts
+    for name in ("w13", "w2", "w13_scale", "w2_scale", "w13_bias", "w2_bias"):
+        value = getattr(block, name)
+        if value is not None:
+            param = getattr(experts, name.replace("_scale", "_weight_scale") if "scale" in name
+                            else name if "bias" in name else f"{name}_weight")
+            assert param.shape == value.shape, (name, tuple(param.shape), tuple(value.shape))
+            param.data.copy_(value)
+    # vLLM's MXFP4 oracle reads the model's --quantization-config override (none here) from the model config,
+    # which this one-layer build has not made
+    from vllm.config import get_current_vllm_config
+
+    vc = get_current_vllm_config()
+    model_config, vc.model_config = vc.model_config, types.SimpleNamespace(quantization_config=None)
+    try:
+        experts.quant_method.process_weights_after_loading(experts)
+    finally:
+        vc.model_config = model_config
+    held = {n: hashlib.sha256(p.data.contiguous().view(torch.uint8).numpy()).hexdigest()
+            for n, p in experts.named_parameters()}
+    return {"method": type(experts.quant_method).__name__, "backend": experts.quant_method.mxfp4_backend.value,
+            "params": held, "shapes": {n: list(p.shape) for n, p in experts.named_parameters()},
+            "humming": _humming_report(experts)}
 
 
 def _humming_refusals(folder: Path, out: dict) -> None:

@@ -61,7 +61,8 @@ def _same_bytes(ours, theirs) -> dict:
     other = dict(theirs.named_parameters())
     out = {}
     for name, p in mine.items():
-        q = other.get(_THEIR_NAME.get(name, name))
+        # vLLM's own name where its processing kept ours (humming's, MXFP4's), else its compressed-tensors one
+        q = other[name] if name in other else other.get(_THEIR_NAME.get(name, name))
         if q is None:
             out[name] = "vLLM holds no such tensor"
         elif p.shape != q.shape or p.dtype != q.dtype:

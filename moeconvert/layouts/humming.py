@@ -465,6 +465,20 @@ class HummingLayout(Layout):
         return NotASlice("humming pads and tiles each rank's sublayers on their own (N to 256, K to 128, 64x64 "
                          "tiles) and chooses sign-magnitude codes over each rank's own weights")
 
+    def humming_sublayers(self, metadata: dict, scheme: Scheme, *, hidden_size: int, intermediate_size: int,
+                          num_experts: int, has_bias: bool, dtype: torch.dtype, input_schemas: dict | None = None,
+                          device=None) -> dict[str, "HummingSublayer"]:
+        """Each sublayer's humming weight schema and ``LayerConfig`` for a folder's layer (``humming_configs``)."""
+        assert isinstance(scheme, WNA16Scheme)
+        return humming_configs(metadata, group_size=scheme.group_size, symmetric=scheme.symmetric,
+                               hidden_size=hidden_size, intermediate_size=intermediate_size, num_experts=num_experts,
+                               has_bias=has_bias, dtype=dtype, input_schemas=input_schemas, device=device)
+
+    def vllm_state_problem(self, scheme: Scheme) -> str | None:
+        """Why no vLLM 0.33.0 memory holds such a layer (None: vLLM runs humming for it)."""
+        assert isinstance(scheme, WNA16Scheme)
+        return vllm_state_problem(scheme.symmetric, scheme.group_size)
+
     def warnings(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         assert isinstance(scheme, WNA16Scheme)
         out = []
@@ -537,21 +551,24 @@ def humming_weight_schema(metadata: dict, sub: str, *, group_size: int, symmetri
                                has_zero_point=not symmetric)
 
 
-def humming_configs(metadata: dict, *, group_size: int, symmetric: bool, hidden_size: int, intermediate_size: int,
-                    num_experts: int, has_bias: bool, dtype: torch.dtype, input_schemas: dict | None = None,
-                    device=None) -> dict[str, HummingSublayer]:
+def humming_configs(metadata: dict, *, group_size: int | None = None, symmetric: bool | None = None, hidden_size: int,
+                    intermediate_size: int, num_experts: int, has_bias: bool, dtype: torch.dtype,
+                    input_schemas: dict | None = None, device=None,
+                    weight_schemas: dict | None = None) -> dict[str, HummingSublayer]:
     """Each sublayer's humming weight schema and ``LayerConfig`` for a layer of H ``hidden_size``, I
     ``intermediate_size`` per rank and ``num_experts`` local experts, made by humming's own
     ``prepare_layer_config`` as vLLM's ``convert_to_humming_moe_kernel_format`` calls it (w13: N = 2I, K = H;
     w2: N = H, K = I; N padded to 256, K to 128; the model ``dtype``; ``input_schemas`` per sublayer,
     None: 16-bit activations in that dtype), on ``device`` (humming reads its SM there). Every field the folder's
     ``metadata`` records must come out the same, or a one-line error names the differences: the bytes are
-    made for that config only."""
+    made for that config only. ``weight_schemas`` (per sublayer) replaces the ``pack-quantized`` schema made
+    from ``group_size`` and ``symmetric`` (MXFP4: ``layouts/humming_mxfp4.py``)."""
     from humming.transform import prepare_layer_config
 
     out = {}
     for sub, (n, k) in (("w13", (2 * intermediate_size, hidden_size)), ("w2", (hidden_size, intermediate_size))):
-        schema = humming_weight_schema(metadata, sub, group_size=group_size, symmetric=symmetric)
+        schema = (weight_schemas[sub] if weight_schemas is not None else
+                  humming_weight_schema(metadata, sub, group_size=group_size, symmetric=symmetric))
         config = prepare_layer_config(shape_n=n, shape_k=k, weight_schema=schema,
                                       input_schema=(input_schemas or {}).get(sub),
                                       num_experts=num_experts, pad_n_to_multiple=PAD_N, pad_k_to_multiple=PAD_K,

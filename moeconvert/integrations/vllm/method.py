@@ -376,9 +376,7 @@ class HummingWNA16Method(_FinalLayoutMethod):
         from vllm.platforms import current_platform
         from vllm.utils.import_utils import has_humming
 
-        from moeconvert.layouts.humming import vllm_state_problem
-
-        problem = vllm_state_problem(self.symmetric, self.group_size)
+        problem = self._vllm_state_problem()
         if problem:
             raise self._refuse(f"{problem}: convert with --backend marlin")
         want = self.made_for.get("humming-kernels")
@@ -411,16 +409,25 @@ class HummingWNA16Method(_FinalLayoutMethod):
                                "activations in the model dtype: unset it for this model, or list the layer under "
                                "its ignored_layers")
 
+    def _vllm_state_problem(self) -> str | None:
+        from moeconvert.layouts.humming import vllm_state_problem
+
+        return vllm_state_problem(self.symmetric, self.group_size)
+
+    def _weight_key(self, params_dtype: torch.dtype):
+        """The weight key vLLM's oracle chooses among its humming experts with: for WNA16, the checkpoint's
+        integer weight key (the unsigned codes, before humming's sign-magnitude choice)."""
+        from vllm.model_executor.layers.quantization.utils.humming.schema import weight_schema_to_quant_key
+
+        unsigned = dataclasses.replace(self._weight_schema("w13"), b_dtype=self._dtype(f"uint{self.num_bits}"))
+        return weight_schema_to_quant_key(unsigned, params_dtype)
+
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
         self._check_humming(layer)
         from vllm.model_executor.layers.quantization.utils.humming import select_humming_moe_experts
-        from vllm.model_executor.layers.quantization.utils.humming.schema import weight_schema_to_quant_key
 
-        # vLLM's WNA16 oracle chooses among its humming experts with the checkpoint's integer weight key
-        unsigned = dataclasses.replace(self._weight_schema("w13"), b_dtype=self._dtype(f"uint{self.num_bits}"))
-        self.experts_cls = select_humming_moe_experts(self.moe, weight_schema_to_quant_key(unsigned, params_dtype),
-                                                      None)
+        self.experts_cls = select_humming_moe_experts(self.moe, self._weight_key(params_dtype), None)
         if self.experts_cls is None:
             raise self._refuse("none of vLLM's humming experts supports this deployment (vLLM's oracle says why "
                                "at debug level); serve a --backend marlin folder")
@@ -471,7 +478,6 @@ class HummingWNA16Method(_FinalLayoutMethod):
         (humming's own ``prepare_layer_config``, the runtime's humming kernel builds its configs there too),
         with vLLM's sizes, dtype and input schemas, checked against every field the folder records."""
         from moeconvert.errors import MoeConvertError
-        from moeconvert.layouts.humming import humming_configs
 
         mc = layer.moe_config
         if not mc.activation.is_gated:
@@ -479,15 +485,19 @@ class HummingWNA16Method(_FinalLayoutMethod):
                                "layout holds gated experts (w13 = gate and up rows)")
         input_schemas = {sub: self._input_schema(layer, self._weight_schema(sub)) for sub in ("w13", "w2")}
         try:
-            subs = humming_configs(self.metadata, group_size=self.group_size, symmetric=self.symmetric,
-                                   hidden_size=mc.hidden_dim, intermediate_size=mc.intermediate_size_per_partition,
-                                   num_experts=mc.num_local_experts, has_bias=mc.has_bias, dtype=layer.params_dtype,
-                                   input_schemas=input_schemas, device=layer.w13_weight.device)
+            subs = self._configs(hidden_size=mc.hidden_dim, intermediate_size=mc.intermediate_size_per_partition,
+                                 num_experts=mc.num_local_experts, has_bias=mc.has_bias, dtype=layer.params_dtype,
+                                 input_schemas=input_schemas, device=layer.w13_weight.device)
         except MoeConvertError as e:
             raise self._refuse(e.line()) from None
         layer.weight_schemas = {sub: s.weight_schema for sub, s in subs.items()}
         layer.input_schemas = input_schemas
         layer.humming_configs = {sub: s.config for sub, s in subs.items()}
+
+    def _configs(self, **kw):
+        from moeconvert.layouts.humming import humming_configs
+
+        return humming_configs(self.metadata, group_size=self.group_size, symmetric=self.symmetric, **kw)
 
     def get_fused_moe_quant_config(self, layer):
         from vllm.model_executor.layers.quantization.utils.humming import get_humming_moe_quant_config
@@ -504,6 +514,53 @@ class HummingWNA16Method(_FinalLayoutMethod):
         return make_wna16_moe_kernel(moe_quant_config=self.moe_quant_config, moe_config=self.moe,
                                      experts_cls=self.experts_cls, backend=WNA16MoEBackend.HUMMING,
                                      routing_tables=layer._expert_routing_tables())
+
+
+class HummingMXFP4Method(_MXFP4Method, HummingWNA16Method):
+    """``humming`` MXFP4 (``moeconvert quantize --format mxfp4 --backend humming``): vLLM's humming experts over
+    humming-kernels' grouped GEMM with e2m1 weights and e8m0 scales, built as vLLM's ``Mxfp4MoEMethod`` builds
+    them for its HUMMING backend (what vLLM 0.33.0 picks on SM90 for MXFP4 experts outside gpt-oss) after
+    ``convert_to_humming_moe_kernel_format``, with the parameters the folder holds in place of the transformed
+    ones, over I rounded up to 64 as vLLM rounds it for HUMMING. The schemas and LayerConfigs come from
+    humming's own ``Mxfp4WeightSchema`` and ``prepare_layer_config`` (``layouts/humming_mxfp4.py``), checked
+    against the manifest's; the refusals are the WNA16 method's (docs/layouts/humming.md, "MXFP4")."""
+
+    backend = "HUMMING"
+    supports_eplb = True  # as vLLM's Mxfp4MoEMethod
+
+    def __init__(self, moe, entry: dict, manifest: dict, share: RankShare | None = None):
+        _FinalLayoutMethod.__init__(self, moe, entry, manifest, share)
+        self.made_for = manifest["layout"]["made_for"]
+        self.metadata = share.stored["layout_metadata"] if share and share.stored else entry["layout_metadata"]
+
+    def _vllm_state_problem(self) -> str | None:
+        return None
+
+    def _weight_key(self, params_dtype: torch.dtype):
+        # vLLM's MXFP4 oracle checks its HUMMING experts with the static MXFP4 weight key, 16-bit activations
+        from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Static
+
+        return kMxfp4Static
+
+    def _weight_schema(self, sub: str):
+        from moeconvert.layouts.humming_mxfp4 import MODEL_DTYPE, mxfp4_weight_schema
+
+        return mxfp4_weight_schema(MODEL_DTYPE)
+
+    def _configs(self, **kw):
+        from moeconvert.layouts.humming_mxfp4 import HummingMXFP4Layout
+
+        return HummingMXFP4Layout().humming_sublayers(self.metadata, None, **kw)
+
+    def get_fused_moe_quant_config(self, layer):
+        from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend, make_mxfp4_moe_quant_config
+
+        self._humming_configs(layer)
+        # as vLLM's Mxfp4MoEMethod.get_fused_moe_quant_config for its HUMMING backend
+        return make_mxfp4_moe_quant_config(mxfp4_backend=Mxfp4MoeBackend.HUMMING, w1_scale=layer.w13_weight_scale,
+                                           w2_scale=layer.w2_weight_scale, w1_bias=getattr(layer, "w13_bias", None),
+                                           w2_bias=getattr(layer, "w2_bias", None),
+                                           swiglu_limit=getattr(layer, "swiglu_limit", None), layer=layer)
 
 
 class TritonMXFP4Method(_MXFP4Method):

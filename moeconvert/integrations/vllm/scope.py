@@ -16,6 +16,7 @@ METHOD_ACTIVATIONS = {
     "MarlinMXFP4Method": ("silu", "swigluoai"),
     "TritonMXFP4Method": ("swigluoai",),
     "HummingWNA16Method": ("silu",),
+    "HummingMXFP4Method": ("silu",),
 }
 #: swigluoai's constants as vLLM 0.33.0's kernels apply them: its gpt-oss method passes alpha 1.702, beta 1,
 #: limit 7 (quantization/mxfp4.py), ``swigluoai_and_mul`` (Marlin) and triton_kernels' fused swiglu
@@ -60,8 +61,8 @@ def refusal(layout: str, kind: str | None, family: str, activations: list[tuple[
     activations (``(activation, its parameters)`` per MoE layer); None when it does."""
     method = method_name(layout, kind)
     if method is None:
-        return (f"the vLLM plugin serves Marlin WNA16, Marlin MXFP4, Triton WNA16, triton_kernels MXFP4 and humming WNA16 folders; "
-                f"this one is {layout} {kind or 'of mixed schemes'}")
+        return ("the vLLM plugin serves Marlin WNA16, Marlin MXFP4, Triton WNA16, triton_kernels MXFP4, humming WNA16 "
+                f"and humming MXFP4 folders; this one is {layout} {kind or 'of mixed schemes'}")
     served = METHOD_ACTIVATIONS[method]
     for activation, params in activations:
         if activation not in served:
