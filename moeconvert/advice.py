@@ -17,7 +17,8 @@ layout for which GPU", says where; tests/test_advice.py reads those places in vL
   with bf16 activations, on Hopper Triton. For other models it walks FlashInfer TRT-LLM with MXFP8
   activations, DeepGEMM, Marlin, humming: on Hopper humming (ahead of Marlin), on SM100 FlashInfer
   TRT-LLM with MXFP8 activations, which no layout here writes (the bf16-activation variant's is the
-  nearest), elsewhere Marlin. The humming MXFP4 layout (``quantize --format mxfp4 --backend humming``)
+  nearest), elsewhere Marlin. (Its online MXFP4 of a bf16 source walks gpt-oss's list instead, so on
+  Hopper FlashInfer CUTLASS with bf16 activations comes before humming where it is installed.) The humming MXFP4 layout (``quantize --format mxfp4 --backend humming``)
   holds what vLLM's HUMMING path makes on Hopper, and the vLLM plugin serves it (``inspect`` says so
   from the layout's ``vllm_method``).
 """
@@ -82,7 +83,9 @@ def advise(kind: str, family: str, bits: int | None = None, group_size: int | No
             ]
         return [
             Advice("hopper", "humming", "humming (HummingGroupedExperts)",
-                   "vLLM moves humming ahead of Marlin on SM90"),
+                   "vLLM moves humming ahead of Marlin on SM90 for MXFP4 checkpoints; its online "
+                   "--quantization mxfp4 of a bf16 source tries FlashInfer CUTLASS first where that is "
+                   "installed (docs/layouts/humming.md)"),
             Advice("blackwell", None, "FlashInfer TRT-LLM MXFP4, MXFP8 activations",
                    "no layout here writes it: flashinfer-trtllm holds the bf16-activation variant's layout"),
             Advice("older", "marlin", "Marlin MXFP4 (MarlinExperts)",
