@@ -373,7 +373,7 @@ class HummingLayout(Layout):
                 fields = _pad(to_sign_magnitude(codes, b), (E, d.Np, d.Kp))
             zp = _pad(getattr(block, f"{sub}_zero"), (E, d.Np, d.Gp)) if asym else None
             if preprocesses_int2fp(b_dtype, b, asym):
-                zk = torch.full((1, 1, 1), 1 << (b - 1), dtype=torch.uint8) if zp is None else \
+                zk = torch.full((1, 1, 1), 1 << (b - 1), dtype=torch.uint8, device=fields.device) if zp is None else \
                     zp.repeat_interleave(d.Kp // d.Gp, dim=2)
                 fields = int2fp(fields, zk, b)
             out[NAMES[sub].weight] = repack_weights(fields, b)
@@ -401,7 +401,7 @@ class HummingLayout(Layout):
             fields = unrepack_weights(tensors[NAMES[sub].weight], b, d.Np, d.Kp)
             zp = unpack_zero_points(tensors[NAMES[sub].zero_point], b) if asym else None
             if preprocesses_int2fp(b_dtype, b, asym):
-                zk = torch.full((1, 1, 1), 1 << (b - 1), dtype=torch.uint8) if zp is None else \
+                zk = torch.full((1, 1, 1), 1 << (b - 1), dtype=torch.uint8, device=fields.device) if zp is None else \
                     zp.repeat_interleave(d.Kp // d.Gp, dim=2)
                 fields = un_int2fp(fields, zk, b)
             if b_dtype.startswith("float"):
