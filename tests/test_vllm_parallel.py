@@ -41,6 +41,14 @@ SCHEMES = {
     "triton-w4a16-g128-asym": (dict(scheme="w4a16", symmetric=False, intermediate_size=256),
                                ["repack", "--backend", "triton"]),
     "triton-w8a16-g128": (dict(scheme="w8a16", intermediate_size=256), ["repack", "--backend", "triton"]),
+    # moeconvert's own layout (its Triton kernel as vLLM modular experts): I / 2 a multiple of 64
+    "fast-w4a16-g128": (dict(scheme="w4a16", intermediate_size=256), ["repack", "--backend", "triton-fast"]),
+    "fast-w4a16-g32-asym": (dict(scheme="w4a16", group_size=32, symmetric=False, intermediate_size=256),
+                            ["repack", "--backend", "triton-fast"]),
+    "fast-w4a16-channel": (dict(scheme="w4a16", group_size=-1, intermediate_size=256),
+                           ["repack", "--backend", "triton-fast"]),
+    "fast-w8a16-g128": (dict(scheme="w8a16", intermediate_size=256), ["repack", "--backend", "triton-fast"]),
+    "fast-mxfp4": (dict(scheme="bf16", intermediate_size=256), ["quantize", "--format", "mxfp4", "--backend", "triton-fast"]),
 }
 
 
@@ -77,7 +85,7 @@ def _layout_and_shape(manifest: dict, entry: dict):
 
 # (family, scheme): every layout the plugin serves, gpt-oss's (interleaved w13 rows, expert biases) included
 CUT_CASES = [("qwen3-moe", s) for s in sorted(SCHEMES) if s != "triton-mxfp4"]
-CUT_CASES += [("gpt-oss", "marlin-mxfp4"), ("gpt-oss", "triton-mxfp4")]
+CUT_CASES += [("gpt-oss", "marlin-mxfp4"), ("gpt-oss", "triton-mxfp4"), ("gpt-oss", "fast-mxfp4")]
 
 
 @pytest.mark.parametrize("family,scheme", CUT_CASES)
@@ -111,7 +119,8 @@ def test_every_layout_the_plugin_serves_declares_its_tp_cuts():
     # the layouts SCHEMES above proves the cuts of: every served one but humming, which declares that no TP
     # rank is a slice of its full tensors (each rank is padded, tiled and given its codes on its own)
     assert {cls.__name__ for cls in served} == {"MarlinLayout", "MarlinMXFP4Layout", "TritonWNA16Layout",
-                                                "TritonMXFP4Layout", "HummingLayout"}
+                                                "TritonMXFP4Layout", "HummingLayout", "TritonFastWNA16Layout",
+                                                "TritonFastMXFP4Layout"}
     from moeconvert.canonical import LayerShape
     from moeconvert.layouts import get_layout
     from moeconvert.layouts.base import NotASlice

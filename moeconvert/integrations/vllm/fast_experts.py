@@ -30,8 +30,6 @@ class FastFormat:
 
     fmt: str  # "int4" | "int8" | "mxfp4"
     group_size: int  # <= 0: channelwise
-    alpha: float = 1.702  # swigluoai's, the manifest's
-    limit: float = 7.0
 
 
 def runs_here() -> str | None:
@@ -119,9 +117,12 @@ class MoeconvertFastExperts(mk.FusedMoEExpertsModular):
         ids = topk_ids if expert_map is None else expert_map[topk_ids.long()]
         # prepare has multiplied the input by the (top-1) weight already
         weights = torch.ones_like(topk_weights) if apply_router_weight_on_input else topk_weights
+        # swigluoai's alpha and limit as the method put them in the quant config (the manifest's); beta is 1
+        # there, as in fused_moe_fast's swiglu (and vLLM's gpt-oss method)
+        consts = {k: float(v) for k, v in (("alpha", qc.gemm1_alpha), ("limit", qc.gemm1_clamp_limit)) if v is not None}
         f = self.fast
         y = fused_moe_fast(hidden_states, w13, w2w, weights, ids, fmt=f.fmt, group_size=f.group_size,
-                           activation=ACTIVATIONS[activation], alpha=f.alpha, limit=f.limit, expert_offset=0,
+                           activation=ACTIVATIONS[activation], expert_offset=0, **consts,
                            all_ids_local=expert_map is None and E == global_num_experts,
                            mx_small_scales=self.mx_small_scales)
         output.copy_(y)

@@ -220,6 +220,17 @@ class _FinalLayoutMethod(FusedMoEMethodBase):
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)
         self.moe_kernel = self._make_kernel(layer)
 
+    def _activation_constants(self) -> dict:
+        """``gemm1_alpha`` / ``gemm1_beta`` / ``gemm1_clamp_limit`` for the quant config: for swigluoai, the
+        layer's alpha and limit (the manifest's; vLLM's kernels take gpt-oss's only, ``scope.SWIGLUOAI``) and
+        beta 1, as vLLM's GptOssMxfp4MoEMethod passes them; nothing for silu, as vLLM's Mxfp4MoEMethod."""
+        if self.entry["activation"] != "swigluoai":
+            return {"gemm1_alpha": None, "gemm1_beta": None, "gemm1_clamp_limit": None}
+        from moeconvert.integrations.vllm.scope import SWIGLUOAI, SWIGLUOAI_BETA
+
+        params = {**SWIGLUOAI, **(self.entry.get("activation_params") or {})}
+        return {"gemm1_alpha": params["alpha"], "gemm1_beta": SWIGLUOAI_BETA, "gemm1_clamp_limit": params["limit"]}
+
     def _kernel_weights(self, layer) -> tuple:
         """(w1, w2) as the kernel takes them: the parameters themselves."""
         return layer.w13_weight, layer.w2_weight
@@ -308,17 +319,6 @@ class _MXFP4Method(_FinalLayoutMethod):
     def _sizes(self, entry: dict | None = None) -> tuple[int, int]:
         e = entry or self.entry
         return e["hidden_size_padded"], e["intermediate_size_padded"]
-
-    def _activation_constants(self) -> dict:
-        """``gemm1_alpha`` / ``gemm1_beta`` / ``gemm1_clamp_limit`` for the quant config: for swigluoai, the
-        layer's alpha and limit (the manifest's; the plugin serves gpt-oss's only, ``scope.SWIGLUOAI``) and
-        beta 1, as vLLM's GptOssMxfp4MoEMethod passes them; nothing for silu, as vLLM's Mxfp4MoEMethod."""
-        if self.entry["activation"] != "swigluoai":
-            return {"gemm1_alpha": None, "gemm1_beta": None, "gemm1_clamp_limit": None}
-        from moeconvert.integrations.vllm.scope import SWIGLUOAI, SWIGLUOAI_BETA
-
-        params = {**SWIGLUOAI, **(self.entry.get("activation_params") or {})}
-        return {"gemm1_alpha": params["alpha"], "gemm1_beta": SWIGLUOAI_BETA, "gemm1_clamp_limit": params["limit"]}
 
     def _make_kernel(self, layer):
         from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend, make_mxfp4_moe_kernel
@@ -610,10 +610,8 @@ class TritonFastMethod(_FinalLayoutMethod):
 
         scheme = entry["scheme"]
         mx = scheme["kind"] == "mxfp4"
-        params = entry.get("activation_params") or {}
-        kw = {k: float(params[k]) for k in ("alpha", "limit") if k in params}
         self.fast = FastFormat(fmt="mxfp4" if mx else f"int{scheme['bits']}", group_size=32 if mx else
-                               scheme["group_size"], **kw)
+                               scheme["group_size"])
 
     @staticmethod
     def _experts_cls():
@@ -656,8 +654,9 @@ class TritonFastMethod(_FinalLayoutMethod):
 
     def get_fused_moe_quant_config(self, layer):
         """vLLM's quant config for 16-bit activations over the parameters themselves (the experts read their
-        scales, zero points and biases there; nothing quantizes the input)."""
-        bias = {"w1_bias": getattr(layer, "w13_bias", None), "w2_bias": getattr(layer, "w2_bias", None)}
+        scales, zero points, biases and swigluoai's constants there; nothing quantizes the input)."""
+        bias = {"w1_bias": getattr(layer, "w13_bias", None), "w2_bias": getattr(layer, "w2_bias", None),
+                **self._activation_constants()}
         if self.fast.fmt == "mxfp4":
             from vllm.model_executor.layers.fused_moe.config import mxfp4_w4a16_moe_quant_config
 
