@@ -466,7 +466,9 @@ def test_vllms_experts_run_a_converted_layer_against_the_reference(gpu_checks, f
 @gpu_vllm
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Marlin's and triton_kernels' MXFP4 kernels need CUDA: vLLM's "
                     "CPU platform runs neither, so gpt-oss's forward runs on a GPU only (its bytes are checked on the "
-                    "CPU by test_vllm_serves_a_gpt_oss_folder_with_the_moeconvert_load_format)")
+                    "CPU by test_vllm_serves_a_gpt_oss_folder_with_the_moeconvert_load_format; the triton-fast "
+                    "folder's forward on the CPU, interpreted, by "
+                    "test_vllms_moe_layer_runs_moeconverts_kernel_on_a_triton_fast_folder[gpt-oss])")
 @pytest.mark.parametrize("name", sorted(GPT_OSS))
 def test_vllms_experts_run_a_gpt_oss_layer_against_the_reference(gpt_oss_folders, name):
     """On the GPU: each gpt-oss layer built by the plugin's method (``--load-format moeconvert``), vLLM's own
