@@ -299,7 +299,7 @@ FAST_FORWARD = [("deepseek-v3", "fast-w4a16-g128", dict(tp=2, ep=True, placement
 
 
 @needs_vllm
-@pytest.mark.parametrize("family,scheme,shape", FAST_FORWARD, ids=["ep2-round-robin", "ep2-mxfp4", "tp2", "tp2-int8"])
+@pytest.mark.parametrize("family,scheme,shape", FAST_FORWARD, ids=["fast-ep2-round-robin", "fast-ep2-mxfp4", "fast-tp2", "fast-tp2-int8"])
 def test_the_ranks_run_moeconverts_kernel_and_their_outputs_sum_to_the_reference(convert, example_ckpt, tmp_path,
                                                                                 family, scheme, shape):
     """Each rank's ``MoeconvertFastExperts`` (under Triton's interpreter) on the same 5 routed tokens: an EP rank
