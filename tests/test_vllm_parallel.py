@@ -426,6 +426,13 @@ REFUSED = {  # case: (folder, shape, the one line's telling part)
                                  "moeconvert's model loader reads: serve with --load-format moeconvert"),
     "one-rank-folder": (("qwen3-moe", "marlin-w4a16-g128", "--ep-size", "2", "--ep-rank", "0"), dict(tp=2),
                         "this folder was converted for TP 1 rank 0, EP 2 rank 0; this vLLM builds the layer for TP 2"),
+    "fast-eplb": (("deepseek-v3", "fast-w4a16-g128"), dict(tp=2, ep=True, redundant=2),
+                  "moeconvert's triton-fast experts have not been run with vLLM's expert rebalancing: serve without "
+                  "--enable-eplb"),
+    # I 192 in groups of 32: a TP rank's I 96 is not whole 64-input fragment atoms
+    "fast-tp-no-rank-holds": (("qwen3-moe", "fast-w4a16-g32-asym", dict(intermediate_size=192)), dict(tp=2),
+                              "a triton-fast TP rank of 2 is not a slice of them (a TP rank of 2 cannot hold this "
+                              "layer: intermediate_size I (per TP partition) = 96 must be a multiple of 64"),
     "gpt-oss-default-loader": (("gpt-oss", "triton-mxfp4"), dict(mode="model", tp=2, ep=True),
                                "a gpt-oss folder is served with --load-format moeconvert only (vLLM's gpt-oss loader "
                                "slices and transposes every tensor named w13_weight / w2_weight itself"),
