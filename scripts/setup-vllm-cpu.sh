@@ -25,7 +25,9 @@ python3 -m venv "$venv"
 py="$venv/bin/python"
 "$py" -m pip install -q "torch==2.13.0"
 echo "torch==2.13.0" > "$venv/constraints.txt"
-"$py" -m pip install -q -c "$venv/constraints.txt" numpy regex "pydantic>=2.12" typing_extensions \
+# numpy < 2.4: Triton 3.6's interpreter (vLLM's Triton pin; moeconvert's own kernel runs under it in the
+# plugin's triton-fast tests) converts one-element arrays to loop bounds with int(), which NumPy 2.4 refuses
+"$py" -m pip install -q -c "$venv/constraints.txt" "numpy<2.4" regex "pydantic>=2.12" typing_extensions \
   "${pins[@]}" "safetensors>=0.6.2" "compressed-tensors==0.17.0" \
   packaging tqdm psutil requests pyyaml pyzmq cbor2 aiohttp cachetools cloudpickle msgspec pybase64 \
   pillow einops py-cpuinfo uvloop prometheus_client partial_json_parser "openai>=2.25.0" "oss-harmony>=0.0.11" \

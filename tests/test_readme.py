@@ -68,6 +68,9 @@ NOT_RUN = {
     ("docs/vllm.md", "moeconvert quantize openai/gpt-oss-20b gpt-oss-marlin/ --backend marlin   # or --backend triton"):
         "a 21B-parameter checkpoint from the Hub, and vllm serve needs vLLM's CUDA build and a GPU; the gpt-oss "
         "plugin tests run this path on a tiny gpt-oss checkpoint",
+    ("docs/vllm.md", "moeconvert repack RedHatAI/Qwen3-30B-A3B-quantized.w4a16 qwen3-fast/ --backend triton-fast"):
+        "a 30B-parameter checkpoint from the Hub, and vllm serve needs a CUDA GPU; the plugin tests run this path "
+        "on tiny checkpoints (vLLM's CPU platform, TRITON_INTERPRET=1)",
     ("docs/vllm.md", "moeconvert repack RedHatAI/Qwen3-30B-A3B-quantized.w4a16 qwen3-humming/ --backend humming"):
         "a 30B-parameter checkpoint from the Hub, and vllm serve needs an SM90 GPU; the humming plugin tests run "
         "this path on a tiny checkpoint",

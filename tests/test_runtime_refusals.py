@@ -26,7 +26,8 @@ def outputs(tmp_path_factory):
     src = make_example(base / "src", "qwen3-moe", "w4a16", group_size=32, num_experts=4)
     made = {}
     for name, args in {"plain": ("--backend", "plain"), "marlin": ("--backend", "marlin"),
-                       "tp2": ("--backend", "marlin", "--tp-size", 2, "--tp-rank", 1)}.items():
+                       "tp2": ("--backend", "marlin", "--tp-size", 2, "--tp-rank", 1),
+                       "triton-fast": ("--backend", "triton-fast")}.items():
         cli("repack", src, base / name, *args, expect=0)
         made[name] = base / name
     return made
@@ -129,6 +130,22 @@ def test_a_manifest_naming_one_vllm_version_as_a_string_still_loads(copy):
     assert json.loads((out / "moeconvert.json").read_text())["layout"]["made_for"] == {"vllm": ["0.33.0", "0.34.0"]}
     edit_manifest(out, lambda m: m["layout"].update(made_for={"vllm": "0.33.0"}))
     assert load(out, device="cpu").moe_layers
+
+
+def test_a_triton_fast_folder_written_before_the_plugin_served_it_still_loads(copy):
+    """triton-fast's ``made_for`` names the vLLM versions the plugin serves it on, not a library its bytes were
+    made for: a folder of the same layout version written before (no ``vllm`` key) loads; versions the layout
+    does not list, or another library, are refused as for every layout."""
+    out = copy("triton-fast")
+    assert json.loads((out / "moeconvert.json").read_text())["layout"]["made_for"] == {"vllm": ["0.33.0", "0.34.0"]}
+    edit_manifest(out, lambda m: m["layout"].update(made_for={}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KernelFallbackWarning)
+        assert load(out, device="cpu").moe_layers
+    edit_manifest(out, lambda m: m["layout"].update(made_for={"vllm": ["0.35.0"]}))
+    assert "0.35.0" in refused("made for other kernel library versions", out, device="cpu")
+    edit_manifest(out, lambda m: m["layout"].update(made_for={"triton": "3.6.0"}))
+    refused("made for other kernel library versions", out, device="cpu")
 
 
 def test_layout_made_for_another_tp_size(outputs):

@@ -41,6 +41,14 @@ SCHEMES = {
     "triton-w4a16-g128-asym": (dict(scheme="w4a16", symmetric=False, intermediate_size=256),
                                ["repack", "--backend", "triton"]),
     "triton-w8a16-g128": (dict(scheme="w8a16", intermediate_size=256), ["repack", "--backend", "triton"]),
+    # moeconvert's own layout (its Triton kernel as vLLM modular experts): I / 2 a multiple of 64
+    "fast-w4a16-g128": (dict(scheme="w4a16", intermediate_size=256), ["repack", "--backend", "triton-fast"]),
+    "fast-w4a16-g32-asym": (dict(scheme="w4a16", group_size=32, symmetric=False, intermediate_size=256),
+                            ["repack", "--backend", "triton-fast"]),
+    "fast-w4a16-channel": (dict(scheme="w4a16", group_size=-1, intermediate_size=256),
+                           ["repack", "--backend", "triton-fast"]),
+    "fast-w8a16-g128": (dict(scheme="w8a16", intermediate_size=256), ["repack", "--backend", "triton-fast"]),
+    "fast-mxfp4": (dict(scheme="bf16", intermediate_size=256), ["quantize", "--format", "mxfp4", "--backend", "triton-fast"]),
 }
 
 
@@ -77,7 +85,7 @@ def _layout_and_shape(manifest: dict, entry: dict):
 
 # (family, scheme): every layout the plugin serves, gpt-oss's (interleaved w13 rows, expert biases) included
 CUT_CASES = [("qwen3-moe", s) for s in sorted(SCHEMES) if s != "triton-mxfp4"]
-CUT_CASES += [("gpt-oss", "marlin-mxfp4"), ("gpt-oss", "triton-mxfp4")]
+CUT_CASES += [("gpt-oss", "marlin-mxfp4"), ("gpt-oss", "triton-mxfp4"), ("gpt-oss", "fast-mxfp4")]
 
 
 @pytest.mark.parametrize("family,scheme", CUT_CASES)
@@ -111,7 +119,8 @@ def test_every_layout_the_plugin_serves_declares_its_tp_cuts():
     # the layouts SCHEMES above proves the cuts of: every served one but humming's (WNA16, MXFP4), which declare
     # that no TP rank is a slice of their full tensors (each rank is padded and tiled on its own)
     assert {cls.__name__ for cls in served} == {"MarlinLayout", "MarlinMXFP4Layout", "TritonWNA16Layout",
-                                                "TritonMXFP4Layout", "HummingLayout", "HummingMXFP4Layout"}
+                                                "TritonMXFP4Layout", "HummingLayout", "HummingMXFP4Layout",
+                                                "TritonFastWNA16Layout", "TritonFastMXFP4Layout"}
     from moeconvert.canonical import LayerShape
     from moeconvert.layouts import get_layout
     from moeconvert.layouts.base import NotASlice
@@ -181,6 +190,8 @@ def _ranks(folder: Path, tmp_path: Path, world: int = 2, **shape) -> list[dict]:
     spec = tmp_path / f"shape-{_free_port()}.json"
     spec.write_text(json.dumps({"mode": "layers", **shape}))
     env = {**os.environ, **VLLM_CPU_ENV, "MASTER_ADDR": "127.0.0.1"}
+    if _manifest(folder)["layout"]["name"] == "triton-fast":  # moeconvert's kernel runs on the CPU interpreted only
+        env["TRITON_INTERPRET"] = "1"
     port = _free_port()
     procs = [subprocess.Popen([VLLM_PYTHON, str(CHILD), str(folder), str(r), str(world), str(port), str(spec)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -241,6 +252,8 @@ EP_CASES = [  # family, scheme, placement asked for, placement vLLM takes
     ("deepseek-v3", "marlin-w4a16-g128", "linear", "linear"),
     ("deepseek-v3", "marlin-w4a16-g128", "round_robin", "round_robin"),
     ("deepseek-v3", "triton-w4a16-g128", "round_robin", "round_robin"),
+    ("qwen3-moe", "fast-w4a16-g32-asym", "linear", "linear"),
+    ("deepseek-v3", "fast-w8a16-g128", "round_robin", "round_robin"),
 ]
 
 
@@ -263,6 +276,8 @@ def test_ep2_from_a_full_folder_each_rank_holds_its_experts(convert, tmp_path, f
 
 TP_CASES = [("qwen3-moe", s) for s in ("marlin-w4a16-g128", "marlin-w4a16-channel", "marlin-mxfp4", "triton-w4a16-g128")]
 TP_CASES += [("deepseek-v3", "marlin-w4a16-g128-asym"), ("deepseek-v3", "triton-w8a16-g128")]
+TP_CASES += [("qwen3-moe", s) for s in ("fast-w4a16-g32-asym", "fast-w4a16-channel", "fast-mxfp4")]
+TP_CASES += [("deepseek-v3", "fast-w8a16-g128")]
 
 
 @needs_vllm
@@ -278,12 +293,43 @@ def test_tp2_from_a_full_folder_each_rank_holds_its_tp_conversion(convert, tmp_p
         _assert_holds(got, _expected(convert, family, scheme, list(range(E)), 1, tp=(2, r)), f"rank {r}")
 
 
+# moeconvert's kernel (triton-fast) run by each rank: (family, scheme, shape)
+FAST_FORWARD = [("deepseek-v3", "fast-w4a16-g128", dict(tp=2, ep=True, placement="round_robin")),
+                ("qwen3-moe", "fast-mxfp4", dict(tp=2, ep=True)),
+                ("qwen3-moe", "fast-w4a16-g32-asym", dict(tp=2)),
+                ("qwen3-moe", "fast-w8a16-g128", dict(tp=2))]
+
+
 @needs_vllm
-@pytest.mark.parametrize("family,mode", [("deepseek-v3", "layers"), ("qwen3-moe", "model")])
-def test_dp2_with_ep_each_rank_holds_its_ep_conversion(convert, tmp_path, family, mode):
+@pytest.mark.parametrize("family,scheme,shape", FAST_FORWARD, ids=["fast-ep2-round-robin", "fast-ep2-mxfp4", "fast-tp2", "fast-tp2-int8"])
+def test_the_ranks_run_moeconverts_kernel_and_their_outputs_sum_to_the_reference(convert, example_ckpt, tmp_path,
+                                                                                family, scheme, shape):
+    """Each rank's ``MoeconvertFastExperts`` (under Triton's interpreter) on the same 5 routed tokens: an EP rank
+    adds only its experts' pairs (ids mapped through vLLM's expert map, round-robin included), a TP rank its
+    slice of I; the two outputs sum, as vLLM's all-reduce sums them, to ``reference_moe`` on the source's own
+    weights."""
+    full = convert(family, scheme)
+    src = example_ckpt(family, **SCHEMES[scheme][0])  # the checkpoint the folder was converted from
+    ranks = _ranks(full, tmp_path, forward=str(src), **shape)
+    for got in ranks:
+        assert "error" not in got, got["error"]
+    for prefix in ranks[0]["layers"]:
+        outs = [torch.tensor(got["layers"][prefix]["forward"]["y"]) for got in ranks]
+        want = torch.tensor(ranks[0]["layers"][prefix]["forward"]["want"])
+        assert want.norm() > 0 and all(o.isfinite().all() and o.norm() > 0 for o in outs), prefix
+        assert float((sum(outs) - want).norm() / want.norm()) < 2e-2, prefix
+        # neither rank alone holds the layer
+        assert all(float((o - want).norm() / want.norm()) > 0.1 for o in outs), prefix
+
+
+@needs_vllm
+@pytest.mark.parametrize("family,mode,scheme", [("deepseek-v3", "layers", "marlin-w4a16-g128"),
+                                               ("qwen3-moe", "model", "marlin-w4a16-g128"),
+                                               ("qwen3-moe", "model", "fast-w4a16-g32-asym")])
+def test_dp2_with_ep_each_rank_holds_its_ep_conversion(convert, tmp_path, family, mode, scheme):
     """``--data-parallel-size 2 --enable-expert-parallel``: vLLM folds DP into EP (EP 2 = DP 2 x TP 1); on
     Qwen3 through vLLM's whole-model loader, as ``vllm serve`` loads it."""
-    full = convert(family, "marlin-w4a16-g128")
+    full = convert(family, scheme)
     E = _manifest(full)["moe_layers"][0]["num_experts_global"]
     for r, got in enumerate(_ranks(full, tmp_path, mode=mode, dp=2, ep=True)):
         assert "error" not in got, got["error"]
@@ -291,14 +337,15 @@ def test_dp2_with_ep_each_rank_holds_its_ep_conversion(convert, tmp_path, family
         assert layer["ep"] == [2, r] and layer["tp"] == [1, 0]
         experts = list(range(r * E // 2, (r + 1) * E // 2))
         assert layer["physical_experts"] == experts
-        _assert_holds(got, _expected(convert, family, "marlin-w4a16-g128", experts, 2), f"rank {r}")
+        _assert_holds(got, _expected(convert, family, scheme, experts, 2), f"rank {r}")
 
 
 @needs_vllm
-def test_pp2_each_rank_builds_and_loads_only_its_layers(convert, tmp_path):
+@pytest.mark.parametrize("scheme", ["marlin-w4a16-g128", "fast-w4a16-g128"])
+def test_pp2_each_rank_builds_and_loads_only_its_layers(convert, tmp_path, scheme):
     """``--pipeline-parallel-size 2`` through vLLM's whole-model loader: each rank builds its half of the
     layers, and each MoE layer it builds holds the folder's tensors (TP 1, EP 1) unchanged."""
-    full = convert("qwen3-moe", "marlin-w4a16-g128")
+    full = convert("qwen3-moe", scheme)
     files, manifest = st_tensors(full), _manifest(full)
     ranks = _ranks(full, tmp_path, mode="model", pp=2)
     for got in ranks:
@@ -381,6 +428,13 @@ REFUSED = {  # case: (folder, shape, the one line's telling part)
                                  "moeconvert's model loader reads: serve with --load-format moeconvert"),
     "one-rank-folder": (("qwen3-moe", "marlin-w4a16-g128", "--ep-size", "2", "--ep-rank", "0"), dict(tp=2),
                         "this folder was converted for TP 1 rank 0, EP 2 rank 0; this vLLM builds the layer for TP 2"),
+    "fast-eplb": (("deepseek-v3", "fast-w4a16-g128"), dict(tp=2, ep=True, redundant=2),
+                  "moeconvert's triton-fast experts have not been run with vLLM's expert rebalancing: serve without "
+                  "--enable-eplb"),
+    # I 192 in groups of 32: a TP rank's I 96 is not whole 64-input fragment atoms
+    "fast-tp-no-rank-holds": (("qwen3-moe", "fast-w4a16-g32-asym", dict(intermediate_size=192)), dict(tp=2),
+                              "a triton-fast TP rank of 2 is not a slice of them (a TP rank of 2 cannot hold this "
+                              "layer: intermediate_size I (per TP partition) = 96 must be a multiple of 64"),
     "gpt-oss-default-loader": (("gpt-oss", "triton-mxfp4"), dict(mode="model", tp=2, ep=True),
                                "a gpt-oss folder is served with --load-format moeconvert only (vLLM's gpt-oss loader "
                                "slices and transposes every tensor named w13_weight / w2_weight itself"),

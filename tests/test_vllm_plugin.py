@@ -40,14 +40,25 @@ SCHEMES = {  # name: (example arguments, the conversion)
     "triton-w4a16-g128": (dict(scheme="w4a16"), ["repack", "--backend", "triton"]),
     "triton-w4a16-g128-asym": (dict(scheme="w4a16", symmetric=False), ["repack", "--backend", "triton"]),
     "triton-w8a16-g128": (dict(scheme="w8a16"), ["repack", "--backend", "triton"]),
+    # moeconvert's own layout, served with its own Triton kernel as vLLM modular experts
+    "fast-w4a16-g128": (dict(scheme="w4a16"), ["repack", "--backend", "triton-fast"]),
+    "fast-w4a16-g32-asym": (dict(scheme="w4a16", group_size=32, symmetric=False), ["repack", "--backend", "triton-fast"]),
+    "fast-w4a16-channel": (dict(scheme="w4a16", group_size=-1), ["repack", "--backend", "triton-fast"]),
+    "fast-w8a16-g64-asym": (dict(scheme="w8a16", group_size=64, symmetric=False), ["repack", "--backend", "triton-fast"]),
+    "fast-bf16-mxfp4": (dict(scheme="bf16", hidden_size=320, intermediate_size=96),
+                        ["quantize", "--format", "mxfp4", "--backend", "triton-fast"]),
 }
 # what vLLM must build for each: (our method, vLLM's experts class)
 BUILT = {"marlin-wna16": ("MarlinWNA16Method", "MarlinExperts"), "marlin-mxfp4": ("MarlinMXFP4Method", "MarlinExperts"),
-         "triton-wna16": ("TritonWNA16Method", "TritonWNA16Experts")}
+         "triton-wna16": ("TritonWNA16Method", "TritonWNA16Experts"),
+         "fast-wna16": ("TritonFastMethod", "MoeconvertFastExperts"),
+         "fast-mxfp4": ("TritonFastMethod", "MoeconvertFastExperts")}
+#: moeconvert's Triton kernel runs on vLLM's CPU platform only under Triton's interpreter
+INTERPRET = {"TRITON_INTERPRET": "1"}
 
 
 def _built(scheme: str) -> tuple[str, str]:
-    layout = "triton" if scheme.startswith("triton-") else "marlin"
+    layout = scheme.split("-")[0] if scheme.startswith(("triton-", "fast-")) else "marlin"
     return BUILT[f"{layout}-{'mxfp4' if scheme.endswith('mxfp4') else 'wna16'}"]
 
 
@@ -80,7 +91,7 @@ def test_a_marlin_folder_names_the_plugin_and_keeps_the_sources_config(folders):
 
 def test_other_layouts_copy_config_json_as_it_is(example_ckpt, tmp_path):
     src = example_ckpt("qwen3-moe", scheme="w4a16")
-    cli("repack", src, tmp_path / "out", "--backend", "triton-fast", expect=0)
+    cli("repack", src, tmp_path / "out", "--backend", "emulation", expect=0)
     assert (tmp_path / "out" / "config.json").read_bytes() == (src / "config.json").read_bytes()
 
 
@@ -128,7 +139,7 @@ def _file_tensors(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_vllms_moe_layer_holds_the_files_bytes_after_processing(folders, scheme):
     _, out = folders[scheme]
-    got = _child(out)
+    got = _child(out, env=INTERPRET if scheme.startswith("fast-") else None)
     assert "error" not in got, got["error"]
     manifest = json.loads((out / "moeconvert.json").read_text())
     files = _file_tensors(out)
@@ -148,13 +159,13 @@ def test_vllms_moe_layer_holds_the_files_bytes_after_processing(folders, scheme)
 
 
 @needs_vllm
-@pytest.mark.parametrize("scheme", ["w4a16-g128", "bf16-mxfp4", "triton-w4a16-g128-asym"])
+@pytest.mark.parametrize("scheme", ["w4a16-g128", "bf16-mxfp4", "triton-w4a16-g128-asym", "fast-w4a16-g32-asym"])
 def test_vllm_loads_the_whole_model_from_the_folder(folders, scheme):
     """What ``vllm serve`` does up to its first forward, on the CPU platform: vLLM's ModelConfig picks the
     plugin's method from config.json, vLLM's default loader builds the model and feeds it every tensor of
     the folder (the name mapping included), then processes every module."""
     _, out = folders[scheme]
-    got = _child(out, "--whole-model")
+    got = _child(out, "--whole-model", env=INTERPRET if scheme.startswith("fast-") else None)
     assert "error" not in got, got["error"]
     assert got["quantization"] == "moeconvert"
     files = _file_tensors(out)
@@ -178,6 +189,62 @@ def test_the_whole_model_loads_on_a_cpu_with_amx_tiles(folders):
     got = _child(out, "--whole-model", env={"MOECONVERT_TEST_CPU_CAPABILITIES": "amx_tile"})
     assert "error" not in got, got["error"]
     assert got["quantization"] == "moeconvert" and got["layers"]
+
+
+# triton-fast folders whose forward runs on vLLM's CPU platform: every WNA16 format and MXFP4 (SiLU); gpt-oss's
+# (swigluoai, expert biases) is ``gpt-oss`` below
+FAST_CPU = sorted(name for name in SCHEMES if name.startswith("fast-")) + ["gpt-oss"]
+
+
+@pytest.fixture(scope="module")
+def vllm_interpreter() -> None:
+    """Skip, saying why, where the vLLM Python's Triton interpreter cannot run the kernel: Triton 3.6's (vLLM
+    0.33.0's pin) turns one-element arrays into loop bounds with int(), which NumPy 2.4 refuses (Triton 3.9
+    squeezes them first); ``scripts/setup-vllm-cpu.sh`` installs numpy < 2.4 for this."""
+    p = subprocess.run([VLLM_PYTHON, "-c", "import numpy, triton; print(numpy.__version__, triton.__version__)"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    numpy_v, triton_v = (tuple(int(x) for x in v.split(".")[:2]) for v in p.stdout.split())
+    if numpy_v >= (2, 4) and triton_v < (3, 7):
+        pytest.skip(f"the vLLM Python has Triton {p.stdout.split()[1]} with NumPy {p.stdout.split()[0]}: Triton's "
+                    "interpreter there cannot convert one-element arrays with NumPy >= 2.4; make the environment "
+                    "again with scripts/setup-vllm-cpu.sh (numpy < 2.4)")
+
+
+@needs_vllm
+@pytest.mark.parametrize("name", FAST_CPU)
+def test_vllms_moe_layer_runs_moeconverts_kernel_on_a_triton_fast_folder(vllm_interpreter, folders, gpt_oss_folders,
+                                                                         name):
+    """vLLM's CPU platform, ``TRITON_INTERPRET=1``: each MoE layer built by the plugin's ``TritonFastMethod``,
+    loaded through vLLM's ``load_weights``, run through the ``FusedMoEKernel`` it builds (vLLM's prepare /
+    finalize around ``MoeconvertFastExperts``) on 1 and 5 routed tokens, against ``reference_moe`` on the
+    source checkpoint's own weights (decoded from the source, not from the folder). The layers hold the
+    folders' bf16 tensors; the tokens are float16, since Triton's interpreter gets bf16 dots wrong
+    (DESIGN.md, "Testing"). The same check on CUDA in bf16: the GPU tests below."""
+    src, out = gpt_oss_folders["fast"] if name == "gpt-oss" else folders[name]
+    got = _child(out, "--cpu-forward", str(src), env=INTERPRET)
+    assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
+    manifest = json.loads((out / "moeconvert.json").read_text())
+    assert sorted(got["layers"]) == sorted(m["prefix"] for m in manifest["moe_layers"])
+    for prefix, layer in got["layers"].items():
+        assert layer["experts_class"] == "MoeconvertFastExperts"
+        assert sorted(layer["tokens"]) == ["1", "5"]
+        for M, r in layer["tokens"].items():
+            assert r["x_dtype"] == "torch.float16" and r["finite"] and r["want_norm"] > 0, (prefix, M)
+            assert r["rel"] < 2e-2, (prefix, M, r["rel"])
+
+
+@needs_vllm
+def test_a_triton_fast_folder_is_refused_in_one_line_where_the_kernel_cannot_run(folders):
+    """vLLM's CPU platform without Triton's interpreter: no CUDA, so moeconvert's Triton kernel cannot run;
+    refused when the layer is built, before a byte is read."""
+    _, out = folders["fast-w4a16-g128"]
+    got = _child(out, env={"TRITON_INTERPRET": ""})
+    assert "error" in got and got["layers"] == {}, got
+    assert "\n" not in got["error"], got["error"]
+    assert got["error"].startswith("ValueError: moeconvert: model.layers.0.mlp.experts: moeconvert's Triton kernel "
+                                   "needs a CUDA GPU (vLLM runs on its cpu platform"), got["error"]
+    assert got["error"].endswith("serve a --backend marlin folder on this machine"), got["error"]
 
 
 @needs_vllm
@@ -263,6 +330,7 @@ def test_a_tensor_that_never_arrives_is_refused_after_loading(folders):
 GPT_OSS = {  # name: (the source: bf16, or gpt-oss's own MXFP4 form; the conversion; vLLM's experts class)
     "marlin": ("bf16", ["quantize", "--format", "mxfp4", "--backend", "marlin"], "MarlinMXFP4Method", "MarlinExperts"),
     "triton": ("mxfp4", ["quantize", "--backend", "triton"], "TritonMXFP4Method", "OAITritonMxfp4ExpertsMonolithic"),
+    "fast": ("mxfp4", ["quantize", "--backend", "triton-fast"], "TritonFastMethod", "MoeconvertFastExperts"),
 }
 
 
@@ -306,7 +374,7 @@ def test_vllm_serves_a_gpt_oss_folder_with_the_moeconvert_load_format(gpt_oss_fo
     kernels need CUDA: the forward runs in the GPU tests below."""
     _, out = gpt_oss_folders[name]
     _, _, method, experts_class = GPT_OSS[name]
-    got = _child(out, "--whole-model", "--load-format", "moeconvert")
+    got = _child(out, "--whole-model", "--load-format", "moeconvert", env=INTERPRET if name == "fast" else None)
     assert "error" not in got, got["error"]
     assert got["quantization"] == "moeconvert"
     files = _file_tensors(out)
@@ -399,7 +467,9 @@ def test_vllms_experts_run_a_converted_layer_against_the_reference(gpu_checks, f
 @gpu_vllm
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Marlin's and triton_kernels' MXFP4 kernels need CUDA: vLLM's "
                     "CPU platform runs neither, so gpt-oss's forward runs on a GPU only (its bytes are checked on the "
-                    "CPU by test_vllm_serves_a_gpt_oss_folder_with_the_moeconvert_load_format)")
+                    "CPU by test_vllm_serves_a_gpt_oss_folder_with_the_moeconvert_load_format; the triton-fast "
+                    "folder's forward on the CPU, interpreted, by "
+                    "test_vllms_moe_layer_runs_moeconverts_kernel_on_a_triton_fast_folder[gpt-oss])")
 @pytest.mark.parametrize("name", sorted(GPT_OSS))
 def test_vllms_experts_run_a_gpt_oss_layer_against_the_reference(gpt_oss_folders, name):
     """On the GPU: each gpt-oss layer built by the plugin's method (``--load-format moeconvert``), vLLM's own

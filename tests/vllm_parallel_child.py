@@ -43,13 +43,13 @@ def main() -> None:
         if shape["mode"] == "model":
             _model(folder, group, out)
         else:
-            _layers(folder, group, out)
+            _layers(folder, group, out, shape)
     except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
         out["error"] = f"{type(e).__name__}: {e}"
     print(json.dumps(out))
 
 
-def _layers(folder: Path, group: dict, out: dict) -> None:
+def _layers(folder: Path, group: dict, out: dict, shape: dict) -> None:
     """Each MoE layer as the model builds it (grouped routing from config.json, EPLB's redundant experts),
     loaded as Qwen's ``AutoWeightsLoader`` (the runner's ``load_weights``) or DeepSeek's loader (each
     parameter's own ``weight_loader``) loads it."""
@@ -79,6 +79,30 @@ def _layers(folder: Path, group: dict, out: dict) -> None:
             experts = runner.routed_experts
             experts.quant_method.process_weights_after_loading(experts)
             out["layers"][m["prefix"]] = _report(experts)
+            if "forward" in shape:
+                out["layers"][m["prefix"]]["forward"] = _forward(experts, m, cfg.manifest, Path(shape["forward"]))
+
+
+def _forward(experts, m: dict, manifest: dict, src: Path) -> dict:
+    """This rank's experts on 5 routed tokens (the same on every rank: one seed), through the kernel the
+    plugin's method built, without the all-reduce vLLM's layer adds after it: the ranks' outputs must sum to
+    ``reference_moe`` on the source's own weights, which each rank reports too. Float16 tokens: the kernel
+    runs under Triton's interpreter here (moeconvert's triton-fast experts)."""
+    import torch
+
+    from moeconvert.integrations.vllm.harness import run_experts
+    from moeconvert.runtime.reference import activation_fn, reference_moe
+    from vllm_plugin_child import _reference_weights
+
+    g = torch.Generator().manual_seed(0)
+    H, Hp = m["hidden_size"], m.get("hidden_size_padded", m["hidden_size"])
+    x = (torch.randn(5, H, generator=g) * 0.5).to(torch.float16)
+    logits = torch.randn(5, m["num_experts_global"], generator=g)
+    w, ids = torch.topk(torch.softmax(logits, -1), m["top_k"], -1)
+    y = run_experts(experts, torch.nn.functional.pad(x, (0, Hp - H)), w, ids.to(torch.int32))[:, :H].float()
+    want = reference_moe(x.float(), _reference_weights(src, m["prefix"], manifest), w, ids,
+                         activation_fn(m["activation"], m.get("activation_params"))).float()
+    return {"y": y.tolist(), "want": want.tolist()}
 
 
 def _model(folder: Path, group: dict, out: dict) -> None:

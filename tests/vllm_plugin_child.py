@@ -37,6 +37,11 @@ def main() -> None:
         if mode in sys.argv:
             print(json.dumps(_gpu(mode, folder, Path(sys.argv[sys.argv.index(mode) + 1]))))
             return
+    if "--cpu-forward" in sys.argv:  # triton-fast under TRITON_INTERPRET=1: our kernel runs on the CPU
+        _plain_torch_linear_layers()
+        src = Path(sys.argv[sys.argv.index("--cpu-forward") + 1])
+        print(json.dumps(_gpu("--forward", folder, src, device="cpu", tokens=(1, 5))))
+        return
     tp_size = int(sys.argv[sys.argv.index("--tp-size") + 1]) if "--tp-size" in sys.argv else 1
     _plain_torch_linear_layers()
     import torch
@@ -425,7 +430,9 @@ def _reference_weights(src: Path, prefix: str, manifest: dict):
     return ref
 
 
-def _gpu(mode: str, folder: Path, src: Path) -> dict:
+def _gpu(mode: str, folder: Path, src: Path, device: str = "cuda", tokens: tuple[int, ...] = (1, 16, 100)) -> dict:
+    """``--forward`` / ``--bench`` on ``device`` (the CPU only for a kernel that runs there: moeconvert's
+    Triton kernel under ``TRITON_INTERPRET=1``)."""
     import torch
 
     out: dict = {"layers": {}}
@@ -445,12 +452,14 @@ def _gpu(mode: str, folder: Path, src: Path) -> dict:
         manifest = check_output(folder).manifest
         dtype = getattr(torch, manifest["dtype"])
         # a gpt-oss folder is served with the plugin's loader only (the method refuses any other)
-        with one_process("cuda", manifest["layout"]["name"], load_format=load_format(manifest["family"]) or "auto"):
+        # the WNA16 oracle's backend names (MARLIN, TRITON, ...); the plugin's methods name theirs themselves
+        backend = manifest["layout"]["name"] if manifest["layout"]["name"] != "triton-fast" else "auto"
+        with one_process(device, backend, load_format=load_format(manifest["family"]) or "auto"):
             cfg = quant_config_for(folder)
             out["quant_config"] = type(cfg).__name__
             for m in manifest["moe_layers"]:
                 timed = build_load_process(
-                    cfg, layer_tensors(folder, m["prefix"], cfg), device="cuda", prefix=m["prefix"],
+                    cfg, layer_tensors(folder, m["prefix"], cfg), device=device, prefix=m["prefix"],
                     num_experts=m["num_experts_global"], top_k=m["top_k"], hidden_size=m["hidden_size"],
                     intermediate_size=m["intermediate_size_total"], has_bias=m["has_bias"], dtype=dtype,
                     activation=m["activation"])
@@ -460,18 +469,20 @@ def _gpu(mode: str, folder: Path, src: Path) -> dict:
                 Hp = m.get("hidden_size_padded", H)  # MXFP4 Marlin: the experts take H zero-padded
                 rows = {}
                 g = torch.Generator().manual_seed(0)
-                for M in (1, 16, 100):
-                    x = (torch.randn(M, H, generator=g) * 0.5).to(dtype)
+                # Triton's interpreter (moeconvert's kernel on the CPU) gets bf16 dots wrong: float16 tokens there
+                x_dtype = dtype if device == "cuda" or dtype != torch.bfloat16 else torch.float16
+                for M in tokens:
+                    x = (torch.randn(M, H, generator=g) * 0.5).to(x_dtype)
                     logits = torch.randn(M, m["num_experts_global"], generator=g).to(dtype)
                     w, ids = torch.topk(torch.softmax(logits.float(), -1), m["top_k"], -1)
                     w = w / w.sum(-1, keepdim=True)  # what a monolithic kernel's own routing gives (renormalized)
-                    xin = torch.nn.functional.pad(x, (0, Hp - H)).cuda()
-                    y = run_experts(experts, xin, w.cuda(), ids.to(torch.int32).cuda(),
-                                    router_logits=logits.cuda())[:, :H].float().cpu()
+                    xin = torch.nn.functional.pad(x, (0, Hp - H)).to(device)
+                    y = run_experts(experts, xin, w.to(device), ids.to(torch.int32).to(device),
+                                    router_logits=logits.to(device))[:, :H].float().cpu()
                     act = activation_fn(m["activation"], m.get("activation_params"))
                     want = reference_moe(x.float(), ref, w, ids, act).float()
                     rows[M] = {"rel": float((y - want).norm() / want.norm()), "finite": bool(y.isfinite().all()),
-                               "want_norm": float(want.norm())}
+                               "want_norm": float(want.norm()), "x_dtype": str(x.dtype)}
                 out["layers"][m["prefix"]] = {
                     "experts_class": type(experts.quant_method.moe_kernel.fused_experts).__name__,
                     "loaded": timed.loaded, "tokens": rows}

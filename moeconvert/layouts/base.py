@@ -164,6 +164,9 @@ class Layout(ABC):
     #: the oracle tests check the bytes against (``tests/helpers.py`` VLLM_VERSIONS; docs/format.md)
     kernel: ClassVar[str]
     made_for: ClassVar[dict[str, str | list[str]]] = {}
+    #: keys of ``made_for`` a folder of this layout version may lack: they name where the bytes are served
+    #: (our own layout's vLLM versions), not a library whose processing made them
+    made_for_optional: ClassVar[tuple[str, ...]] = ()
     #: the plugin's MoE method (``moeconvert/integrations/vllm/method.py``) that serves these bytes in vLLM,
     #: or None: the converter then writes a config.json whose ``quantization_config`` names the plugin
     #: (``moeconvert[vllm]``, docs/vllm.md), and the plugin builds this method for the layer

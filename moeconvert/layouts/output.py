@@ -110,7 +110,7 @@ def check_layout(manifest: dict, kind: str, made_for: bool = True) -> Layout:
             "layout version " + ("is newer than this moeconvert knows (upgrade moeconvert)" if newer
                                  else "differs from this moeconvert's (convert the checkpoint again)"),
             file=MANIFEST_NAME, tensor=f"layout {layout.name}", expected=layout.version, found=info["version"])
-    if made_for and not made_for_within(info["made_for"], layout.made_for):
+    if made_for and not made_for_within(info["made_for"], layout.made_for, layout.made_for_optional):
         raise MoeConvertError(
             "layout was made for other kernel library versions than this moeconvert's layout targets "
             "(its bytes may not be what those kernels read; convert again)", file=MANIFEST_NAME,
@@ -118,14 +118,15 @@ def check_layout(manifest: dict, kind: str, made_for: bool = True) -> Layout:
     return layout
 
 
-def made_for_within(found: dict, layout_made_for: dict) -> bool:
+def made_for_within(found: dict, layout_made_for: dict, optional: tuple[str, ...] = ()) -> bool:
     """Whether a folder's ``made_for`` is one this moeconvert's layout (same name and version, so the same
     bytes) stands behind: the same libraries, and for each only versions the layout lists. A folder written
-    before a version was added to the list names fewer (a string: the one version then checked)."""
-    if set(found) != set(layout_made_for):
+    before a version was added to the list names fewer (a string: the one version then checked); one written
+    before the layout named an ``optional`` key (``Layout.made_for_optional``) lacks it."""
+    if not set(layout_made_for) - set(optional) <= set(found) <= set(layout_made_for):
         return False
     return all(made_for_versions(found[k]) and set(made_for_versions(found[k])) <= set(made_for_versions(v))
-               for k, v in layout_made_for.items())
+               for k, v in layout_made_for.items() if k in found)
 
 
 def _json_equal(a: object, b: object) -> bool:

@@ -35,11 +35,16 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError
 from moeconvert.layouts import register
-from moeconvert.layouts.base import W2, W13, Layout, TensorSpec
+from moeconvert.layouts.base import W2, W13, Layout, NotASlice, TensorSpec, TPCut, expert_bias_cuts
 from moeconvert.schemes import Scheme, WNA16Scheme
 
 NAME = "triton-fast"
 KERNEL = "moeconvert.kernels fused_moe_fast (kernels/moe_fast.py)"
+#: no engine processes these bytes: the list is the vLLM versions whose modular-experts interface the plugin's
+#: ``TritonFastMethod`` (integrations/vllm/method.py) was run against, where the plugin serves the folder
+MADE_FOR = {"vllm": ["0.33.0", "0.34.0"]}
+#: a folder written before the plugin served this layout records no ``vllm`` (same version, same bytes)
+MADE_FOR_OPTIONAL = ("vllm",)
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 ACTIVATIONS = ("silu", "swigluoai")
 
@@ -90,6 +95,29 @@ def _codes_to_packed_mxfp4(codes: torch.Tensor) -> torch.Tensor:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
 
 
+def _tp_cuts(shape: LayerShape, rank: LayerShape | NotASlice, scheme: Scheme) -> dict[str, TPCut] | NotASlice:
+    """Both registrations' TP cuts (``Layout.tp_cuts``), ``rank`` the rank's own layer (``_rank_shape``).
+
+    Nothing is permuted across rows or atoms: w13's rows are ``[gate; up]`` halves (fragment atoms hold 16
+    rows each, a rank's I / T a multiple of 64), w2's K is whole 64-input atoms (512 bytes) of each 16-row
+    atom row for 4-bit weights and rows of ``[K, N]`` for int8; scales and zero points are rows of K / g,
+    so a rank holds its groups of w2 (all of w2's one channelwise row) and its columns of w13."""
+    if isinstance(rank, NotASlice):
+        return rank
+    four_bit = scheme.kind == "mxfp4" or scheme.bits == 4
+    w2_groups = TPCut(None) if scheme.kind != "mxfp4" and scheme.group_size <= 0 else TPCut(1)
+    cuts = {W13.weight: TPCut(1 if four_bit else 2, runs=2), W2.weight: TPCut(2 if four_bit else 1),
+            W13.weight_scale: TPCut(2, runs=2), W2.weight_scale: w2_groups}
+    if scheme.kind != "mxfp4" and not scheme.symmetric:
+        cuts.update({W13.weight_zero_point: TPCut(2, runs=2), W2.weight_zero_point: w2_groups})
+    if shape.has_bias:
+        bias = expert_bias_cuts(shape, 2)
+        if isinstance(bias, NotASlice):
+            return bias
+        cuts.update(bias)
+    return cuts
+
+
 def _common_problems(shape: LayerShape) -> list[str]:
     problems = []
     if shape.activation not in ACTIVATIONS:
@@ -111,6 +139,9 @@ class TritonFastWNA16Layout(Layout):
     schemes = ("wna16",)
     runtime_kernels = ("triton",)
     kernel = KERNEL
+    made_for = MADE_FOR
+    made_for_optional = MADE_FOR_OPTIONAL
+    vllm_method = "TritonFastMethod"
 
     def _check(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         assert isinstance(scheme, WNA16Scheme)
@@ -197,6 +228,9 @@ class TritonFastWNA16Layout(Layout):
         return {"format": f"int{scheme.bits}", "w13_rows": "gate_up",
                 "packing": "fragments" if scheme.bits == 4 else "bytes"}
 
+    def tp_cuts(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> dict[str, TPCut] | NotASlice:
+        return _tp_cuts(shape, self._rank_shape(shape, scheme, tp_size), scheme)
+
     def warnings(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         assert isinstance(scheme, WNA16Scheme)
         if scheme.scale_dtype != shape.dtype:
@@ -212,6 +246,9 @@ class TritonFastMXFP4Layout(Layout):
     schemes = ("mxfp4",)
     runtime_kernels = ("triton",)
     kernel = KERNEL
+    made_for = MADE_FOR
+    made_for_optional = MADE_FOR_OPTIONAL
+    vllm_method = "TritonFastMethod"
     # whole fragment atoms for both GEMMs: H and I rounded up to 64 (zeros), as quantize pads
     pad_multiples = (64, 64)
 
@@ -283,3 +320,13 @@ class TritonFastMXFP4Layout(Layout):
 
     def layer_metadata(self, shape: LayerShape, scheme: Scheme, facts: dict | None = None) -> dict:
         return {"format": "mxfp4", "w13_rows": "gate_up", "packing": "fragments"}
+
+    def tp_cuts(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> dict[str, TPCut] | NotASlice:
+        """As for WNA16 in groups of 32, when a rank's I needs no padding of its own (``shape`` holds the
+        padded sizes, ``extra`` the real ones; ``quantize`` pads I once for the full tensors)."""
+        I = shape.extra.get("intermediate_size_unpadded", shape.intermediate_size)
+        if tp_size > 1 and (I % tp_size or (I // tp_size) % self.pad_multiples[1]):
+            Ir = I // tp_size
+            return NotASlice(f"a TP rank's I = {Ir} is padded to {-(-Ir // 64) * 64} (a multiple of 64), the full "
+                             f"tensors pad I = {I} once: a rank's atoms are not a slice of them")
+        return _tp_cuts(shape, self._rank_shape(shape, scheme, tp_size), scheme)

@@ -248,6 +248,11 @@ class MoeconvertConfig(QuantizationConfig):
                     f"the checkpoint without --tp-rank/--ep-rank ({self._command()}) and one folder serves every EP "
                     "shape, or for this rank (--tp-size / --ep-size)")
             return RankShare()
+        if pc.enable_eplb and not method_cls.supports_eplb and method_cls.__name__ == "TritonFastMethod":
+            raise ValueError(
+                f"moeconvert: {prefix}: this vLLM builds the layer with EPLB ({shape}); moeconvert's triton-fast "
+                f"experts have not been run with vLLM's expert rebalancing: serve without --enable-eplb, or convert "
+                f"with --backend triton ({self._command('triton')})")
         if pc.enable_eplb and not method_cls.supports_eplb:
             raise ValueError(
                 f"moeconvert: {prefix}: this vLLM builds the layer with EPLB ({shape}); vLLM 0.33.0 moves experts "

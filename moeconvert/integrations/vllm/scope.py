@@ -17,7 +17,11 @@ METHOD_ACTIVATIONS = {
     "TritonMXFP4Method": ("swigluoai",),
     "HummingWNA16Method": ("silu",),
     "HummingMXFP4Method": ("silu",),
+    # moeconvert's own kernel applies both in GEMM1's epilogue, swigluoai with the manifest's alpha and limit
+    "TritonFastMethod": ("silu", "swigluoai"),
 }
+#: the methods whose kernel takes swigluoai's alpha and limit as arguments (any the manifest records)
+SWIGLUOAI_ANY_CONSTANTS = ("TritonFastMethod",)
 #: swigluoai's constants as vLLM 0.33.0's kernels apply them: its gpt-oss method passes alpha 1.702, beta 1,
 #: limit 7 (quantization/mxfp4.py), ``swigluoai_and_mul`` (Marlin) and triton_kernels' fused swiglu
 #: (``triton_kernel_fused_experts``) take exactly these whatever the config says
@@ -61,14 +65,15 @@ def refusal(layout: str, kind: str | None, family: str, activations: list[tuple[
     activations (``(activation, its parameters)`` per MoE layer); None when it does."""
     method = method_name(layout, kind)
     if method is None:
-        return ("the vLLM plugin serves Marlin WNA16, Marlin MXFP4, Triton WNA16, triton_kernels MXFP4, humming WNA16 "
-                f"and humming MXFP4 folders; this one is {layout} {kind or 'of mixed schemes'}")
+        return ("the vLLM plugin serves Marlin WNA16, Marlin MXFP4, Triton WNA16, triton_kernels MXFP4, humming WNA16, "
+                "humming MXFP4 and triton-fast (moeconvert's own kernel) folders; "
+                f"this one is {layout} {kind or 'of mixed schemes'}")
     served = METHOD_ACTIVATIONS[method]
     for activation, params in activations:
         if activation not in served:
             return (f"the vLLM plugin serves {layout} {kind} experts with the {' or '.join(served)} activation "
                     f"only (vLLM's kernel for them), this folder's are {activation}")
-        if activation == "swigluoai":
+        if activation == "swigluoai" and method not in SWIGLUOAI_ANY_CONSTANTS:
             got = {k: (params or {}).get(k, v) for k, v in SWIGLUOAI.items()}
             if got != SWIGLUOAI:
                 return (f"swigluoai with {got}: vLLM 0.33.0's MoE kernels apply alpha {SWIGLUOAI['alpha']}, "
