@@ -186,11 +186,19 @@ def _wait_until_the_group_is_dead(pgid: int, timeout: float = 30.0) -> None:
 def _kill_run_after_some_jobs(cmd: list[str], parent: Path) -> tuple[Path, int]:
     """Start ``cmd`` in its own process group, SIGKILL the whole group once every source digest and at
     least one layer or copy job have their record and some jobs have not; returns the staging folder
-    left and how many layer and copy records it holds (what ``--resume`` keeps: digests are made again)."""
+    left and how many layer and copy records it holds (what ``--resume`` keeps: digests are made again).
+
+    The group is looked at while stopped (SIGSTOP), then let run for a moment (SIGCONT): a run of a few
+    small jobs cannot slip from "none finished" to "all finished" between two looks, however busy the
+    machine is (a poll of a running process missed that window on a loaded 2-core machine)."""
     digests = len(list(Path(cmd[4]).glob("*.safetensors")))
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         while proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                break
             staging = _staging(parent)
             if staging is not None:
                 try:
@@ -208,6 +216,10 @@ def _kill_run_after_some_jobs(cmd: list[str], parent: Path) -> tuple[Path, int]:
                     _wait_until_the_group_is_dead(proc.pid)
                     kinds = _records(staging)
                     return staging, sum(v for k, v in kinds.items() if k != "digest")
+            try:
+                os.killpg(proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                break
             time.sleep(0.002)
     finally:
         if proc.poll() is None:
