@@ -346,3 +346,34 @@ def _times_pow2(exponent: torch.Tensor, mantissa, shift: torch.Tensor) -> torch.
     normal = (f.clamp(min=1, max=254) << 23) | mantissa
     subnormal = (mantissa | 0x800000) >> (1 - f).clamp(min=0, max=31)
     return torch.where(f >= 255, _INF, torch.where(f >= 1, normal, subnormal))
+
+
+# ---------------------------------------------------------------------------------------------------
+# what the MXFP4 layouts share: the canonical block they encode, and their scales' bytes
+
+
+def e8m0_bytes(s: torch.Tensor, layout: str) -> torch.Tensor:
+    """A layout's stored e8m0 scales as their bytes (``float8_e8m0fnu`` or already ``uint8``)."""
+    from moeconvert.errors import InternalError
+
+    if s.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise InternalError(f"{layout} MXFP4 scales must be float8_e8m0fnu (or their uint8 bytes), not {s.dtype}")
+    return s.view(torch.uint8)
+
+
+def require_padded_block(block, shape) -> None:
+    """The canonical MXFP4 block of a padded layer (``canonical.ExpertBlock`` and ``LayerShape``): packed
+    e2m1 codes and e8m0 scale bytes of H x Ip, biases in the model dtype. An encoder given anything else is
+    called wrongly (the planner pads), so this is an internal error, not a user's."""
+    from moeconvert.errors import InternalError
+
+    E, Hp, Ip = block.num_experts, shape.hidden_size, shape.intermediate_size
+    want = {"w13": (E, 2 * Ip, Hp // 2), "w13_scale": (E, 2 * Ip, Hp // MXFP4_BLOCK_SIZE),
+            "w2": (E, Hp, Ip // 2), "w2_scale": (E, Hp, Ip // MXFP4_BLOCK_SIZE)}
+    if block.w13_bias is not None:
+        want.update(w13_bias=(E, 2 * Ip), w2_bias=(E, Hp))
+    for name, dims in want.items():
+        t = getattr(block, name)
+        if t is None or tuple(t.shape) != dims or (name[-4:] != "bias" and t.dtype != torch.uint8):
+            found = None if t is None else f"{tuple(t.shape)} {t.dtype}"
+            raise InternalError(f"MXFP4 block {name} is {found}, the padded layer Hp={Hp} Ip={Ip} needs {dims} uint8")

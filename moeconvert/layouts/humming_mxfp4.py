@@ -30,13 +30,12 @@ import dataclasses
 import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
-from moeconvert.errors import InternalError
 from moeconvert.layouts import register
 from moeconvert.layouts.base import W2, W13, Layout, NotASlice, TensorSpec, TPCut, round_up
 from moeconvert.layouts.humming import PAD_K, PAD_N, HummingSublayer, _pad, humming_configs, repack_weights, \
     unrepack_weights
 from moeconvert.layouts.marlin import grouped_perm, single_perm
-from moeconvert.mxfp4 import MXFP4_BLOCK_SIZE
+from moeconvert.mxfp4 import MXFP4_BLOCK_SIZE, e8m0_bytes, require_padded_block
 from moeconvert.schemes import MXFP4Scheme, Scheme
 
 #: vLLM's round-up of (H, I per TP rank) for its HUMMING MXFP4 backend
@@ -123,7 +122,7 @@ class HummingMXFP4Layout(Layout):
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
         self.require(shape, block.scheme)
-        _require_block_shapes(block, shape)
+        require_padded_block(block, shape)
         E = block.num_experts
         out: dict[str, torch.Tensor] = {}
         for sub, d in sublayers(shape).items():
@@ -143,7 +142,7 @@ class HummingMXFP4Layout(Layout):
         kw: dict[str, torch.Tensor] = {}
         for sub, d in sublayers(shape).items():
             kw[sub] = pack_e2m1(unrepack_weights(tensors[NAMES[sub].weight], 4, d.Np, d.Kp)[:, :d.N, :d.K])
-            scale = grouped_perm(_as_bytes(tensors[NAMES[sub].weight_scale])).transpose(1, 2)
+            scale = grouped_perm(e8m0_bytes(tensors[NAMES[sub].weight_scale], "humming")).transpose(1, 2)
             kw[f"{sub}_scale"] = scale[:, :d.N, :d.K // MXFP4_BLOCK_SIZE].contiguous()
             if NAMES[sub].bias in tensors:
                 kw[f"{sub}_bias"] = single_perm(tensors[NAMES[sub].bias])[:, :d.N].contiguous()
@@ -196,22 +195,3 @@ def mxfp4_weight_schema(dtype: torch.dtype):
     from humming.schema.mxfp4 import Mxfp4WeightSchema
 
     return Mxfp4WeightSchema().to_humming_schema(dtype)
-
-
-def _as_bytes(s: torch.Tensor) -> torch.Tensor:
-    if s.dtype not in (torch.float8_e8m0fnu, torch.uint8):
-        raise InternalError(f"humming MXFP4 scales must be float8_e8m0fnu (or their uint8 bytes), not {s.dtype}")
-    return s.view(torch.uint8)
-
-
-def _require_block_shapes(block: ExpertBlock, shape: LayerShape) -> None:
-    E, H, Ip = block.num_experts, shape.hidden_size, shape.intermediate_size
-    want = {"w13": (E, 2 * Ip, H // 2), "w13_scale": (E, 2 * Ip, H // 32),
-            "w2": (E, H, Ip // 2), "w2_scale": (E, H, Ip // 32)}
-    if block.w13_bias is not None:
-        want.update(w13_bias=(E, 2 * Ip), w2_bias=(E, H))
-    for name, dims in want.items():
-        t = getattr(block, name)
-        if t is None or tuple(t.shape) != dims or (name[-4:] != "bias" and t.dtype != torch.uint8):
-            found = None if t is None else f"{tuple(t.shape)} {t.dtype}"
-            raise InternalError(f"MXFP4 block {name} is {found}, the padded layer H={H} Ip={Ip} needs {dims} uint8")

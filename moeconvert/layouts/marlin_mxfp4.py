@@ -38,11 +38,10 @@ from __future__ import annotations
 import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
-from moeconvert.errors import InternalError
 from moeconvert.layouts import register
 from moeconvert.layouts.base import W2, W13, Layout, NotASlice, TensorSpec, TPCut, expert_bias_cuts
 from moeconvert.layouts.marlin import grouped_perm, repack_weights, single_perm, unrepack_weights
-from moeconvert.mxfp4 import MXFP4_BLOCK_SIZE
+from moeconvert.mxfp4 import MXFP4_BLOCK_SIZE, e8m0_bytes, require_padded_block
 from moeconvert.schemes import MXFP4Scheme, Scheme
 
 #: vLLM's Marlin round-up of (H, I per TP rank) for MXFP4 (mxfp4_round_up_hidden_size_and_intermediate_size)
@@ -179,7 +178,7 @@ class MarlinMXFP4Layout(Layout):
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
         self.require(shape, block.scheme)
-        _require_block_shapes(block, shape)
+        require_padded_block(block, shape)
         rows = W13_ROWS[shape.activation]
         out = {
             W13.weight: repack_fp4(to_kernel_rows(block.w13, rows)),
@@ -201,8 +200,8 @@ class MarlinMXFP4Layout(Layout):
             "w13": from_kernel_rows(unrepack_fp4(tensors[W13.weight], 2 * Ip, Hp), rows),
             "w2": unrepack_fp4(tensors[W2.weight], Hp, Ip),
             "w13_scale": from_kernel_rows(
-                unpermute_scales(_as_bytes(tensors[W13.weight_scale])).transpose(1, 2), rows).contiguous(),
-            "w2_scale": unpermute_scales(_as_bytes(tensors[W2.weight_scale])).transpose(1, 2).contiguous(),
+                unpermute_scales(e8m0_bytes(tensors[W13.weight_scale], "Marlin")).transpose(1, 2), rows).contiguous(),
+            "w2_scale": unpermute_scales(e8m0_bytes(tensors[W2.weight_scale], "Marlin")).transpose(1, 2).contiguous(),
         }
         if W13.bias in tensors:
             kw["w13_bias"] = from_kernel_rows(single_perm(tensors[W13.bias]), rows)
@@ -247,22 +246,3 @@ class MarlinMXFP4Layout(Layout):
 
 def _as_e8m0(s: torch.Tensor) -> torch.Tensor:
     return s.view(torch.float8_e8m0fnu)
-
-
-def _as_bytes(s: torch.Tensor) -> torch.Tensor:
-    if s.dtype not in (torch.float8_e8m0fnu, torch.uint8):
-        raise InternalError(f"Marlin MXFP4 scales must be float8_e8m0fnu (or their uint8 bytes), not {s.dtype}")
-    return s.view(torch.uint8)
-
-
-def _require_block_shapes(block: ExpertBlock, shape: LayerShape) -> None:
-    E, Hp, Ip = block.num_experts, shape.hidden_size, shape.intermediate_size
-    want = {"w13": (E, 2 * Ip, Hp // 2), "w13_scale": (E, 2 * Ip, Hp // 32),
-            "w2": (E, Hp, Ip // 2), "w2_scale": (E, Hp, Ip // 32)}
-    if block.w13_bias is not None:
-        want.update(w13_bias=(E, 2 * Ip), w2_bias=(E, Hp))
-    for name, dims in want.items():
-        t = getattr(block, name)
-        if t is None or tuple(t.shape) != dims or (name[-4:] != "bias" and t.dtype != torch.uint8):
-            found = None if t is None else f"{tuple(t.shape)} {t.dtype}"
-            raise InternalError(f"MXFP4 block {name} is {found}, the padded layer Hp={Hp} Ip={Ip} needs {dims} uint8")
