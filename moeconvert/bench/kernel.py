@@ -34,6 +34,7 @@ import triton
 from moeconvert.errors import MoeConvertError
 from moeconvert.bench.contenders import Problem, Unavailable, parse_format, random_layout_tensors
 from moeconvert.kernels.tune import LayerShape, NoConfigRan, StepTimer, graph_us, tune_layer
+from moeconvert.kernels.tune import routing_inputs as tune_routing_inputs
 
 SHAPES = {  # E, top_k, H, I, format
     "mixtral": (8, 2, 4096, 14336, "int4-g128"),
@@ -94,11 +95,8 @@ def dense_rate(device) -> float:
 
 
 def routing_inputs(p: Problem, M: int, device, dtype=torch.bfloat16):
-    g = torch.Generator(device=device).manual_seed(1000 + M)
-    x = torch.randn(M, p.H, device=device, dtype=dtype, generator=g)
-    logits = torch.randn(M, p.E, device=device, generator=g)
-    tw, ids = torch.topk(torch.softmax(logits, -1), p.top_k, -1)
-    return x, tw.float(), ids.to(torch.int32), logits
+    """The tuner's seeded inputs (kernels/tune.py) for ``p``: every contender gets the same ones."""
+    return tune_routing_inputs(p.E, p.top_k, p.H, M, device, dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
