@@ -21,10 +21,11 @@ from moeconvert.kernels.tiles import grouped_program_tile
 @triton.jit
 def _int8_tile(a_rows, a_mask, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, g_row, stride_bk, stride_bn,
                stride_sg, stride_zg, acc, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZP: tl.constexpr,
-               SWAP: tl.constexpr, compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               SWAP: tl.constexpr, compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr, POST: tl.constexpr):
     """int8 (``[E, K, N]`` bytes): acc += A[:, k] @ W[k, n] over one K step (``SWAP``: acc^T += W^T @ A^T,
     the weights the MMA's first operand and the tokens its second). ``kr`` are the step's K rows,
-    ``g_row`` its first scale group."""
+    ``g_row`` its first scale group. ``POST``: symmetric, one group a step: the exact codes q - 128 enter
+    the MMA and the scale multiplies the step's fp32 product."""
     bmask = kr_mask[:, None] & n_mask[None, :]
     raw = tl.load(b_base + kr[:, None] * stride_bk + offs_n[None, :] * stride_bn, mask=bmask, other=0)
     if GROUP % BLOCK_K == 0:  # the step lies in one group: one [1, BLOCK_N] row
@@ -36,17 +37,29 @@ def _int8_tile(a_rows, a_mask, b_base, s_base, z_base, kr, kr_mask, offs_n, n_ma
         s = tl.load(s_base + g * stride_sg + offs_n[None, :], mask=bmask, other=0.0)
         if HAS_ZP:
             z = tl.load(z_base + g * stride_zg + offs_n[None, :], mask=bmask, other=0)
+    # u | 0x4B000000 is the fp32 2^23 + u (exact, no integer-to-float conversion); minus 2^23 + 128 (or
+    # 2^23 + z), exact
+    f = (raw.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
     if HAS_ZP:
-        q = raw.to(tl.int32) - z.to(tl.int32)
+        q = f - (z.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
     else:
-        q = raw.to(tl.int32) - 128
-    w = (q.to(tl.float32) * s.to(tl.float32)).to(compute_type)
+        q = f - 8388736.0
+    if POST:
+        w = q.to(compute_type)
+    else:
+        w = (q * s.to(tl.float32)).to(compute_type)
     if SWAP:  # a_rows is [1, BLOCK_M]: the activations' tile read transposed, [BLOCK_K, BLOCK_M]
         a = tl.load(a_rows + kr[:, None], mask=kr_mask[:, None] & a_mask[None, :], other=0.0)
-        acc = tl.dot(tl.trans(w), a, acc=acc, input_precision=DOT_PRECISION)
+        if POST:
+            acc += tl.dot(tl.trans(w), a, input_precision=DOT_PRECISION) * tl.trans(s).to(tl.float32)
+        else:
+            acc = tl.dot(tl.trans(w), a, acc=acc, input_precision=DOT_PRECISION)
     else:
         a = tl.load(a_rows + kr[None, :], mask=a_mask[:, None] & kr_mask[None, :], other=0.0)
-        acc = tl.dot(a, w, acc=acc, input_precision=DOT_PRECISION)
+        if POST:
+            acc += tl.dot(a, w, input_precision=DOT_PRECISION) * s.to(tl.float32)
+        else:
+            acc = tl.dot(a, w, acc=acc, input_precision=DOT_PRECISION)
     return acc
 
 
@@ -151,7 +164,7 @@ def moe_gemm(
     GROUP_DOTS: tl.constexpr, MX_FOLD: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr,
+    OPERAND_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: BLOCK_M sorted pairs of one expert x BLOCK_N output columns x one K split.
 
@@ -163,7 +176,10 @@ def moe_gemm(
     top-k. ``PAIR_BLOCKS``: no alignment, block ``b`` is pair ``b`` alone (``sorted_ids`` are then the
     global top-k ids, ``EM`` = pairs x BLOCK_M; one token's pairs go to distinct experts). 4-bit weights
     are fragment ordered (``stride_bk``: bytes per 16-row atom row, K * 8) and always multiply swapped;
-    int8 weights are ``[K, N]`` rows read through (``stride_bk``, ``stride_bn``), swapped if ``SWAP``."""
+    int8 weights are ``[K, N]`` rows read through (``stride_bk``, ``stride_bn``), swapped if ``SWAP``.
+    ``OPERAND_SCALE``: symmetric scales with one group a step multiply the operand, not the step's fp32
+    product (each dot then chains into the accumulator and the MMA runs asynchronously with the next
+    step's unpacking; what large M gains: docs/kernels.md, "The GEMM's compile-time flags")."""
     kernel_start(PDL)
     pid_m, pid_n = grouped_program_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
@@ -200,6 +216,8 @@ def moe_gemm(
     last = min(first + per_split, steps)
 
     if FMT == 1:
+        # symmetric with one scale group a step: the scale multiplies the step's fp32 product
+        POST8: tl.constexpr = not HAS_ZP and GROUP % BLOCK_K == 0 and not OPERAND_SCALE
         offs_k = tl.arange(0, BLOCK_K)
         for step in range(first, last):
             kr = step * BLOCK_K + offs_k
@@ -207,12 +225,12 @@ def moe_gemm(
             g_row = (step * BLOCK_K) // GROUP
             acc = _int8_tile(a_rows, pair_ok, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, g_row,
                              stride_bk, stride_bn, stride_sg, stride_zg, acc, GROUP, BLOCK_K, HAS_ZP, SWAP,
-                             compute_type, DOT_PRECISION)
+                             compute_type, DOT_PRECISION, POST8)
             if GATED:
                 acc_up = _int8_tile(a_rows, pair_ok, b_base + up_offset * stride_bn, s_base + up_offset,
                                     z_base + up_offset, kr, kr_mask, offs_n, n_mask, g_row, stride_bk, stride_bn,
                                     stride_sg, stride_zg, acc_up, GROUP, BLOCK_K, HAS_ZP, SWAP, compute_type,
-                                    DOT_PRECISION)
+                                    DOT_PRECISION, POST8)
     else:
         # fragment rows of a step: (k atom, n atom, lane), 16 bytes each
         NA: tl.constexpr = BLOCK_N // 16
@@ -223,8 +241,9 @@ def moe_gemm(
         w_rows = b_base + na.to(tl.int64) * stride_bk + ka_rows * 512 + (rows % 32) * 16
         w_ptrs = w_rows[:, None] + tl.arange(0, 16)[None, :]
         up_ptrs = w_ptrs + (up_offset // 16) * stride_bk
-        # symmetric int4 with one scale group a step: the scale multiplies the step's fp32 product
-        POST: tl.constexpr = FMT == 0 and not HAS_ZP and GROUP % BLOCK_K == 0
+        # symmetric int4 with one scale group a step: the scale multiplies the step's fp32 product (unless
+        # OPERAND_SCALE: then the product chains into the accumulator and the MMA runs asynchronously)
+        POST: tl.constexpr = FMT == 0 and not HAS_ZP and GROUP % BLOCK_K == 0 and not OPERAND_SCALE
         SG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1
         S_OTHER: tl.constexpr = 127 if FMT == 2 else 0  # e8m0 127 = 1.0 past the last group
         s_up_base = s_base + up_offset

@@ -133,7 +133,7 @@ def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, grou
         GATED=gated, ACT=act, MUL_ROUTED_WEIGHT=topk_weights is not None, A_ROW_DIV=a_row_div,
         ATOMIC_ROW_DIV=atomic_row_div, SPLIT_K=split, FAST=_fast(fmt, a), SWAP=bool(cfg.get("SWAP_AB", 0)),
         GROUP_DOTS=fmt == MXFP4 and bool(cfg.get("GROUP_DOTS", 0)), MX_FOLD=fmt == MXFP4 and mx_fold,
-        PAIR_BLOCKS=pair_blocks,
+        PAIR_BLOCKS=pair_blocks, OPERAND_SCALE=bool(cfg.get("OPERAND_SCALE", 0)),
         compute_type=_TL_DTYPES[a.dtype], DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 1),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
@@ -153,6 +153,8 @@ def check_config(cfg: dict, fmt: str) -> None:
         raise ValueError(f"SWAP_AB = {cfg['SWAP_AB']} must be 0 or 1")
     if cfg.get("GROUP_DOTS", 0) not in (0, 1) or (cfg.get("GROUP_DOTS", 0) and cfg["BLOCK_K"] > 128):
         raise ValueError(f"GROUP_DOTS = {cfg['GROUP_DOTS']} must be 0 or 1, and 1 needs BLOCK_K <= 128")
+    if cfg.get("OPERAND_SCALE", 0) not in (0, 1):
+        raise ValueError(f"OPERAND_SCALE = {cfg['OPERAND_SCALE']} must be 0 or 1")
     if cfg.get("SPLIT_K", 1) < 1:
         raise ValueError(f"SPLIT_K = {cfg['SPLIT_K']} must be >= 1")
 

@@ -103,8 +103,10 @@ def candidates(s: LayerShape, M: int, sms: int) -> list[tuple[int, list[dict], l
                                       GROUP_M=1) for sk in splits if k // bk >= sk for sw in swaps]
         else:
             tiles = [(64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (256, 64, 8)]
-            base = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, GROUP_M=8, SPLIT_K=1, SWAP_AB=sw)
-                    for bn, bk, w in tiles for sw in swaps]
+            # MMA-bound: symmetric scales in the operand too (the MMA then overlaps the next unpacking)
+            scales = (0,) if s.fmt == "mxfp4" else (0, 1)
+            base = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, GROUP_M=8, SPLIT_K=1, SWAP_AB=sw,
+                         OPERAND_SCALE=os_) for bn, bk, w in tiles for sw in swaps for os_ in scales]
             g1, g2 = base, [dict(c) for c in base]
         out.append((bm, [dict(c, BLOCK_M=bm) for c in g1], [dict(c, BLOCK_M=bm) for c in g2]))
     return out

@@ -225,6 +225,16 @@ def _cases():
         configs=[CFG(BLOCK_K=256), CFG(BLOCK_K=128, SPLIT_K=1)])
     add("fp16-int4-sym-g128-H384-bk256-M5", quant="int4-sym-g128", dtype="float16", M=5, H=384, I=128,
         configs=[CFG(BLOCK_K=256), CFG(BLOCK_K=128)])
+    # symmetric scales of one group a step in the operand instead of on the product (OPERAND_SCALE, the
+    # MMA then runs asynchronously), int4 and int8 (int8 also on the product, both operand orders)
+    add("fp16-int4-sym-g128-operand-scale-M13", quant="int4-sym-g128", dtype="float16", M=13, I=256,
+        configs=[CFG(OPERAND_SCALE=1), CFG(BLOCK_K=128, OPERAND_SCALE=1)])
+    add("fp32-int4-sym-gch-operand-scale-M7", quant="int4-sym-gch", dtype="float32", M=7, H=320, I=192,
+        configs=[CFG(BLOCK_K=64, OPERAND_SCALE=1), CFG(BLOCK_K=64, SPLIT_K=2, OPERAND_SCALE=1)])
+    add("fp16-int8-sym-g128-operand-scale-M13", quant="int8-sym-g128", dtype="float16", M=13, I=256,
+        configs=[CFG(OPERAND_SCALE=1), CFG(BLOCK_K=128, SWAP_AB=1, OPERAND_SCALE=1)])
+    add("fp32-int8-sym-g64-scale-on-product-M13", quant="int8-sym-g64", dtype="float32", M=13,
+        configs=[CFG(BLOCK_K=64), CFG(BLOCK_K=32, SWAP_AB=1)])
     add("fp32-int4-sym-gch-H320-bk128-M7", quant="int4-sym-gch", dtype="float32", M=7, H=320, I=192,
         configs=[CFG(BLOCK_K=128), CFG(BLOCK_K=128, SPLIT_K=2)])
     add("fp32-mxfp4-H192-bk128-M7", quant="mxfp4", dtype="float32", M=7, H=192, I=320,
@@ -433,11 +443,13 @@ GPU_CASES = [("int4-sym-g128", 128, 8, 2048, 768), ("int4-asym-g32", 128, 8, 204
 # M 1 / 64 / 1024 each (M = 1: a block per pair, no align; split-K GEMM1 where the heuristic splits),
 # and variants: int8 with the weights first (4-bit weights always multiply so); MXFP4 with one dot per
 # scale group (GROUP_DOTS), and with scales <= 2 (the 2^126 folded into the scale); int4 with GEMM1
-# split in 4 at M = 64 (many tiles counting splits at once); both GEMMs split at M = 1
+# split in 4 at M = 64 (many tiles counting splits at once); both GEMMs split at M = 1; symmetric
+# scales in the operand (OPERAND_SCALE) at M = 1024
 GPU_RUNS = [(*c, M, "") for c in GPU_CASES for M in (1, 64, 1024)]
 GPU_RUNS += [(*c, 64, "weights-first") for c in GPU_CASES if c[0].startswith("int8")]
 GPU_RUNS += [(*c, M, v) for c in GPU_CASES if c[0] == "mxfp4" for M in (1, 64) for v in ("group-dots", "fold")]
 GPU_RUNS += [(*GPU_CASES[0], M, "gemm1-split4") for M in (64, 1024)]
+GPU_RUNS += [(*c, 1024, "operand-scale") for c in (GPU_CASES[0], GPU_CASES[2], GPU_CASES[3])]
 GPU_RUNS += [(*c, 1, "both-split") for c in (GPU_CASES[0], GPU_CASES[-1])]  # one zeroed buffer for both
 
 
@@ -473,6 +485,8 @@ def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, variant)
     if variant in knob:
         key, value, which = knob[variant]
         configs[which] = dict(configs[which], **{key: value})
+    elif variant == "operand-scale":  # symmetric scales in the operand (prefill's asynchronous MMA)
+        configs = [dict(c, OPERAND_SCALE=1) for c in configs]
     elif variant == "both-split":
         configs = [dict(configs[0], SPLIT_K=4), dict(configs[1], SPLIT_K=2)]
     y = fused_moe_fast(x, weights_from_tensors(tensors, "w13"), weights_from_tensors(tensors, "w2"), tw,
