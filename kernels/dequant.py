@@ -56,6 +56,25 @@ _ASM_MX = tl.constexpr(_MX_ASM)
 _ASM_MX_RAW = tl.constexpr(_MX_RAW_ASM)
 _C_ASM: tl.constexpr = tl.constexpr("=r,=r,=r,=r,r")
 
+# int8: a 32-bit word = 4 codes u = q + 128 = 2 bf16x2 / f16x2 registers (bytes 0, 1 and 2, 3). bf16 (8
+# significant bits) holds q exactly but not 2^k + u, so each byte goes through fp32: prmt puts it under
+# the exponent of 2^23 (0x4B0000uu = 2^23 + u), one sub of 2^23 + 128 leaves q exactly, and a prmt
+# keeps the two upper halves (q is a bf16 number, so that truncation is exact): 10 instructions a
+# word. fp16 holds 1024 + u (11 significant bits): prmt puts two bytes under 0x64 (1024 + u each), one
+# sub.f16x2 of 1152: 4 instructions a word.
+_I8_BF16_ASM = "\n".join(
+    ["{", ".reg .b32 f0, f1, f2, f3, m;", "mov.b32 m, 0x4B000000;"]
+    + [f"prmt.b32 f{j}, $2, m, 0x{0x7440 + j:04X};" for j in range(4)]
+    + [f"sub.f32 f{j}, f{j}, 0f4B000080;" for j in range(4)]
+    + ["prmt.b32 $0, f0, f1, 0x7632;", "prmt.b32 $1, f2, f3, 0x7632;", "}"])
+_I8_F16_ASM = "\n".join(
+    ["{", ".reg .b32 m, b;", "mov.b32 m, 0x64646464;", "mov.b32 b, 0x64806480;",
+     "prmt.b32 $0, $2, m, 0x4140;", "prmt.b32 $1, $2, m, 0x4342;",
+     "sub.f16x2 $0, $0, b;", "sub.f16x2 $1, $1, b;", "}"])
+_ASM_I8_BF16 = tl.constexpr(_I8_BF16_ASM)
+_ASM_I8_F16 = tl.constexpr(_I8_F16_ASM)
+_C_ASM_I8: tl.constexpr = tl.constexpr("=r,=r,r")
+
 
 @triton.jit
 def unpack_fragments(raw, FMT: tl.constexpr, FAST: tl.constexpr, compute_type: tl.constexpr,
@@ -89,6 +108,28 @@ def unpack_fragments(raw, FMT: tl.constexpr, FAST: tl.constexpr, compute_type: t
             val = (c - 8).to(tl.float32)
         v = tl.permute(val, (0, 1, 4, 2, 3)).reshape(R, B, 2).to(compute_type)
     return v
+
+
+@triton.jit
+def unpack_int8(raw, FAST: tl.constexpr, compute_type: tl.constexpr):
+    """int8 fragment bytes [R, 16] (u = q + 128) -> q [R, 16] in compute_type, exact (bf16, fp16, fp32)."""
+    if FAST and compute_type == tl.float16:
+        q = tl.inline_asm_elementwise(_ASM_I8_F16, _C_ASM_I8, [raw], dtype=tl.float16, is_pure=True, pack=4)
+    elif FAST:
+        q = tl.inline_asm_elementwise(_ASM_I8_BF16, _C_ASM_I8, [raw], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        q = (raw.to(tl.int32) - 128).to(tl.float32).to(compute_type)
+    return q
+
+
+@triton.jit
+def fragment_operand8(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int8 [R, 16] values of the rows (k atom, n atom, lane g * 4 + t) -> the [BLOCK_N, BLOCK_K] tile:
+    byte 8 kt + 4 kh + 2 h + e of a lane is n = n_atom * 16 + h * 8 + g, k = k_atom * 32 + kt * 16 +
+    kh * 8 + t * 2 + e."""
+    v = v.reshape(BLOCK_K // 32, BLOCK_N // 16, 8, 4, 2, 2, 2, 2)  # ka, na, g, t, kt, kh, h, e
+    v = tl.permute(v, (1, 6, 2, 0, 4, 5, 3, 7))  # na, h, g, ka, kt, kh, t, e
+    return v.reshape(BLOCK_N, BLOCK_K)
 
 
 @triton.jit

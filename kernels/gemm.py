@@ -13,54 +13,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moeconvert.kernels.dequant import fragment_operand, half_operand, unpack_fragments
+from moeconvert.kernels.dequant import fragment_operand, fragment_operand8, half_operand, unpack_fragments, unpack_int8
 from moeconvert.kernels.pdl import kernel_start
 from moeconvert.kernels.tiles import grouped_program_tile
-
-
-@triton.jit
-def _int8_tile(a_rows, a_mask, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, g_row, stride_bk, stride_bn,
-               stride_sg, stride_zg, acc, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZP: tl.constexpr,
-               SWAP: tl.constexpr, compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr, POST: tl.constexpr):
-    """int8 (``[E, K, N]`` bytes): acc += A[:, k] @ W[k, n] over one K step (``SWAP``: acc^T += W^T @ A^T,
-    the weights the MMA's first operand and the tokens its second). ``kr`` are the step's K rows,
-    ``g_row`` its first scale group. ``POST``: symmetric, one group a step: the exact codes q - 128 enter
-    the MMA and the scale multiplies the step's fp32 product."""
-    bmask = kr_mask[:, None] & n_mask[None, :]
-    raw = tl.load(b_base + kr[:, None] * stride_bk + offs_n[None, :] * stride_bn, mask=bmask, other=0)
-    if GROUP % BLOCK_K == 0:  # the step lies in one group: one [1, BLOCK_N] row
-        s = tl.load(s_base + g_row * stride_sg + offs_n[None, :], mask=n_mask[None, :], other=0.0)
-        if HAS_ZP:
-            z = tl.load(z_base + g_row * stride_zg + offs_n[None, :], mask=n_mask[None, :], other=0)
-    else:  # several groups in the step: a scale per element (repeats come from L1)
-        g = (kr // GROUP)[:, None]
-        s = tl.load(s_base + g * stride_sg + offs_n[None, :], mask=bmask, other=0.0)
-        if HAS_ZP:
-            z = tl.load(z_base + g * stride_zg + offs_n[None, :], mask=bmask, other=0)
-    # u | 0x4B000000 is the fp32 2^23 + u (exact, no integer-to-float conversion); minus 2^23 + 128 (or
-    # 2^23 + z), exact
-    f = (raw.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
-    if HAS_ZP:
-        q = f - (z.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
-    else:
-        q = f - 8388736.0
-    if POST:
-        w = q.to(compute_type)
-    else:
-        w = (q * s.to(tl.float32)).to(compute_type)
-    if SWAP:  # a_rows is [1, BLOCK_M]: the activations' tile read transposed, [BLOCK_K, BLOCK_M]
-        a = tl.load(a_rows + kr[:, None], mask=kr_mask[:, None] & a_mask[None, :], other=0.0)
-        if POST:
-            acc += tl.dot(tl.trans(w), a, input_precision=DOT_PRECISION) * tl.trans(s).to(tl.float32)
-        else:
-            acc = tl.dot(tl.trans(w), a, acc=acc, input_precision=DOT_PRECISION)
-    else:
-        a = tl.load(a_rows + kr[None, :], mask=a_mask[:, None] & kr_mask[None, :], other=0.0)
-        if POST:
-            acc += tl.dot(a, w, input_precision=DOT_PRECISION) * s.to(tl.float32)
-        else:
-            acc = tl.dot(a, w, acc=acc, input_precision=DOT_PRECISION)
-    return acc
 
 
 @triton.jit
@@ -105,14 +60,15 @@ def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_tile, z_tile, step, K, 
                GROUP: tl.constexpr, HAS_ZP: tl.constexpr, FAST: tl.constexpr, POST: tl.constexpr,
                GROUP_DOTS: tl.constexpr, MX_FOLD: tl.constexpr, compute_type: tl.constexpr,
                DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """int4 / MXFP4: acc^T [BLOCK_N, BLOCK_M] += W[n, k] @ A^T[k, m] over K step ``step``; ``s_tile`` /
-    ``z_tile`` are the step's raw scale / zero-point rows [BLOCK_N, SG] (``_step_rows``). ``POST``: the
-    scale (SG = 1) multiplies the fp32 product; MXFP4 with ``GROUP_DOTS``: one dot per 32-input group,
-    its scale on the fp32 product; else the scales multiply the operand, and MXFP4 with ``MX_FOLD``
-    (every e8m0 exponent <= 128) multiplies value * 2^-126 by 2^(S - 1)."""
-    KA: tl.constexpr = BLOCK_K // 64
+    """acc^T [BLOCK_N, BLOCK_M] += W[n, k] @ A^T[k, m] over K step ``step``; ``s_tile`` / ``z_tile`` are
+    the step's raw scale / zero-point rows [BLOCK_N, SG] (``_step_rows``). ``POST``: the scale (SG = 1)
+    multiplies the fp32 product; MXFP4 with ``GROUP_DOTS``: one dot per 32-input group, its scale on the
+    fp32 product; else the scales multiply the operand, and MXFP4 with ``MX_FOLD`` (every e8m0 exponent
+    <= 128) multiplies value * 2^-126 by 2^(S - 1). Atoms: 64 inputs (int4, MXFP4), 32 (int8)."""
+    ATOM_K: tl.constexpr = 32 if FMT == 1 else 64
+    KA: tl.constexpr = BLOCK_K // ATOM_K
     SG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1
-    ok = na_ok & (step * KA + ka_rows < K // 64)
+    ok = na_ok & (step * KA + ka_rows < K // ATOM_K)
     raw = tl.load(w_ptrs + step * (KA * 512), mask=ok[:, None], other=0)
     if FMT == 2 and GROUP_DOTS:  # MXFP4: one dot per scale group, the scale on the fp32 product
         tl.static_assert(BLOCK_K <= 128, "GROUP_DOTS reads one or two atom columns a step")
@@ -129,10 +85,13 @@ def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_tile, z_tile, step, K, 
             acc = _mx_atom(x1, a_rows, a_mask, k0 + 64, K, sb, acc, FAST, compute_type, DOT_PRECISION, BLOCK_N)
         return acc
     FOLD: tl.constexpr = FMT == 2 and MX_FOLD and FAST
-    w = fragment_operand(unpack_fragments(raw, FMT, FAST, compute_type, FOLD), BLOCK_N, BLOCK_K)
+    if FMT == 1:
+        w = fragment_operand8(unpack_int8(raw, FAST, compute_type), BLOCK_N, BLOCK_K)
+    else:
+        w = fragment_operand(unpack_fragments(raw, FMT, FAST, compute_type, FOLD), BLOCK_N, BLOCK_K)
     k = step * BLOCK_K + tl.arange(0, BLOCK_K)
     a = tl.load(a_rows + k[:, None], mask=(k < K)[:, None] & a_mask[None, :], other=0.0)
-    if POST:  # symmetric int4, one group a step: the scale multiplies the step's fp32 product
+    if POST:  # symmetric WNA16, one group a step: the scale multiplies the step's fp32 product
         s = tl.reshape(s_tile, (BLOCK_N,)).to(tl.float32)
         acc += tl.dot(w, a, input_precision=DOT_PRECISION) * s[:, None]
     else:
@@ -144,11 +103,17 @@ def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_tile, z_tile, step, K, 
         else:
             s = s_tile.to(compute_type)
         s = tl.broadcast_to(s[:, :, None], (BLOCK_N, SG, BLOCK_K // SG)).reshape(BLOCK_N, BLOCK_K)
-        if HAS_ZP:  # (q - 8) - (z - 8), exact in 16 bits
+        if HAS_ZP and FMT == 1:  # (q - 128) - (z - 128) needs 9 bits: in fp32, one rounding of the product
+            z = z_tile.to(tl.float32) - 128.0
+            z = tl.broadcast_to(z[:, :, None], (BLOCK_N, SG, BLOCK_K // SG)).reshape(BLOCK_N, BLOCK_K)
+            w = ((w.to(tl.float32) - z) * s.to(tl.float32)).to(compute_type)
+        elif HAS_ZP:  # (q - 8) - (z - 8), exact in 16 bits
             z = z_tile.to(tl.float32) - 8.0
             z = tl.broadcast_to(z.to(compute_type)[:, :, None], (BLOCK_N, SG, BLOCK_K // SG)).reshape(BLOCK_N, BLOCK_K)
-            w = w - z
-        acc = tl.dot(w * s, a, acc=acc, input_precision=DOT_PRECISION)
+            w = (w - z) * s
+        else:
+            w = w * s
+        acc = tl.dot(w, a, acc=acc, input_precision=DOT_PRECISION)
     return acc
 
 
@@ -157,10 +122,10 @@ def moe_gemm(
     a_ptr, b_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, topk_weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, ntpp_ptr, ws_ptr, tile_count_ptr,
     N, K, EM, num_pairs, up_offset, alpha, limit, expert_offset, num_experts,
-    stride_am, stride_be, stride_bk, stride_bn, stride_se, stride_sg, stride_ze, stride_zg, stride_biase, stride_cm,
+    stride_am, stride_be, stride_bk, stride_se, stride_sg, stride_ze, stride_zg, stride_biase, stride_cm,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, A_ROW_DIV: tl.constexpr,
-    ATOMIC_ROW_DIV: tl.constexpr, SPLIT_K: tl.constexpr, FAST: tl.constexpr, SWAP: tl.constexpr,
+    ATOMIC_ROW_DIV: tl.constexpr, SPLIT_K: tl.constexpr, FAST: tl.constexpr,
     GROUP_DOTS: tl.constexpr, MX_FOLD: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     compute_type: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -174,9 +139,9 @@ def moe_gemm(
     counts last adds them up (in split order) and runs the epilogue. ``ATOMIC_ROW_DIV`` > 0: split-K
     GEMM2, fp32 atomic adds into row ``pair // ATOMIC_ROW_DIV`` (the token), which also sums over
     top-k. ``PAIR_BLOCKS``: no alignment, block ``b`` is pair ``b`` alone (``sorted_ids`` are then the
-    global top-k ids, ``EM`` = pairs x BLOCK_M; one token's pairs go to distinct experts). 4-bit weights
-    are fragment ordered (``stride_bk``: bytes per 16-row atom row, K * 8) and always multiply swapped;
-    int8 weights are ``[K, N]`` rows read through (``stride_bk``, ``stride_bn``), swapped if ``SWAP``.
+    global top-k ids, ``EM`` = pairs x BLOCK_M; one token's pairs go to distinct experts). The weights
+    are fragment ordered (``stride_bk``: bytes per 16-row atom row, K * 8 for 4 bits, K * 16 for int8)
+    and multiply swapped, the MMA's first operand straight from registers.
     ``OPERAND_SCALE``: symmetric scales with one group a step multiply the operand, not the step's fp32
     product (each dot then chains into the accumulator and the MMA runs asynchronously with the next
     step's unpacking; what large M gains: docs/kernels.md, "The GEMM's compile-time flags")."""
@@ -197,14 +162,8 @@ def moe_gemm(
     pair_ok = offs_pair < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    SWAPPED: tl.constexpr = SWAP or FMT != 1
-
-    if SWAPPED:
-        a_rows = a_ptr + (offs_pair // A_ROW_DIV)[None, :] * stride_am
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        a_rows = a_ptr + (offs_pair // A_ROW_DIV)[:, None] * stride_am
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_rows = a_ptr + (offs_pair // A_ROW_DIV)[None, :] * stride_am
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if GATED:
         acc_up = tl.zeros_like(acc)
     b_base = b_ptr + expert * stride_be
@@ -215,70 +174,55 @@ def moe_gemm(
     first = pid_k * per_split
     last = min(first + per_split, steps)
 
-    if FMT == 1:
-        # symmetric with one scale group a step: the scale multiplies the step's fp32 product
-        POST8: tl.constexpr = not HAS_ZP and GROUP % BLOCK_K == 0 and not OPERAND_SCALE
-        offs_k = tl.arange(0, BLOCK_K)
-        for step in range(first, last):
-            kr = step * BLOCK_K + offs_k
-            kr_mask = kr < K
-            g_row = (step * BLOCK_K) // GROUP
-            acc = _int8_tile(a_rows, pair_ok, b_base, s_base, z_base, kr, kr_mask, offs_n, n_mask, g_row,
-                             stride_bk, stride_bn, stride_sg, stride_zg, acc, GROUP, BLOCK_K, HAS_ZP, SWAP,
-                             compute_type, DOT_PRECISION, POST8)
-            if GATED:
-                acc_up = _int8_tile(a_rows, pair_ok, b_base + up_offset * stride_bn, s_base + up_offset,
-                                    z_base + up_offset, kr, kr_mask, offs_n, n_mask, g_row, stride_bk, stride_bn,
-                                    stride_sg, stride_zg, acc_up, GROUP, BLOCK_K, HAS_ZP, SWAP, compute_type,
-                                    DOT_PRECISION, POST8)
-    else:
-        # fragment rows of a step: (k atom, n atom, lane), 16 bytes each
-        NA: tl.constexpr = BLOCK_N // 16
-        rows = tl.arange(0, (BLOCK_K // 64) * NA * 32)
-        ka_rows = rows // (NA * 32)
-        na = pid_n * NA + (rows // 32) % NA
-        na_ok = na < N // 16
-        w_rows = b_base + na.to(tl.int64) * stride_bk + ka_rows * 512 + (rows % 32) * 16
-        w_ptrs = w_rows[:, None] + tl.arange(0, 16)[None, :]
-        up_ptrs = w_ptrs + (up_offset // 16) * stride_bk
-        # symmetric int4 with one scale group a step: the scale multiplies the step's fp32 product (unless
-        # OPERAND_SCALE: then the product chains into the accumulator and the MMA runs asynchronously)
-        POST: tl.constexpr = FMT == 0 and not HAS_ZP and GROUP % BLOCK_K == 0 and not OPERAND_SCALE
-        SG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1
-        S_OTHER: tl.constexpr = 127 if FMT == 2 else 0  # e8m0 127 = 1.0 past the last group
-        s_up_base = s_base + up_offset
-        z_up_base = z_base + up_offset
-        # the scale (and zero-point) rows of the next step, gate and up
-        s1 = _step_rows(s_base, first, last, K, offs_n, n_mask, stride_sg, S_OTHER, GROUP, BLOCK_K, SG)
-        su1, z1, zu1 = s1, s1, s1  # placeholders where unused
+    # fragment rows of a step: (k atom, n atom, lane), 16 bytes each
+    NA: tl.constexpr = BLOCK_N // 16
+    KA: tl.constexpr = BLOCK_K // (32 if FMT == 1 else 64)
+    rows = tl.arange(0, KA * NA * 32)
+    ka_rows = rows // (NA * 32)
+    na = pid_n * NA + (rows // 32) % NA
+    na_ok = na < N // 16
+    w_rows = b_base + na.to(tl.int64) * stride_bk + ka_rows * 512 + (rows % 32) * 16
+    w_ptrs = w_rows[:, None] + tl.arange(0, 16)[None, :]
+    up_ptrs = w_ptrs + (up_offset // 16) * stride_bk
+    # symmetric WNA16 with one scale group a step: the scale multiplies the step's fp32 product (unless
+    # OPERAND_SCALE: then the product chains into the accumulator and the MMA runs asynchronously)
+    POST: tl.constexpr = FMT != 2 and not HAS_ZP and GROUP % BLOCK_K == 0 and not OPERAND_SCALE
+    SG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1
+    S_OTHER: tl.constexpr = 127 if FMT == 2 else 0  # e8m0 127 = 1.0 past the last group
+    Z_OTHER: tl.constexpr = 128 if FMT == 1 else 8
+    s_up_base = s_base + up_offset
+    z_up_base = z_base + up_offset
+    # the scale (and zero-point) rows of the next step, gate and up
+    s1 = _step_rows(s_base, first, last, K, offs_n, n_mask, stride_sg, S_OTHER, GROUP, BLOCK_K, SG)
+    su1, z1, zu1 = s1, s1, s1  # placeholders where unused
+    if GATED:
+        su1 = _step_rows(s_up_base, first, last, K, offs_n, n_mask, stride_sg, S_OTHER, GROUP, BLOCK_K, SG)
+    if HAS_ZP:
+        z1 = _step_rows(z_base, first, last, K, offs_n, n_mask, stride_zg, Z_OTHER, GROUP, BLOCK_K, SG)
         if GATED:
-            su1 = _step_rows(s_up_base, first, last, K, offs_n, n_mask, stride_sg, S_OTHER, GROUP, BLOCK_K, SG)
+            zu1 = _step_rows(z_up_base, first, last, K, offs_n, n_mask, stride_zg, Z_OTHER, GROUP, BLOCK_K, SG)
+    for step in range(first, last):
+        s_cur = s1
+        s1 = _step_rows(s_base, step + 1, last, K, offs_n, n_mask, stride_sg, S_OTHER, GROUP, BLOCK_K, SG)
+        z_cur = z1
         if HAS_ZP:
-            z1 = _step_rows(z_base, first, last, K, offs_n, n_mask, stride_zg, 8, GROUP, BLOCK_K, SG)
-            if GATED:
-                zu1 = _step_rows(z_up_base, first, last, K, offs_n, n_mask, stride_zg, 8, GROUP, BLOCK_K, SG)
-        for step in range(first, last):
-            s_cur = s1
-            s1 = _step_rows(s_base, step + 1, last, K, offs_n, n_mask, stride_sg, S_OTHER, GROUP, BLOCK_K, SG)
-            z_cur = z1
-            if HAS_ZP:
-                z1 = _step_rows(z_base, step + 1, last, K, offs_n, n_mask, stride_zg, 8, GROUP, BLOCK_K, SG)
-            acc = _frag_tile(a_rows, pair_ok, w_ptrs, ka_rows, na_ok, s_cur, z_cur, step, K, acc, FMT, GROUP,
-                             HAS_ZP, FAST, POST, GROUP_DOTS, MX_FOLD, compute_type, DOT_PRECISION, BLOCK_N, BLOCK_K)
-            if GATED:
-                su_cur = su1
-                su1 = _step_rows(s_up_base, step + 1, last, K, offs_n, n_mask, stride_sg, S_OTHER, GROUP, BLOCK_K,
-                                 SG)
-                zu_cur = zu1
-                if HAS_ZP:
-                    zu1 = _step_rows(z_up_base, step + 1, last, K, offs_n, n_mask, stride_zg, 8, GROUP, BLOCK_K, SG)
-                acc_up = _frag_tile(a_rows, pair_ok, up_ptrs, ka_rows, na_ok, su_cur, zu_cur, step, K, acc_up, FMT,
-                                    GROUP, HAS_ZP, FAST, POST, GROUP_DOTS, MX_FOLD, compute_type, DOT_PRECISION,
-                                    BLOCK_N, BLOCK_K)
-    if SWAPPED:  # back to [BLOCK_M, BLOCK_N] for the epilogue (one layout change a program)
-        acc = tl.trans(acc)
+            z1 = _step_rows(z_base, step + 1, last, K, offs_n, n_mask, stride_zg, Z_OTHER, GROUP, BLOCK_K, SG)
+        acc = _frag_tile(a_rows, pair_ok, w_ptrs, ka_rows, na_ok, s_cur, z_cur, step, K, acc, FMT, GROUP,
+                         HAS_ZP, FAST, POST, GROUP_DOTS, MX_FOLD, compute_type, DOT_PRECISION, BLOCK_N, BLOCK_K)
         if GATED:
-            acc_up = tl.trans(acc_up)
+            su_cur = su1
+            su1 = _step_rows(s_up_base, step + 1, last, K, offs_n, n_mask, stride_sg, S_OTHER, GROUP, BLOCK_K,
+                             SG)
+            zu_cur = zu1
+            if HAS_ZP:
+                zu1 = _step_rows(z_up_base, step + 1, last, K, offs_n, n_mask, stride_zg, Z_OTHER, GROUP, BLOCK_K, SG)
+            acc_up = _frag_tile(a_rows, pair_ok, up_ptrs, ka_rows, na_ok, su_cur, zu_cur, step, K, acc_up, FMT,
+                                GROUP, HAS_ZP, FAST, POST, GROUP_DOTS, MX_FOLD, compute_type, DOT_PRECISION,
+                                BLOCK_N, BLOCK_K)
+    # back to [BLOCK_M, BLOCK_N] for the epilogue (one layout change a program)
+    acc = tl.trans(acc)
+    if GATED:
+        acc_up = tl.trans(acc_up)
 
     if GATED and SPLIT_K > 1:  # GEMM1 split over K: the last split to finish sums the partials
         ws_rows = ws_ptr + (pid_k * num_pairs + offs_pair)[:, None] * (2 * N) + offs_n[None, :]

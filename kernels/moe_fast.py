@@ -29,12 +29,13 @@ SILU, SWIGLUOAI = 0, 1  # the GEMM's ACT
 ACTIVATIONS = {"silu": SILU, "swigluoai": SWIGLUOAI}
 ENV_PORTABLE = "MOECONVERT_PORTABLE_DEQUANT"  # set: the portable dequantization on GPUs too (to compare)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_ROW_BYTES = {"int4": 8, "mxfp4": 8, "int8": 16}  # bytes of a 16-row atom row per input
 
 
 @dataclass(frozen=True)
 class FastWeights:
-    """One projection in the ``triton-fast`` layout: ``weight`` uint8, ``[E, N/16, 8K]`` fragment-ordered
-    (int4, MXFP4) or ``[E, K, N]`` (int8; N contiguous, or K contiguous as a transposed view);
+    """One projection in the ``triton-fast`` layout: ``weight`` uint8, fragment-ordered ``[E, N/16, 8K]``
+    (int4, MXFP4: 16 x 64 atoms) or ``[E, N/16, 16K]`` (int8: 16 x 32 atoms);
     ``scale [E, K/g, N]`` (model dtype; uint8 e8m0 for MXFP4); ``zero_point [E, K/g, N]`` uint8 or None;
     ``bias [E, N]`` or None. For w13, N = 2I: the gate rows, then the up rows."""
 
@@ -44,10 +45,10 @@ class FastWeights:
     bias: torch.Tensor | None = None
 
     def k(self, fmt: str) -> int:
-        return self.weight.shape[1] if fmt == "int8" else self.weight.shape[2] // 8
+        return self.weight.shape[2] // _ROW_BYTES[fmt]
 
     def n(self, fmt: str) -> int:
-        return self.weight.shape[2] if fmt == "int8" else self.weight.shape[1] * 16
+        return self.weight.shape[1] * 16
 
     @property
     def nbytes(self) -> int:
@@ -56,11 +57,11 @@ class FastWeights:
 
 
 def _fast(fmt: int, a: torch.Tensor) -> bool:
-    """The register-level dequantization (inline PTX) runs on CUDA devices for int4 in bf16 / fp16 and
-    MXFP4 in bf16; the interpreter and other cases take the portable path."""
+    """The register-level dequantization (inline PTX) runs on CUDA devices for int4 and int8 in bf16 /
+    fp16 and MXFP4 in bf16; the interpreter and other cases take the portable path."""
     if a.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get(ENV_PORTABLE):
         return False
-    return (fmt == INT4 and a.dtype in (torch.float16, torch.bfloat16)) or (fmt == MXFP4 and a.dtype == torch.bfloat16)
+    return (fmt in (INT4, INT8) and a.dtype in (torch.float16, torch.bfloat16)) or (fmt == MXFP4 and a.dtype == torch.bfloat16)
 
 
 def _aligned_rows(aligned, block_m: int) -> int:
@@ -107,15 +108,10 @@ def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, grou
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"the kernel needs the last dimension contiguous, found strides {t.stride()}")
     name = _FORMAT_NAMES[fmt]
-    if fmt == INT8:
-        if 1 not in w.weight.stride()[1:]:
-            raise ValueError(f"the int8 weight bytes need N or K contiguous, found strides {w.weight.stride()}")
-        stride_bk, stride_bn = w.weight.stride(1), w.weight.stride(2)
-    else:
-        if w.weight.stride(2) != 1 or w.weight.shape[2] % 512:
-            raise ValueError(f"fragment-ordered weights need [E, N/16, 8K] rows of whole 512-byte atoms, found shape "
-                             f"{tuple(w.weight.shape)} strides {w.weight.stride()}")
-        stride_bk, stride_bn = w.weight.stride(1), 0
+    if w.weight.stride(2) != 1 or w.weight.shape[2] % 512:
+        raise ValueError(f"fragment-ordered weights need [E, N/16, {_ROW_BYTES[name]}K] rows of whole 512-byte atoms, "
+                         f"found shape {tuple(w.weight.shape)} strides {w.weight.stride()}")
+    stride_bk = w.weight.stride(1)
     K, Nw = w.k(name), w.n(name)
     N = Nw // 2 if gated else Nw
     z = w.zero_point if w.zero_point is not None else w.weight
@@ -126,12 +122,12 @@ def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, grou
         a, w.weight, w.scale, z, bias, out, topk_weights if topk_weights is not None else w.scale,
         sorted_ids, expert_ids, ntpp, ws, counts,
         N, K, EM, num_pairs, Nw // 2, alpha, limit, offset, E,
-        a.stride(0), w.weight.stride(0), stride_bk, stride_bn, w.scale.stride(0), w.scale.stride(1),
+        a.stride(0), w.weight.stride(0), stride_bk, w.scale.stride(0), w.scale.stride(1),
         z.stride(0) if w.zero_point is not None else 0, z.stride(1) if w.zero_point is not None else 0,
         bias.stride(0) if w.bias is not None else 0, out.stride(0),
         FMT=fmt, GROUP=group, HAS_ZP=w.zero_point is not None, HAS_BIAS=w.bias is not None,
         GATED=gated, ACT=act, MUL_ROUTED_WEIGHT=topk_weights is not None, A_ROW_DIV=a_row_div,
-        ATOMIC_ROW_DIV=atomic_row_div, SPLIT_K=split, FAST=_fast(fmt, a), SWAP=bool(cfg.get("SWAP_AB", 0)),
+        ATOMIC_ROW_DIV=atomic_row_div, SPLIT_K=split, FAST=_fast(fmt, a),
         GROUP_DOTS=fmt == MXFP4 and bool(cfg.get("GROUP_DOTS", 0)), MX_FOLD=fmt == MXFP4 and mx_fold,
         PAIR_BLOCKS=pair_blocks, OPERAND_SCALE=bool(cfg.get("OPERAND_SCALE", 0)),
         compute_type=_TL_DTYPES[a.dtype], DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -149,8 +145,8 @@ def check_config(cfg: dict, fmt: str) -> None:
             raise ValueError(f"{key} = {v} must be a power of two >= 16")
     if fmt != "int8" and cfg["BLOCK_K"] < 64:
         raise ValueError(f"BLOCK_K = {cfg['BLOCK_K']}: 4-bit weights are read in 64-input fragment atoms; use >= 64")
-    if cfg.get("SWAP_AB", 0) not in (0, 1):
-        raise ValueError(f"SWAP_AB = {cfg['SWAP_AB']} must be 0 or 1")
+    if fmt == "int8" and cfg["BLOCK_K"] < 32:
+        raise ValueError(f"BLOCK_K = {cfg['BLOCK_K']}: int8 weights are read in 32-input fragment atoms; use >= 32")
     if cfg.get("GROUP_DOTS", 0) not in (0, 1) or (cfg.get("GROUP_DOTS", 0) and cfg["BLOCK_K"] > 128):
         raise ValueError(f"GROUP_DOTS = {cfg['GROUP_DOTS']} must be 0 or 1, and 1 needs BLOCK_K <= 128")
     if cfg.get("OPERAND_SCALE", 0) not in (0, 1):

@@ -78,11 +78,10 @@ def num_sms(device) -> int:
 def candidates(s: LayerShape, M: int, sms: int) -> list[tuple[int, list[dict], list[dict]]]:
     """(BLOCK_M, GEMM1 configs, GEMM2 configs) to try for one (shape, M): the tile widths and depths
     that matter at this M (4 stages; 6 too for two tiles when an expert gets few pairs), split-K for a
-    GEMM whose programs would not fill the GPU, and for int8 both operand orders (``SWAP_AB``; 4-bit
-    weights always multiply as the first operand)."""
+    GEMM whose programs would not fill the GPU; at 64 pairs an expert or more, integer scales on the
+    product and in the operand (``OPERAND_SCALE``)."""
     ppe = M * s.top_k / s.E
     bms = [16] if ppe <= 8 else [16, 32] if ppe <= 32 else [32, 64] if ppe <= 96 else [64, 128]
-    swaps = (0, 1) if s.fmt == "int8" else (0,)
     out = []
     for bm in bms:
         if bm <= 32:
@@ -99,14 +98,14 @@ def candidates(s: LayerShape, M: int, sms: int) -> list[tuple[int, list[dict], l
                 for n, k, out_list in ((s.I, s.H, g1), (s.H, s.I, g2)):
                     programs = blocks * math.ceil(n / bn)
                     splits = (1, 2, 4) if programs < 2 * sms else (1, 2) if programs < 4 * sms else (1,)
-                    out_list += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=sk, SWAP_AB=sw,
-                                      GROUP_M=1) for sk in splits if k // bk >= sk for sw in swaps]
+                    out_list += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=sk, GROUP_M=1)
+                                 for sk in splits if k // bk >= sk]
         else:
             tiles = [(64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (256, 64, 8)]
             # MMA-bound: symmetric scales in the operand too (the MMA then overlaps the next unpacking)
             scales = (0,) if s.fmt == "mxfp4" else (0, 1)
-            base = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, GROUP_M=8, SPLIT_K=1, SWAP_AB=sw,
-                         OPERAND_SCALE=os_) for bn, bk, w in tiles for sw in swaps for os_ in scales]
+            base = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, GROUP_M=8, SPLIT_K=1, OPERAND_SCALE=o)
+                    for bn, bk, w in tiles for o in scales]
             g1, g2 = base, [dict(c) for c in base]
         out.append((bm, [dict(c, BLOCK_M=bm) for c in g1], [dict(c, BLOCK_M=bm) for c in g2]))
     return out

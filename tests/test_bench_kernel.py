@@ -81,12 +81,13 @@ def test_custom_shapes_follow_the_named_ones():
     assert problems([], None, ["8,2,64,64"])[0].fmt == "int4-g128"
 
 
-def test_int8_tuning_tries_both_operand_orders():
+def test_tuning_tries_integer_scales_in_the_operand_only_where_the_mma_is_the_limit():
     p = problems(["qwen3-30b-a3b"], "int8-g128")[0]
-    swaps = {c["SWAP_AB"] for _, g1, g2 in _candidates(p, 16, 132) for c in g1 + g2}
-    assert swaps == {0, 1}
-    q = problems(["qwen3-30b-a3b"])[0]
-    assert {c["SWAP_AB"] for _, g1, g2 in _candidates(q, 16, 132) for c in g1 + g2} == {0}
+    scales = lambda q, M: {(bm, c.get("OPERAND_SCALE")) for bm, g1, g2 in _candidates(q, M, 132) for c in g1 + g2}
+    assert scales(p, 16) == {(16, None)}  # decode: the scale on the fp32 product alone
+    assert scales(p, 4096) == {(bm, o) for bm in (64, 128) for o in (0, 1)}
+    assert scales(problems(["qwen3-30b-a3b"])[0], 4096) == {(bm, o) for bm in (64, 128) for o in (0, 1)}
+    assert {o for _, o in scales(problems(["gpt-oss-120b"])[0], 4096)} == {0}  # MXFP4 scales the operand anyway
 
 
 @pytest.mark.parametrize("layout", ["triton-fast", "marlin"])
@@ -142,7 +143,7 @@ def test_heuristic_configs_are_valid_and_share_block_m(fmt, E, k, H, I, M):
 
 def test_write_table_merges_and_lookup_reads_it(tmp_path, monkeypatch):
     path = tmp_path / "t.json"
-    c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=4, SWAP_AB=0)
+    c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=4)
     write_table(path, "Test GPU", {"a": {"1": [c, c]}})
     write_table(path, "Test GPU", {"b": {"64": [dict(c, BLOCK_M=32), dict(c, BLOCK_M=32)]}})
     data = json.loads(path.read_text())

@@ -58,8 +58,8 @@ def _weights(fmt="int4", E=4, H=256, I=128, group=128):
     from moeconvert.kernels.moe_fast import FastWeights
 
     if fmt == "int8":
-        return (FastWeights(torch.zeros(E, H, 2 * I, dtype=torch.uint8), torch.ones(E, H // group, 2 * I)),
-                FastWeights(torch.zeros(E, I, H, dtype=torch.uint8), torch.ones(E, I // group, H)))
+        return (FastWeights(torch.zeros(E, 2 * I // 16, 16 * H, dtype=torch.uint8), torch.ones(E, H // group, 2 * I)),
+                FastWeights(torch.zeros(E, H // 16, 16 * I, dtype=torch.uint8), torch.ones(E, I // group, H)))
     return (FastWeights(torch.zeros(E, 2 * I // 16, 8 * H, dtype=torch.uint8), torch.ones(E, H // group, 2 * I)),
             FastWeights(torch.zeros(E, H // 16, 8 * I, dtype=torch.uint8), torch.ones(E, I // group, H)))
 
@@ -76,10 +76,12 @@ def test_first_use_tunes_writes_the_users_table_and_the_kernel_finds_it(cache, s
     fast, calls = stand_in_timer
     s = kt.LayerShape("int4", 128, 4, 2, 256, 128)
     # the winners, written by hand from the candidate space of this shape (4 experts, 2 pairs a token)
-    fast[1] = (dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, SPLIT_K=2, SWAP_AB=0, num_warps=4, num_stages=4),
-               dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=1, SWAP_AB=0, num_warps=4, num_stages=6))
-    fast[256] = (dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, SWAP_AB=0, num_warps=8, num_stages=3),
-                 dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, SWAP_AB=0, num_warps=4, num_stages=3))
+    fast[1] = (dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, SPLIT_K=2, num_warps=4, num_stages=4),
+               dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=6))
+    fast[256] = (dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, OPERAND_SCALE=1, num_warps=8,
+                      num_stages=3),
+                 dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, OPERAND_SCALE=0, num_warps=4,
+                      num_stages=3))
     w13, w2 = _weights()
     r = kt.ensure_tuned(s, w13, w2, "cpu", device_name=GPU, ms=(1, 256), log=lambda *a: None)
     assert r["entry"] == {"1": list(fast[1]), "256": list(fast[256])}
@@ -96,7 +98,7 @@ def test_first_use_tunes_writes_the_users_table_and_the_kernel_finds_it(cache, s
 def test_a_layer_in_a_named_or_shipped_table_is_not_tuned(cache, stand_in_timer, tmp_path, monkeypatch):
     _, calls = stand_in_timer
     s = kt.LayerShape("mxfp4", 32, 4, 2, 256, 128)
-    c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, SPLIT_K=1, SWAP_AB=0, num_warps=4, num_stages=4)
+    c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=4)
     named = tmp_path / "mine.json"
     named.write_text(json.dumps({"entries": {"mxfp4/mx32 E=4 k=2 H=256 I=128": {"16": [c, c]}}}))
     monkeypatch.setenv(configs.ENV_TABLE, str(named))
@@ -110,7 +112,7 @@ def test_a_layer_in_a_named_or_shipped_table_is_not_tuned(cache, stand_in_timer,
 
 
 def _write_many(path: str, who: int, n: int) -> None:
-    c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, SPLIT_K=1, SWAP_AB=0, num_warps=4, num_stages=4)
+    c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=4)
     for i in range(n):
         configs.write_table(path, GPU, {f"rank{who} layer{i}": {"1": [c, c]}})
 

@@ -22,7 +22,7 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import MoeConvertError
 from moeconvert.layouts import get_layout
-from moeconvert.layouts.triton_fast import pack_fragments, unpack_fragments
+from moeconvert.layouts.triton_fast import pack_fragments, pack_int8_fragments, unpack_fragments, unpack_int8_fragments
 from moeconvert.schemes import MXFP4Scheme, WNA16Scheme
 
 from interpreted import TOL, rel, record, result, run_child
@@ -102,6 +102,32 @@ def test_fragment_bytes_hold_each_lanes_mma_operand():
     assert torch.equal(unpack_fragments(packed), codes)
 
 
+def _int8_fragment_position(n: int, k: int) -> tuple[int, int]:
+    """(atom row, byte within the row) of int8 code (n, k), from the same MMA fragment: lane 4g + t holds
+    rows g, g + 8 and inputs 2t, 2t+1, 2t+8, 2t+9 of each 16-input step, two steps to a 32-input atom;
+    a lane's 16 bytes are one word per half step (inputs 2t, 2t+1 or 2t+8, 2t+9), each word two
+    registers: rows g then g + 8, inputs in order."""
+    row_in_atom, k_in_atom = n % 16, k % 32
+    g, h = row_in_atom % 8, row_in_atom // 8
+    kt, rest = k_in_atom // 16, k_in_atom % 16
+    kh, t, e = rest // 8, (rest % 8) // 2, rest % 2
+    word = 2 * kt + kh
+    return n // 16, (k // 32) * 512 + (4 * g + t) * 16 + 4 * word + 2 * h + e
+
+
+def test_int8_fragment_bytes_hold_each_lanes_mma_operand():
+    g = torch.Generator().manual_seed(6)
+    codes = torch.randint(0, 256, (2, 32, 96), dtype=torch.uint8, generator=g)
+    packed = pack_int8_fragments(codes)
+    assert packed.shape == (2, 2, 1536) and packed.dtype == torch.uint8
+    for e in range(2):
+        for n in range(32):
+            for k in range(96):
+                row, byte = _int8_fragment_position(n, k)
+                assert int(packed[e, row, byte]) == int(codes[e, n, k]), (e, n, k)
+    assert torch.equal(unpack_int8_fragments(packed), codes)
+
+
 @pytest.mark.parametrize("quant,bias", [("int4-sym-g32", False), ("int4-asym-g64", True), ("int8-asym-g32", False),
                                         ("int8-sym-gch", True), ("int4-asym-gch", False), ("mxfp4", True)])
 def test_encode_decode_round_trip_exact(quant, bias):
@@ -128,7 +154,8 @@ def test_encode_decode_round_trip_exact(quant, bias):
     elif quant.startswith("int4"):
         assert nibble == int(block.w2[2, 21, 75])
     else:
-        assert int(tensors["w2_weight"][2, 3, 5]) == int(block.w2[2, 5, 3])
+        row, byte = _int8_fragment_position(21, 75)
+        assert int(tensors["w2_weight"][2, row, byte]) == int(block.w2[2, 21, 75])
     if "asym" in quant:
         assert int(tensors["w13_weight_zero_point"][1, 0, 7]) == int(block.w13_zero[1, 7, 0])
 
@@ -232,9 +259,9 @@ def _cases():
     add("fp32-int4-sym-gch-operand-scale-M7", quant="int4-sym-gch", dtype="float32", M=7, H=320, I=192,
         configs=[CFG(BLOCK_K=64, OPERAND_SCALE=1), CFG(BLOCK_K=64, SPLIT_K=2, OPERAND_SCALE=1)])
     add("fp16-int8-sym-g128-operand-scale-M13", quant="int8-sym-g128", dtype="float16", M=13, I=256,
-        configs=[CFG(OPERAND_SCALE=1), CFG(BLOCK_K=128, SWAP_AB=1, OPERAND_SCALE=1)])
+        configs=[CFG(OPERAND_SCALE=1), CFG(BLOCK_K=128, OPERAND_SCALE=1)])
     add("fp32-int8-sym-g64-scale-on-product-M13", quant="int8-sym-g64", dtype="float32", M=13,
-        configs=[CFG(BLOCK_K=64), CFG(BLOCK_K=32, SWAP_AB=1)])
+        configs=[CFG(BLOCK_K=64), CFG(BLOCK_K=32)])
     add("fp32-int4-sym-gch-H320-bk128-M7", quant="int4-sym-gch", dtype="float32", M=7, H=320, I=192,
         configs=[CFG(BLOCK_K=128), CFG(BLOCK_K=128, SPLIT_K=2)])
     add("fp32-mxfp4-H192-bk128-M7", quant="mxfp4", dtype="float32", M=7, H=192, I=320,
@@ -244,15 +271,13 @@ def _cases():
         configs=[CFG(BLOCK_K=128, GROUP_DOTS=1), CFG(BLOCK_K=64, GROUP_DOTS=1, SPLIT_K=2)])
     add("fp32-mxfp4-group-dots-bn64-M13", quant="mxfp4", dtype="float32", M=13, act="swigluoai",
         configs=[CFG(BLOCK_N=64, GROUP_DOTS=1), CFG(BLOCK_N=64, BLOCK_K=128, GROUP_DOTS=1)])
-    # int8 with swapped operands (weights first; 4-bit weights always multiply so), split-K
-    S = lambda **kw: CFG(SWAP_AB=1, **kw)
-    add("fp32-int8-asym-g32-swap-M5", quant="int8-asym-g32", dtype="float32", M=5, configs=[S(), S(SPLIT_K=2)])
-    add("fp16-int8-sym-g128-swap-M13", quant="int8-sym-g128", dtype="float16", M=13, I=256,
-        configs=[S(BLOCK_K=128), S()])
+    # int8 in 32-input atoms: steps of one atom, asymmetric (zero points in fp32), split-K
+    add("fp32-int8-asym-g32-bk32-M5", quant="int8-asym-g32", dtype="float32", M=5,
+        configs=[CFG(BLOCK_K=32), CFG(BLOCK_K=32, SPLIT_K=2)])
+    add("fp16-int8-asym-g64-bk128-M13", quant="int8-asym-g64", dtype="float16", M=13, I=256,
+        configs=[CFG(BLOCK_K=128), CFG(BLOCK_K=128, SPLIT_K=2)])
     add("fp32-mxfp4-swigluoai-splitk-M13", quant="mxfp4", dtype="float32", M=13, bias=True, act="swigluoai",
         configs=[CFG(BLOCK_N=64), CFG(BLOCK_M=16, SPLIT_K=2)])
-    # int8 bytes K-contiguous (a transposed view): the kernel reads them through strides
-    add("fp16-int8-sym-g32-kmajor-M5", quant="int8-sym-g32", dtype="float16", M=5, kmajor=True)
     # EP: rank 1 of 2 (experts 4..7 of 8), ids on both sides of the cut; with and without split-K
     add("fp32-int4-sym-g32-ep-M13", quant="int4-sym-g32", dtype="float32", M=13, offset=4, e_global=8)
     add("fp32-int4-sym-g32-ep-splitk-M13", quant="int4-sym-g32", dtype="float32", M=13, offset=4, e_global=8,
@@ -284,10 +309,6 @@ def _run_case(case: dict) -> dict:
     dtype = getattr(torch, case["dtype"])
     q, M, offset = case["quant"], case["M"], case["offset"]
     tensors, ref_w = encoded(q, case["E"], case["H"], case["I"], dtype, case["bias"], g, case["act"])
-    if case.get("kmajor"):
-        for w in ("w13_weight", "w2_weight"):
-            tensors[w] = tensors[w].transpose(1, 2).contiguous().transpose(1, 2)
-            assert tensors[w].stride(1) == 1
     x = torch.randn(M, case["H"], generator=g).to(dtype)
     ids = torch.randint(0, case["e_global"], (M, TOP_K), generator=g, dtype=torch.int32)
     if offset and M == 1:  # one pair on each side of the cut
@@ -436,17 +457,16 @@ def test_runtime_runs_a_triton_fast_folder_with_our_kernel_interpreted(interpret
 
 GPU_CASES = [("int4-sym-g128", 128, 8, 2048, 768), ("int4-asym-g32", 128, 8, 2048, 768),
              ("int8-sym-g128", 128, 8, 2048, 768), ("int4-sym-gch", 128, 8, 2048, 768),
+             ("int8-asym-g64", 128, 8, 2048, 768), ("int8-sym-gch", 128, 8, 2048, 768),
              ("int4-sym-g128", 128, 8, 2048, 384),  # Qwen3-30B-A3B at TP 2
              ("mxfp4", 32, 4, 2880, 2880)]
 
 
 # M 1 / 64 / 1024 each (M = 1: a block per pair, no align; split-K GEMM1 where the heuristic splits),
-# and variants: int8 with the weights first (4-bit weights always multiply so); MXFP4 with one dot per
-# scale group (GROUP_DOTS), and with scales <= 2 (the 2^126 folded into the scale); int4 with GEMM1
+# and variants: MXFP4 with one dot per scale group (GROUP_DOTS), and with scales <= 2 (the 2^126 folded into the scale); int4 with GEMM1
 # split in 4 at M = 64 (many tiles counting splits at once); both GEMMs split at M = 1; symmetric
 # scales in the operand (OPERAND_SCALE) at M = 1024
 GPU_RUNS = [(*c, M, "") for c in GPU_CASES for M in (1, 64, 1024)]
-GPU_RUNS += [(*c, 64, "weights-first") for c in GPU_CASES if c[0].startswith("int8")]
 GPU_RUNS += [(*c, M, v) for c in GPU_CASES if c[0] == "mxfp4" for M in (1, 64) for v in ("group-dots", "fold")]
 GPU_RUNS += [(*GPU_CASES[0], M, "gemm1-split4") for M in (64, 1024)]
 GPU_RUNS += [(*c, 1024, "operand-scale") for c in (GPU_CASES[0], GPU_CASES[2], GPU_CASES[3])]
@@ -480,7 +500,7 @@ def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, variant)
     tw, ids = torch.topk(torch.softmax(logits, -1), k)
     fmt = "mxfp4" if quant == "mxfp4" else quant[:4]
     group = 32 if quant == "mxfp4" else (-1 if "gch" in quant else int(quant.rsplit("-g", 1)[1]))
-    knob = {"weights-first": ("SWAP_AB", 1, 0), "group-dots": ("GROUP_DOTS", 1, 0), "gemm1-split4": ("SPLIT_K", 4, 1)}
+    knob = {"group-dots": ("GROUP_DOTS", 1, 0), "gemm1-split4": ("SPLIT_K", 4, 1)}
     configs = list(heuristic_configs(fmt, E_, k, Hp, Ip, M))
     if variant in knob:
         key, value, which = knob[variant]

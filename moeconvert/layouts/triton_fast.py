@@ -9,7 +9,7 @@ the operand without a shuffle or a trip through shared memory. Every projection 
 tensor                     shape                dtype / contents
 =========================  ===================  ==============================================
 ``*_weight`` int4, MXFP4   ``[E, N/16, 8K]``    uint8: 16 x 64 fragment atoms (:func:`pack_fragments`)
-``*_weight`` int8          ``[E, K, N]``        uint8: the unsigned code (q + 128)
+``*_weight`` int8          ``[E, N/16, 16K]``   uint8: 16 x 32 fragment atoms (:func:`pack_int8_fragments`)
 ``*_weight_scale``         ``[E, K/g, N]``      model dtype (WNA16), uint8 e8m0 (MXFP4, g = 32)
 ``*_weight_zero_point``    ``[E, K/g, N]``      uint8, one unsigned zero point a byte (asymmetric)
 ``*_bias``                 ``[E, N]``           model dtype (layers with expert biases)
@@ -22,8 +22,9 @@ activation there.
 
 WNA16 codes stay unsigned (``u = q + 2^(b-1)``); symmetric layers have no zero-point tensor (the
 kernel subtracts 8 / 128). Scales and biases are cast to the model dtype (round to nearest even);
-MXFP4 scales stay the e8m0 bytes. Version 2 (version 1 stored 4-bit codes ``[E, K/2, N]``, input k
-and k + K/2 in one byte).
+MXFP4 scales stay the e8m0 bytes. WNA16 version 3 (version 2 stored int8 codes as ``[E, K, N]`` rows,
+which the kernel had to reshuffle into its operand; version 1 stored 4-bit codes ``[E, K/2, N]``, input
+k and k + K/2 in one byte); MXFP4 version 2.
 """
 
 from __future__ import annotations
@@ -81,8 +82,33 @@ def unpack_fragments(packed: torch.Tensor) -> torch.Tensor:
     return c.permute(0, 1, 8, 3, 2, 5, 7, 4, 6).reshape(E, A * 16, K).contiguous()
 
 
+ATOM8_K = 32  # int8: 16 rows x 32 inputs, the same 32 lanes x 16 bytes
+
+
+def pack_int8_fragments(codes: torch.Tensor) -> torch.Tensor:
+    """Canonical unsigned 8-bit codes ``[E, N, K]`` -> fragment-ordered ``[E, N/16, 16K]`` uint8.
+
+    Row ``a`` holds output rows 16a..16a+15 as K/32 atoms of 512 bytes. In an atom, lane ``l = 4g + t``
+    owns bytes 16l..16l+15: byte ``8kt + 4kh + 2h + e`` is the code of row ``8h + g`` and input
+    ``16kt + 8kh + 2t + e``, i.e. the sixteen codes of lane l's MMA fragments of two 16-input steps, each
+    32-bit word two fragment registers (rows g and g + 8, inputs 2t, 2t+1 or 2t+8, 2t+9)."""
+    E, N, K = codes.shape
+    if N % ATOM_N or K % ATOM8_K:
+        raise InternalError(f"int8 fragment packing needs N % {ATOM_N} == 0 and K % {ATOM8_K} == 0, got N={N} K={K}")
+    c = codes.to(torch.uint8).reshape(E, N // 16, 2, 8, K // 32, 2, 2, 4, 2)  # a h g ka kt kh t e
+    return c.permute(0, 1, 4, 3, 7, 5, 6, 2, 8).reshape(E, N // 16, K * 16).contiguous()  # a ka g t kt kh h e
+
+
+def unpack_int8_fragments(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int8_fragments`: ``[E, N/16, 16K]`` -> codes ``[E, N, K]`` uint8."""
+    E, A, B = packed.shape
+    K = B // 16
+    b = packed.reshape(E, A, K // 32, 8, 4, 2, 2, 2, 2)  # a ka g t kt kh h e
+    return b.permute(0, 1, 7, 3, 2, 5, 6, 4, 8).reshape(E, A * 16, K).contiguous()
+
+
 def _swap_kn(t: torch.Tensor) -> torch.Tensor:
-    """``[E, N, X]`` <-> ``[E, X, N]``, contiguous (its own inverse): int8 weights, scales, zero points."""
+    """``[E, N, X]`` <-> ``[E, X, N]``, contiguous (its own inverse): scales, zero points."""
     return t.transpose(1, 2).contiguous()
 
 
@@ -99,14 +125,14 @@ def _tp_cuts(shape: LayerShape, rank: LayerShape | NotASlice, scheme: Scheme) ->
     """Both registrations' TP cuts (``Layout.tp_cuts``), ``rank`` the rank's own layer (``_rank_shape``).
 
     Nothing is permuted across rows or atoms: w13's rows are ``[gate; up]`` halves (fragment atoms hold 16
-    rows each, a rank's I / T a multiple of 64), w2's K is whole 64-input atoms (512 bytes) of each 16-row
-    atom row for 4-bit weights and rows of ``[K, N]`` for int8; scales and zero points are rows of K / g,
-    so a rank holds its groups of w2 (all of w2's one channelwise row) and its columns of w13."""
+    rows each, a rank's I / T a multiple of 64 for 4-bit weights, 32 for int8), w2's K is whole atoms (512
+    bytes: 64 inputs of 4-bit weights, 32 of int8) of each 16-row atom row; scales and zero points are
+    rows of K / g, so a rank holds its groups of w2 (all of w2's one channelwise row) and its columns of
+    w13."""
     if isinstance(rank, NotASlice):
         return rank
-    four_bit = scheme.kind == "mxfp4" or scheme.bits == 4
     w2_groups = TPCut(None) if scheme.kind != "mxfp4" and scheme.group_size <= 0 else TPCut(1)
-    cuts = {W13.weight: TPCut(1 if four_bit else 2, runs=2), W2.weight: TPCut(2 if four_bit else 1),
+    cuts = {W13.weight: TPCut(1, runs=2), W2.weight: TPCut(2),
             W13.weight_scale: TPCut(2, runs=2), W2.weight_scale: w2_groups}
     if scheme.kind != "mxfp4" and not scheme.symmetric:
         cuts.update({W13.weight_zero_point: TPCut(2, runs=2), W2.weight_zero_point: w2_groups})
@@ -135,7 +161,7 @@ def _common_problems(shape: LayerShape) -> list[str]:
 @register
 class TritonFastWNA16Layout(Layout):
     name = NAME
-    version = 2
+    version = 3
     schemes = ("wna16",)
     runtime_kernels = ("triton",)
     kernel = KERNEL
@@ -154,9 +180,10 @@ class TritonFastWNA16Layout(Layout):
         for what, k in (("hidden_size H", H), ("intermediate_size I (per TP partition)", I)):
             if g > 0 and k % g:
                 problems.append(f"{what} = {k} must be divisible by group_size {g}")
-            if b == 4 and k % ATOM_K:
-                problems.append(f"{what} = {k} must be a multiple of {ATOM_K} for int4: the weights are stored in "
-                                f"{ATOM_N} x {ATOM_K} MMA fragment atoms")
+            atom_k = ATOM_K if b == 4 else ATOM8_K
+            if b in (4, 8) and k % atom_k:
+                problems.append(f"{what} = {k} must be a multiple of {atom_k} for int{b}: the weights are stored "
+                                f"in {ATOM_N} x {atom_k} MMA fragment atoms")
         return problems
 
     def plan(self, shape: LayerShape, scheme: Scheme) -> list[TensorSpec]:
@@ -167,8 +194,8 @@ class TritonFastWNA16Layout(Layout):
             weights = [TensorSpec(W13.weight, (E, 2 * I // ATOM_N, 8 * H), torch.uint8),
                        TensorSpec(W2.weight, (E, H // ATOM_N, 8 * I), torch.uint8)]
         else:
-            weights = [TensorSpec(W13.weight, (E, H, 2 * I), torch.uint8),
-                       TensorSpec(W2.weight, (E, I, H), torch.uint8)]
+            weights = [TensorSpec(W13.weight, (E, 2 * I // ATOM_N, 16 * H), torch.uint8),
+                       TensorSpec(W2.weight, (E, H // ATOM_N, 16 * I), torch.uint8)]
         specs = weights + [
             TensorSpec(W13.weight_scale, (E, scheme.groups(H), 2 * I), dt),
             TensorSpec(W2.weight_scale, (E, scheme.groups(I), H), dt),
@@ -185,7 +212,7 @@ class TritonFastWNA16Layout(Layout):
         self.require(shape, s)
         self.require_block_sizes(block, shape)
         dt = DTYPES[shape.dtype]
-        weights = pack_fragments if s.bits == 4 else _swap_kn
+        weights = pack_fragments if s.bits == 4 else pack_int8_fragments
         out = {
             W13.weight: weights(block.w13),
             W2.weight: weights(block.w2),
@@ -203,7 +230,7 @@ class TritonFastWNA16Layout(Layout):
     def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:
         """Back to the canonical block; scales and biases stay in the file's (model) dtype."""
         assert isinstance(scheme, WNA16Scheme)
-        weights = unpack_fragments if scheme.bits == 4 else _swap_kn
+        weights = unpack_fragments if scheme.bits == 4 else unpack_int8_fragments
         kw = {
             "w13": weights(tensors[W13.weight]),
             "w2": weights(tensors[W2.weight]),
@@ -225,8 +252,7 @@ class TritonFastWNA16Layout(Layout):
                                    w13_bias=cast(block.w13_bias), w2_bias=cast(block.w2_bias))
 
     def layer_metadata(self, shape: LayerShape, scheme: Scheme, facts: dict | None = None) -> dict:
-        return {"format": f"int{scheme.bits}", "w13_rows": "gate_up",
-                "packing": "fragments" if scheme.bits == 4 else "bytes"}
+        return {"format": f"int{scheme.bits}", "w13_rows": "gate_up", "packing": "fragments"}
 
     def tp_cuts(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> dict[str, TPCut] | NotASlice:
         return _tp_cuts(shape, self._rank_shape(shape, scheme, tp_size), scheme)

@@ -86,8 +86,8 @@ class MoeconvertFastExperts(mk.FusedMoEExpertsModular):
     # -- sizes and buffers ---------------------------------------------------------------------------------
 
     def _intermediate(self, w2: torch.Tensor) -> int:
-        """I per partition from w2 (``[E, H/16, 8I]`` fragments, ``[E, I, H]`` int8 bytes)."""
-        return w2.shape[1] if self.fast.fmt == "int8" else w2.shape[2] // 8
+        """I per partition from w2 (``[E, H/16, 8I]`` 4-bit fragments, ``[E, H/16, 16I]`` int8 ones)."""
+        return w2.shape[2] // (16 if self.fast.fmt == "int8" else 8)
 
     def moe_problem_size(self, a1, w1, w2, topk_ids):
         # the default reads N from w1's second dimension, which fragment atoms hold 16 rows to
