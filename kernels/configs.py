@@ -121,17 +121,28 @@ def write_table(path, device_name: str, entries: dict) -> None:
 def heuristic_configs(fmt: str, E: int, top_k: int, H: int, I: int, M: int, num_sms: int = 132) -> tuple[dict, dict]:
     """Tiles from the expected pairs per expert (uniform routing), for GPUs or shapes with no table."""
     # what --tune picked on the H200 for the bench shapes, by regime (kernels/tuned/nvidia-h200.json)
+    # decode: what --tune picked on the H200 for the bench shapes (kernels/tuned/nvidia-h200.json); from
+    # 48 pairs an expert on: the fastest of the tiles timed side by side on an H100 at M = 1024 and 4096
+    # (docs/kernels.md, "Prefill: the scale in the operand"), integer scales in the operand throughout
     per_expert = M * top_k / E
-    bm = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64 if per_expert <= 160 else 128
+    bm = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64 if per_expert < 80 else 128
     small = bm <= 32
     if small:  # weight streaming: BLOCK_K 128 (MXFP4 64, one scale group a step), 64 columns, 4 stages
         c1 = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64 if fmt == "mxfp4" else 128, GROUP_M=1, SPLIT_K=1,
                   num_warps=4, num_stages=4)
         c2 = dict(c1)
-    else:  # MMA-bound: wide GEMM1 tiles, narrower GEMM2 tiles (N = H is large, K = I small)
-        c1 = dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64 if fmt == "mxfp4" else 128, GROUP_M=8, SPLIT_K=1,
-                  num_warps=8 if bm >= 128 else 4, num_stages=3)
+    elif bm == 64:  # 48-80 pairs an expert: 64 x 128 x 64 tiles, 4 stages, both GEMMs
+        c1 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, num_warps=4, num_stages=4,
+                  OPERAND_SCALE=1)
+        c2 = dict(c1)
+    elif per_expert >= 192:  # MMA-bound, many pairs an expert: wide GEMM1 steps, narrow GEMM2 tiles
+        c1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64 if fmt == "mxfp4" else 128, GROUP_M=8, SPLIT_K=1,
+                  num_warps=8, num_stages=3, OPERAND_SCALE=1)
         c2 = dict(c1, BLOCK_N=64, BLOCK_K=64, num_warps=4)
+    else:  # 80-192 pairs an expert (large experts: DeepSeek-V3, Kimi-K2 at M = 4096): deeper GEMM1, wide GEMM2
+        c1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=4,
+                  OPERAND_SCALE=1)
+        c2 = dict(c1, BLOCK_N=256, num_stages=3)
     # split K when the blocks x column tiles would leave SMs idle (GEMM1: N = I, K = H; GEMM2: N = H, K = I)
     blocks = min(E, M * top_k)
     for c, n, k, most in ((c1, I, H, 4), (c2, H, I, 8)):
