@@ -517,6 +517,30 @@ def test_fused_moe_fast_bf16_realistic_shape_gpu(quant, E_, k, H, I, M, variant)
     assert rel(y, want) < TOL["bfloat16"]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("quant", ["int8-sym-g128", "int8-asym-g64", "int4-sym-g128"])
+@pytest.mark.parametrize("M", [3, 700])
+def test_fused_moe_fast_fp16_gpu(quant, M):
+    """fp16 activations: int8's own unpacking (1024 + u in fp16, no fp32 step) and int4's, against the
+    reference, with the heuristic's tiles (M = 700: the scale in the operand)."""
+    from moeconvert.runtime.moeconvert_triton import weights_from_tensors
+    from moeconvert.kernels.moe_fast import fused_moe_fast
+    from moeconvert.runtime.reference import activation_fn, reference_moe
+
+    g = torch.Generator().manual_seed(M)
+    tensors, ref_w = encoded(quant, 16, 1024, 512, torch.float16, False, g)
+    tensors = {n: t.cuda() for n, t in tensors.items()}
+    ref_w = type(ref_w)(*(None if t is None else t.cuda()
+                          for t in (ref_w.w13, ref_w.w2, ref_w.w13_bias, ref_w.w2_bias)))
+    x = torch.randn(M, 1024, generator=g).to("cuda", torch.float16)
+    tw, ids = torch.topk(torch.softmax(torch.randn(M, 16, generator=g).cuda(), -1), 4)
+    y = fused_moe_fast(x, weights_from_tensors(tensors, "w13"), weights_from_tensors(tensors, "w2"), tw,
+                       ids.to(torch.int32), fmt=quant[:4], group_size=int(quant.rsplit("-g", 1)[1]))
+    want = reference_moe(x.float(), ref_w, tw, ids, activation_fn("silu"))
+    assert y.dtype == torch.float16 and rel(y, want) < TOL["float16"]
+
+
 def _shipped_h200_runs() -> list[tuple[str, str]]:
     from moeconvert.bench.kernel import SHAPES
 

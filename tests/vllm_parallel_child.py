@@ -25,9 +25,11 @@ def main() -> None:
 
     from vllm.plugins import load_general_plugins
 
-    from vllm_plugin_child import _kernels_build_on_the_cpu  # this script's folder is on sys.path
+    # this script's folder is on sys.path
+    from vllm_plugin_child import _kernels_build_on_the_cpu, _plain_torch_linear_layers
 
     _kernels_build_on_the_cpu()  # the MoE kernels need CUDA to run, not to be built
+    _plain_torch_linear_layers()  # torch's GEMM for plain linear layers, on a CPU with AMX tiles too
     torch.accelerator.empty_cache = lambda: None  # the loader empties the accelerator's cache; a CPU build has none
     load_general_plugins()
 
