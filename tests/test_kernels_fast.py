@@ -76,56 +76,53 @@ def encoded(quant, E, H, I, dtype, bias, g, act="silu", device="cpu", mx_top: in
 # 1. the layout: bytes by hand, round trip, refusals
 
 
-def _fragment_position(n: int, k: int) -> tuple[int, int, int]:
-    """(atom row, byte within the row, nibble shift) of code (n, k), from the MMA fragment of
-    mma.m16n8k16's first operand: lane 4g + t holds rows g, g + 8 and inputs 2t, 2t+1, 2t+8, 2t+9 of
-    each 16-input step; a lane's 16 bytes are one word per step, register c = nibbles c and c + 4."""
-    row_in_atom, k_in_atom = n % 16, k % 64
+def _mma_operand_place(n: int, k: int, atom_k: int) -> tuple[int, int, int, int, int]:
+    """Where mma.m16n8k16's first operand puts weight (n, k) of an atom of 16 rows x ``atom_k`` inputs:
+    (lane 4g + t, half h: row g or g + 8, 16-input step kt, half step kh: inputs 2t, 2t+1 or 2t+8, 2t+9,
+    e: which of the two)."""
+    row_in_atom, k_in_atom = n % 16, k % atom_k
     g, h = row_in_atom % 8, row_in_atom // 8
     kt, rest = k_in_atom // 16, k_in_atom % 16
-    kh, t, e = rest // 8, (rest % 8) // 2, rest % 2
+    return 4 * g + (rest % 8) // 2, h, kt, rest // 8, rest % 2
+
+
+def _fragment_position(n: int, k: int) -> tuple[int, int, int]:
+    """(atom row, byte within the row, nibble shift) of 4-bit code (n, k): a lane's 16 bytes are one word
+    per 16-input step, register c = nibbles c and c + 4."""
+    lane, h, kt, kh, e = _mma_operand_place(n, k, 64)
     nibble = (2 * kh + h) + 4 * e  # register 2kh + h, its low (e = 0) or high half
-    byte = (k // 64) * 512 + (4 * g + t) * 16 + 4 * kt + nibble // 2
-    return n // 16, byte, 4 * (nibble % 2)
-
-
-def test_fragment_bytes_hold_each_lanes_mma_operand():
-    g = torch.Generator().manual_seed(5)
-    codes = torch.randint(0, 16, (2, 32, 128), dtype=torch.uint8, generator=g)
-    packed = pack_fragments(codes)
-    assert packed.shape == (2, 2, 1024) and packed.dtype == torch.uint8
-    for e in range(2):
-        for n in range(32):
-            for k in range(128):
-                row, byte, shift = _fragment_position(n, k)
-                assert (int(packed[e, row, byte]) >> shift) & 15 == int(codes[e, n, k]), (e, n, k)
-    assert torch.equal(unpack_fragments(packed), codes)
+    return n // 16, (k // 64) * 512 + lane * 16 + 4 * kt + nibble // 2, 4 * (nibble % 2)
 
 
 def _int8_fragment_position(n: int, k: int) -> tuple[int, int]:
-    """(atom row, byte within the row) of int8 code (n, k), from the same MMA fragment: lane 4g + t holds
-    rows g, g + 8 and inputs 2t, 2t+1, 2t+8, 2t+9 of each 16-input step, two steps to a 32-input atom;
-    a lane's 16 bytes are one word per half step (inputs 2t, 2t+1 or 2t+8, 2t+9), each word two
-    registers: rows g then g + 8, inputs in order."""
-    row_in_atom, k_in_atom = n % 16, k % 32
-    g, h = row_in_atom % 8, row_in_atom // 8
-    kt, rest = k_in_atom // 16, k_in_atom % 16
-    kh, t, e = rest // 8, (rest % 8) // 2, rest % 2
-    word = 2 * kt + kh
-    return n // 16, (k // 32) * 512 + (4 * g + t) * 16 + 4 * word + 2 * h + e
+    """(atom row, byte within the row) of int8 code (n, k), two 16-input steps to a 32-input atom: a lane's
+    16 bytes are one word per half step, each word two registers (rows g then g + 8, inputs in order)."""
+    lane, h, kt, kh, e = _mma_operand_place(n, k, 32)
+    return n // 16, (k // 32) * 512 + lane * 16 + 4 * (2 * kt + kh) + 2 * h + e
 
 
-def test_int8_fragment_bytes_hold_each_lanes_mma_operand():
-    g = torch.Generator().manual_seed(6)
-    codes = torch.randint(0, 256, (2, 32, 96), dtype=torch.uint8, generator=g)
-    packed = pack_int8_fragments(codes)
-    assert packed.shape == (2, 2, 1536) and packed.dtype == torch.uint8
+def _code_at(packed: torch.Tensor, bits: int, e: int, n: int, k: int) -> int:
+    """Code (n, k) of expert e read from fragment bytes by the by-hand positions above."""
+    if bits == 8:
+        row, byte = _int8_fragment_position(n, k)
+        return int(packed[e, row, byte])
+    row, byte, shift = _fragment_position(n, k)
+    return (int(packed[e, row, byte]) >> shift) & 15
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fragment_bytes_hold_each_lanes_mma_operand(bits):
+    g = torch.Generator().manual_seed(bits)
+    K = 128 if bits == 4 else 96  # two 64-input / three 32-input atoms
+    codes = torch.randint(0, 1 << bits, (2, 32, K), dtype=torch.uint8, generator=g)
+    pack, unpack = (pack_fragments, unpack_fragments) if bits == 4 else (pack_int8_fragments, unpack_int8_fragments)
+    packed = pack(codes)
+    assert packed.shape == (2, 2, K * bits * 2) and packed.dtype == torch.uint8
     for e in range(2):
         for n in range(32):
-            for k in range(96):
-                row, byte = _int8_fragment_position(n, k)
-                assert int(packed[e, row, byte]) == int(codes[e, n, k]), (e, n, k)
-    assert torch.equal(unpack_int8_fragments(packed), codes)
+            for k in range(K):
+                assert _code_at(packed, bits, e, n, k) == int(codes[e, n, k]), (e, n, k)
+    assert torch.equal(unpack(packed), codes)
 
 
 @pytest.mark.parametrize("quant,bias", [("int4-sym-g32", False), ("int4-asym-g64", True), ("int8-asym-g32", False),
