@@ -77,9 +77,10 @@ def num_sms(device) -> int:
 
 def candidates(s: LayerShape, M: int, sms: int) -> list[tuple[int, list[dict], list[dict]]]:
     """(BLOCK_M, GEMM1 configs, GEMM2 configs) to try for one (shape, M): the tile widths and depths
-    that matter at this M (4 stages; 6 too for two tiles when an expert gets few pairs), split-K for a
-    GEMM whose programs would not fill the GPU; at 64 pairs an expert or more, integer scales on the
-    product and in the operand (``OPERAND_SCALE``)."""
+    that matter at this M (blocks of 16 and 32 rows: 4 stages, 6 too for two tiles when an expert gets
+    few pairs, split-K for a GEMM whose programs would not fill the GPU; blocks of 64 and 128 rows, from
+    33 pairs an expert on: 3 stages, 4 too for the two tiles ``heuristic_configs`` deepens, and integer
+    scales on the product and in the operand, ``OPERAND_SCALE``)."""
     ppe = M * s.top_k / s.E
     bms = [16] if ppe <= 8 else [16, 32] if ppe <= 32 else [32, 64] if ppe <= 96 else [64, 128]
     out = []
@@ -101,11 +102,13 @@ def candidates(s: LayerShape, M: int, sms: int) -> list[tuple[int, list[dict], l
                     out_list += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=sk, GROUP_M=1)
                                  for sk in splits if k // bk >= sk]
         else:
-            tiles = [(64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (256, 64, 8)]
+            # (BLOCK_N, BLOCK_K, warps, stages): 4 stages for the two tiles heuristic_configs takes with them
+            tiles = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4),
+                     (128, 128, 8, 3), (256, 64, 8, 3)]
             # MMA-bound: symmetric scales in the operand too (the MMA then overlaps the next unpacking)
             scales = (0,) if s.fmt == "mxfp4" else (0, 1)
-            base = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, GROUP_M=8, SPLIT_K=1, OPERAND_SCALE=o)
-                    for bn, bk, w in tiles for o in scales]
+            base = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, GROUP_M=8, SPLIT_K=1, OPERAND_SCALE=o)
+                    for bn, bk, w, st in tiles for o in scales]
             g1, g2 = base, [dict(c) for c in base]
         out.append((bm, [dict(c, BLOCK_M=bm) for c in g1], [dict(c, BLOCK_M=bm) for c in g2]))
     return out
