@@ -1,8 +1,8 @@
 """The fused-MoE GEMM of the ``triton-fast`` layout: one kernel for both GEMMs of a layer call.
 
 A program multiplies ``BLOCK_M`` aligned pairs of one expert by ``BLOCK_N`` weight columns over one K
-split; 4-bit weights (int4, MXFP4) always multiply swapped (``acc^T = W @ A^T``, the weights the MMA's
-first operand, straight from registers: dequant.py), int8 ``[K, N]`` rows either way. How a program
+split; the weights (int4, int8, MXFP4 fragment atoms) always multiply swapped (``acc^T = W @ A^T``, the
+weights the MMA's first operand, straight from registers: dequant.py). How a program
 works, split-K, where the scales are applied and why, and the rounding: docs/kernels.md, "A GEMM
 program" to "Rounding". Which compile-time flags exist and why each stays: docs/kernels.md, "The
 GEMM's compile-time flags".
