@@ -54,6 +54,49 @@ def test_bench_kernel_bad_arguments_exit_2(argv, needle):
     assert code == 2 and needle in err and err.count("\n") == 1, err
 
 
+def _pairs_file(tmp_path, data) -> str:
+    path = tmp_path / "pairs.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+_C = lambda **kw: dict(dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), **kw)
+
+
+@pytest.mark.parametrize("data,needle", [
+    ("{not json", "cannot read the config pairs"),
+    ([], "non-empty JSON object"),
+    ({"a": [_C()]}, "a list of two objects"),
+    ({"a": [_C(), {"BLOCK_M": 16, "BLOCK_N": 64}]}, "no BLOCK_K"),
+    ({"a": [_C(), _C(BLOCK_M=32)]}, "16 and 32"),
+    ({"a": [_C(BLOCK_K=32), _C()]}, "64-input fragment atoms"),  # int4 needs whole 64-input atoms
+    ({"a": [_C(OPERAND_SCALE=2), _C()]}, "OPERAND_SCALE = 2"),
+])
+def test_bench_kernel_refuses_bad_config_pairs_before_timing(tmp_path, data, needle):
+    path = _pairs_file(tmp_path, data)
+    code, out, err = cli("bench", "kernel", "--shapes", "mixtral", "--tokens", "1", "--configs", path)
+    assert code == 2 and needle in err and err.count("\n") == 1 and path in err, err
+
+
+def test_config_pairs_name_columns_of_ours_and_only_the_engines_set_the_best(tmp_path, monkeypatch):
+    import moeconvert.bench.kernel as bk
+
+    pair = (_C(BLOCK_K=64, OPERAND_SCALE=1), _C(BLOCK_N=128))
+    assert bk.read_configs(_pairs_file(tmp_path, {"wide": [pair[0], pair[1]]})) == {"wide": pair}
+    seen = []
+    run = lambda x, tw, ids, logits, configs=None: seen.append(configs) or 0.0
+    pinned_run, _, _ = bk.pinned((run, 1, None), pair)
+    pinned_run(None, None, None, None)
+    run(None, None, None, None)
+    assert seen == [pair, None]  # the pinned column runs the pair; ours picks its own configs
+    monkeypatch.setattr(bk, "graph_us", lambda fn, rep_ms=100: fn())
+    build = lambda us: (lambda: ((lambda x, tw, ids, logits: us), None, None))
+    rows = bk.time_problem(Problem("tiny", 4, 2, 256, 128, "int4-g128"), [1],
+                           {"ours": build(10.0), "ours:wide": build(2.0), "marlin": build(5.0)}, "cpu", 4e12, 1e15, {})
+    assert rows[0]["us"] == {"ours": 10.0, "ours:wide": 2.0, "marlin": 5.0}
+    assert rows[0]["vs_best_contender"] == 0.5  # marlin over ours; the pinned column is not a contender
+
+
 def test_problem_bytes_by_hand():
     # Mixtral's layer at int4 g128: 8 experts x 3 x 4096 x 14336 weights x (0.5 B + a bf16 scale per 128)
     p = problems(["mixtral"])[0]

@@ -126,6 +126,53 @@ def ours(p: Problem, device):
     return run, sum(v.numel() * v.element_size() for v in t.values()), (w13, w2)
 
 
+def read_configs(path: str) -> dict[str, tuple[dict, dict]]:
+    """``--configs FILE``: a JSON object ``{"name": [GEMM1 config, GEMM2 config], ...}`` (kernels/configs.py's
+    keys, both GEMMs with one BLOCK_M), each pair timed as our layer's column ``ours:name`` beside the
+    configs the layer picks itself (``ours``)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise MoeConvertError(f"cannot read the config pairs: {e}", file=path, tensor="--configs") from None
+    if not isinstance(data, dict) or not data:
+        raise MoeConvertError("config pairs must be a non-empty JSON object", file=path, tensor="--configs",
+                              expected='{"name": [{GEMM1}, {GEMM2}]}', found=type(data).__name__)
+    out = {}
+    for name, pair in data.items():
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(c, dict) for c in pair)):
+            raise MoeConvertError("a config pair is a list of two objects (GEMM1, GEMM2)", file=path, tensor=name,
+                                  expected="[{...}, {...}]", found=json.dumps(pair)[:80])
+        missing = [k for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") for c in pair if k not in c]
+        if missing:
+            raise MoeConvertError("a config needs its tile sizes", file=path, tensor=name,
+                                  expected="BLOCK_M, BLOCK_N, BLOCK_K", found=f"no {missing[0]}")
+        if pair[0]["BLOCK_M"] != pair[1]["BLOCK_M"]:
+            raise MoeConvertError("the two GEMMs share one alignment", file=path, tensor=name,
+                                  expected="one BLOCK_M", found=f"{pair[0]['BLOCK_M']} and {pair[1]['BLOCK_M']}")
+        out[str(name)] = (dict(pair[0]), dict(pair[1]))
+    return out
+
+
+def check_configs_for(probs: list[Problem], pairs: dict[str, tuple[dict, dict]], path: str = "--configs") -> None:
+    """Every pair is one the kernel takes for every problem's format (kernels/moe_fast.check_config)."""
+    from moeconvert.kernels.moe_fast import check_config
+
+    for p in probs:
+        for name, pair in pairs.items():
+            for c in pair:
+                try:
+                    check_config(c, _fmt(p)[0])
+                except ValueError as e:
+                    raise MoeConvertError(f"{e} ({p.name}, {p.fmt})", file=path, tensor=name) from None
+
+
+def pinned(built, pair: tuple[dict, dict]):
+    """``ours``' (run, bytes, weights) with every call running ``pair`` instead of the configs it picks."""
+    run, nbytes, weights = built
+    return (lambda x, tw, ids, logits: run(x, tw, ids, logits, configs=pair)), nbytes, weights
+
+
 # ---------------------------------------------------------------------------------------------------
 # --tune (kernels/tune.py)
 
@@ -169,7 +216,8 @@ def _steps(p: Problem, M: int, device, weights, hit: int, bw: float) -> dict:
 
 def bench_kernel(shapes: list[str], ms: list[int], contenders: list[str], *, custom: list[str] = (), device="cuda",
                  fmt: str | None = None,
-                 do_tune: bool = False, table: str | None = None, breakdown: bool = False, log=print) -> dict:
+                 do_tune: bool = False, table: str | None = None, breakdown: bool = False, log=print,
+                 pairs: dict[str, tuple[dict, dict]] | None = None, pairs_file: str = "--configs") -> dict:
     from moeconvert.kernels import configs
     from moeconvert.bench import contenders as C
 
@@ -179,6 +227,7 @@ def bench_kernel(shapes: list[str], ms: list[int], contenders: list[str], *, cus
     if fmt is not None:
         parse_format(fmt)
     probs = problems(shapes, fmt, custom)
+    check_configs_for(probs, pairs or {}, pairs_file)
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise MoeConvertError("bench kernel times CUDA graphs: it needs a CUDA device", expected="cuda",
@@ -206,6 +255,8 @@ def bench_kernel(shapes: list[str], ms: list[int], contenders: list[str], *, cus
     log(f"{name}: copy {bw / 1e12:.2f} TB/s, bf16 mm {rate / 1e12:.0f} TFLOP/s")
     for p in probs:
         builders = {"ours": lambda: ours(p, device)}
+        for name, pair in (pairs or {}).items():  # ours again, with each named config pair
+            builders[f"ours:{name}"] = lambda pair=pair: pinned(ours(p, device), pair)
         for c in contenders:
             builders[c] = {"marlin": lambda: C.marlin(p, device), "humming": lambda: C.humming(p, device, ms),
                            "triton_kernels": lambda: C.triton_kernels(p, device)}[c]
@@ -259,7 +310,7 @@ def time_problem(p: Problem, ms: list[int], builders: dict, device, bw: float, r
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     for row in rows:
-        others = [v for k, v in row["us"].items() if k != "ours"]
+        others = [v for k, v in row["us"].items() if not k.startswith("ours")]  # the engines' kernels
         if "ours" in row["us"]:
             t = row["us"]["ours"]
             row["vs_best_contender"] = round(min(others) / t, 3) if others else None

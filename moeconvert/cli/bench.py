@@ -204,6 +204,8 @@ def bench_kernel_cmd(
     table: Optional[str] = typer.Option(None, "--table", help="Config table to write (--tune) or read (default: "
                                         "the user's cache for this GPU)."),
     breakdown: bool = typer.Option(False, "--breakdown", help="Also time our align / GEMM1 / GEMM2 one by one."),
+    configs: Optional[str] = typer.Option(None, "--configs", help="JSON file {\"name\": [GEMM1 config, GEMM2 "
+                                          "config]}: also time our layer with each pair, as column ours:name."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda | cuda:N."),
     json_out: bool = JSON,
 ):
@@ -212,17 +214,19 @@ def bench_kernel_cmd(
 
     if importlib.util.find_spec("triton") is None:
         raise MoeConvertError("bench kernel needs Triton (pip install triton, on Linux with a CUDA GPU)")
-    from moeconvert.bench.kernel import bench_kernel
+    from moeconvert.bench.kernel import bench_kernel, read_configs
 
     counts = _token_counts(tokens)
+    pairs = read_configs(configs) if configs else None
     log = (lambda *a: print(*a, file=sys.stderr)) if json_out else (lambda m: out.print(escape(str(m))))
     r = bench_kernel([s for s in shapes.split(",") if s], counts, [c for c in contenders.split(",") if c],
                      custom=custom or [], device=_bench_device(device), fmt=fmt, do_tune=tune, table=table,
-                     breakdown=breakdown, log=log)
+                     breakdown=breakdown, log=log, pairs=pairs, pairs_file=configs or "--configs")
     if json_out:
         print(json.dumps(r, indent=1))
         return
-    names = ["ours"] + [c for c in CONTENDER_ORDER if any(c in row["us"] for row in r["rows"])]
+    names = ["ours"] + [f"ours:{n}" for n in pairs or {}]
+    names += [c for c in CONTENDER_ORDER if any(c in row["us"] for row in r["rows"])]
     t = Table(title=f"bench kernel on {r['device']}: us per layer (CUDA graph); copy {r['copy_TBps']} TB/s, "
                     f"bf16 {r['bf16_TFLOPs']} TFLOP/s")
     for col in ("shape", "M", "experts", "mem floor", "compute floor", *names, "vs best", "of mem floor",
