@@ -120,10 +120,9 @@ def write_table(path, device_name: str, entries: dict) -> None:
 
 def heuristic_configs(fmt: str, E: int, top_k: int, H: int, I: int, M: int, num_sms: int = 132) -> tuple[dict, dict]:
     """Tiles from the expected pairs per expert (uniform routing), for GPUs or shapes with no table."""
-    # what --tune picked on the H200 for the bench shapes, by regime (kernels/tuned/nvidia-h200.json)
     # decode: what --tune picked on the H200 for the bench shapes (kernels/tuned/nvidia-h200.json); from
     # 48 pairs an expert on: the fastest of the tiles timed side by side on an H100 at M = 1024 and 4096
-    # (docs/kernels.md, "Prefill: the scale in the operand"), integer scales in the operand throughout
+    # (docs/kernels.md, "Prefill: tiles and the scale form side by side"), integer scales in the operand
     per_expert = M * top_k / E
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64 if per_expert < 80 else 128
     small = bm <= 32

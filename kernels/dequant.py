@@ -5,8 +5,8 @@ Why this shape (one 16-byte load per thread and atom, unpacked in registers, no 
 integer-to-float conversion): docs/kernels.md, "A GEMM program" and "Dequantization, GPU"; the
 fragment order itself: docs/layouts/triton-fast.md. Here: the inline PTX, generated once at import
 (4-bit: one 32-bit word = 8 codes = 4 bf16x2 / f16x2 registers, register ``c`` = nibbles ``c`` and
-``c + 4``; int8: one word = 4 codes = 2 registers), the portable path with the same values (interpreter, fp32, ``MOECONVERT_PORTABLE_DEQUANT``;
-``FAST`` selects, moe_fast.py decides), and the reshapes / permutes that turn a step's unpacked rows
+``c + 4``; int8: one word = 4 codes = 2 registers), the portable path with the same values
+(interpreter, fp32, ``MOECONVERT_PORTABLE_DEQUANT``; ``FAST`` selects, moe_fast.py decides), and the reshapes / permutes that turn a step's unpacked rows
 into the ``[BLOCK_N, BLOCK_K]`` operand (resolved by the compiler to a renaming of registers).
 """
 

@@ -190,13 +190,10 @@ class TritonFastWNA16Layout(Layout):
         assert isinstance(scheme, WNA16Scheme)
         E, H, I, b = shape.num_experts, shape.hidden_size, shape.intermediate_size, scheme.bits
         dt = DTYPES[shape.dtype]
-        if b == 4:
-            weights = [TensorSpec(W13.weight, (E, 2 * I // ATOM_N, 8 * H), torch.uint8),
-                       TensorSpec(W2.weight, (E, H // ATOM_N, 8 * I), torch.uint8)]
-        else:
-            weights = [TensorSpec(W13.weight, (E, 2 * I // ATOM_N, 16 * H), torch.uint8),
-                       TensorSpec(W2.weight, (E, H // ATOM_N, 16 * I), torch.uint8)]
-        specs = weights + [
+        row = 16 * b // 8  # bytes of a 16-row atom row per input: 8 (int4), 16 (int8)
+        specs = [
+            TensorSpec(W13.weight, (E, 2 * I // ATOM_N, row * H), torch.uint8),
+            TensorSpec(W2.weight, (E, H // ATOM_N, row * I), torch.uint8),
             TensorSpec(W13.weight_scale, (E, scheme.groups(H), 2 * I), dt),
             TensorSpec(W2.weight_scale, (E, scheme.groups(I), H), dt),
         ]
