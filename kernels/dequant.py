@@ -48,11 +48,19 @@ _MX_ASM = "\n".join(["{", ".reg .b32 m, s, c, nz;", "mov.b32 c, 0x7E807E80;", "m
                      + [f"fma.rn.bf16x2 ${c}, ${c}, c, nz;" for c in range(4)] + ["}"])
 # the bits alone: value * 2^-126 (MX_FOLD: the 2^126 is folded into the scale)
 _MX_RAW_ASM = "\n".join(["{", ".reg .b32 m, s;"] + _MX_BITS + ["}"])
+# the nibbles alone: MAGIC + u (asymmetric layers subtract MAGIC + z instead: u - z, exact)
+_I4_RAW_ASM = "\n".join(["{", ".reg .b32 t;"] + [x for c in range(4) for x in _i4_register(c)] + ["}"])
 # operands: $0..$3 out (the two results' 4 x 16 bits each), $4 the 4 code bytes
 _ASM_I4_BF16 = tl.constexpr(_I4_ASM.replace("ONE", "0x3F803F80").replace("NEGBIAS", "0xC308C308")
                             .replace("MAGIC", "0x43004300").replace(".T", ".bf16x2"))
 _ASM_I4_F16 = tl.constexpr(_I4_ASM.replace("ONE", "0x3C003C00").replace("NEGBIAS", "0xE408E408")
                            .replace("MAGIC", "0x64006400").replace(".T", ".f16x2"))
+_ASM_I4_RAW_BF16 = tl.constexpr(_I4_RAW_ASM.replace("MAGIC", "0x43004300"))
+_ASM_I4_RAW_F16 = tl.constexpr(_I4_RAW_ASM.replace("MAGIC", "0x64006400"))
+# (MAGIC + u) - (MAGIC + z), times the scale, on pairs of one row and group: $1 the codes, $2 the zero
+# points and $3 the scales, each pair one value twice
+_ASM_SUB_MUL_BF16 = tl.constexpr("{ .reg .b32 t; sub.rn.bf16x2 t, $1, $2; mul.rn.bf16x2 $0, t, $3; }")
+_ASM_SUB_MUL_F16 = tl.constexpr("{ .reg .b32 t; sub.rn.f16x2 t, $1, $2; mul.rn.f16x2 $0, t, $3; }")
 _ASM_MX = tl.constexpr(_MX_ASM)
 _ASM_MX_RAW = tl.constexpr(_MX_RAW_ASM)
 _C_ASM: tl.constexpr = tl.constexpr("=r,=r,=r,=r,r")
@@ -72,30 +80,44 @@ _I8_F16_ASM = "\n".join(
     ["{", ".reg .b32 m, b;", "mov.b32 m, 0x64646464;", "mov.b32 b, 0x64806480;",
      "prmt.b32 $0, $2, m, 0x4140;", "prmt.b32 $1, $2, m, 0x4342;",
      "sub.f16x2 $0, $0, b;", "sub.f16x2 $1, $1, b;", "}"])
+# the codes alone (asymmetric layers subtract MAGIC + z, u - z being exact in fp32 and fp16): bf16 layers
+# take each byte as the fp32 2^23 + u (a prmt a code), fp16 ones as the f16x2 1024 + u (a prmt a pair)
+_I8_RAW_F32_ASM = "\n".join(["{", ".reg .b32 m;", "mov.b32 m, 0x4B000000;"]
+                             + [f"prmt.b32 ${j}, $4, m, 0x{0x7440 + j:04X};" for j in range(4)] + ["}"])
+_I8_RAW_F16_ASM = "\n".join(["{", ".reg .b32 m;", "mov.b32 m, 0x64646464;",
+                              "prmt.b32 $0, $2, m, 0x4140;", "prmt.b32 $1, $2, m, 0x4342;", "}"])
+_ASM_I8_RAW_F32 = tl.constexpr(_I8_RAW_F32_ASM)
+_ASM_I8_RAW_F16 = tl.constexpr(_I8_RAW_F16_ASM)
 _ASM_I8_BF16 = tl.constexpr(_I8_BF16_ASM)
 _ASM_I8_F16 = tl.constexpr(_I8_F16_ASM)
 _C_ASM_I8: tl.constexpr = tl.constexpr("=r,=r,r")
 
 
 @triton.jit
+def i4_magic(FAST: tl.constexpr, compute_type: tl.constexpr):
+    """What ``unpack_fragments(..., RAW=True)`` adds to an int4 code u: 128 (1024 for fp16 on the GPU path)."""
+    return 1024.0 if FAST and compute_type == tl.float16 else 128.0
+
+
+@triton.jit
 def unpack_fragments(raw, FMT: tl.constexpr, FAST: tl.constexpr, compute_type: tl.constexpr,
-                     MX_RAW: tl.constexpr = False):
+                     RAW: tl.constexpr = False):
     """Fragment bytes [R, B] -> values [R, B, 2] in compute_type: element (r, kt * 4 + h * 2 + e, kh)
-    is nibble 2 kh + h + 4 e of the row's 32-bit word kt (int4: q - 8; MXFP4: the e2m1 value, or with
-    ``MX_RAW`` on the GPU path the value * 2^-126)."""
+    is nibble 2 kh + h + 4 e of the row's 32-bit word kt (int4: q - 8, with ``RAW`` the code u = q + 8
+    plus ``i4_magic``; MXFP4: the e2m1 value, with ``RAW`` on the GPU path the value * 2^-126)."""
     if FAST:
-        if FMT == 2 and MX_RAW:
+        if FMT == 2 and RAW:
             lo, hi = tl.inline_asm_elementwise(_ASM_MX_RAW, _C_ASM, [raw], dtype=(tl.bfloat16, tl.bfloat16),
                                                is_pure=True, pack=4)
         elif FMT == 2:
             lo, hi = tl.inline_asm_elementwise(_ASM_MX, _C_ASM, [raw], dtype=(tl.bfloat16, tl.bfloat16),
                                                is_pure=True, pack=4)
         elif compute_type == tl.float16:
-            lo, hi = tl.inline_asm_elementwise(_ASM_I4_F16, _C_ASM, [raw], dtype=(tl.float16, tl.float16),
-                                               is_pure=True, pack=4)
+            lo, hi = tl.inline_asm_elementwise(_ASM_I4_RAW_F16 if RAW else _ASM_I4_F16, _C_ASM, [raw],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
         else:
-            lo, hi = tl.inline_asm_elementwise(_ASM_I4_BF16, _C_ASM, [raw], dtype=(tl.bfloat16, tl.bfloat16),
-                                               is_pure=True, pack=4)
+            lo, hi = tl.inline_asm_elementwise(_ASM_I4_RAW_BF16 if RAW else _ASM_I4_BF16, _C_ASM, [raw],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         v = tl.join(lo, hi)
     else:
         R: tl.constexpr = raw.shape[0]
@@ -105,6 +127,8 @@ def unpack_fragments(raw, FMT: tl.constexpr, FAST: tl.constexpr, compute_type: t
         if FMT == 2:  # e2m1 -> fp16 bits s 000 0ee m 000000000 = value * 2^-14, exact
             h16 = (((c & 8) << 12) | ((c & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
             val = h16.to(tl.float32) * 16384.0
+        elif RAW:
+            val = c.to(tl.float32) + i4_magic(FAST, compute_type)
         else:
             val = (c - 8).to(tl.float32)
         v = tl.permute(val, (0, 1, 4, 2, 3)).reshape(R, B, 2).to(compute_type)
@@ -112,9 +136,48 @@ def unpack_fragments(raw, FMT: tl.constexpr, FAST: tl.constexpr, compute_type: t
 
 
 @triton.jit
-def unpack_int8(raw, FAST: tl.constexpr, compute_type: tl.constexpr):
-    """int8 fragment bytes [R, 16] (u = q + 128) -> q [R, 16] in compute_type, exact (bf16, fp16, fp32)."""
+def sub_mul(w, z, s, FAST: tl.constexpr, compute_type: tl.constexpr):
+    """(w - z) * s, each rounded to compute_type (w - z exact here). On the GPU path in inline PTX on
+    the operand's own register pairs: left to the compiler, the product is paired along the scale
+    tile's rows and every pair is permuted twice (2 extra instructions a pair, sm_90)."""
     if FAST and compute_type == tl.float16:
+        return tl.inline_asm_elementwise(_ASM_SUB_MUL_F16, "=r,r,r,r", [w, z, s], dtype=tl.float16, is_pure=True,
+                                         pack=2)
+    elif FAST:
+        return tl.inline_asm_elementwise(_ASM_SUB_MUL_BF16, "=r,r,r,r", [w, z, s], dtype=tl.bfloat16, is_pure=True,
+                                         pack=2)
+    else:
+        return (w - z) * s
+
+
+@triton.jit
+def i8_magic(FAST: tl.constexpr, compute_type: tl.constexpr):
+    """What ``unpack_int8(..., RAW=True)`` adds to an int8 code u: 2^23 for bf16 (in fp32), 1024 for fp16
+    on the GPU path, 0 on the portable one."""
+    if not FAST:
+        return 0.0
+    elif compute_type == tl.float16:
+        return 1024.0
+    else:
+        return 8388608.0
+
+
+@triton.jit
+def unpack_int8(raw, FAST: tl.constexpr, compute_type: tl.constexpr, RAW: tl.constexpr = False):
+    """int8 fragment bytes [R, 16] (u = q + 128) -> q [R, 16] in compute_type, exact (bf16, fp16, fp32);
+    with ``RAW`` the code u plus ``i8_magic``, in fp32 for a bf16 layer (u - z needs 9 bits)."""
+    if RAW and compute_type == tl.bfloat16:
+        if FAST:
+            q = tl.inline_asm_elementwise(_ASM_I8_RAW_F32, "=r,=r,=r,=r,r", [raw], dtype=tl.float32, is_pure=True,
+                                          pack=4)
+        else:
+            q = raw.to(tl.float32)
+    elif RAW:
+        if FAST and compute_type == tl.float16:
+            q = tl.inline_asm_elementwise(_ASM_I8_RAW_F16, _C_ASM_I8, [raw], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            q = raw.to(tl.float32).to(compute_type)
+    elif FAST and compute_type == tl.float16:
         q = tl.inline_asm_elementwise(_ASM_I8_F16, _C_ASM_I8, [raw], dtype=tl.float16, is_pure=True, pack=4)
     elif FAST:
         q = tl.inline_asm_elementwise(_ASM_I8_BF16, _C_ASM_I8, [raw], dtype=tl.bfloat16, is_pure=True, pack=4)

@@ -538,6 +538,47 @@ def test_fused_moe_fast_fp16_gpu(quant, M):
     assert y.dtype == torch.float16 and rel(y, want) < TOL["float16"]
 
 
+# the GPU unpacking against the portable one, bit for bit: every format's codes, zero points and scales
+# reach the MMA as the same numbers (asymmetric int4 as (128 + u) - (128 + z), several scale groups a
+# step in PTX; asymmetric int8 in fp32 for bf16), so the layer's output is identical, not only close
+EXACT_CASES = [(q, dt, bk) for q in ("int4-asym-g32", "int4-asym-g128", "int4-asym-gch", "int8-asym-g32", "int8-asym-g128",
+                                     "int4-sym-g32", "int8-sym-g32", "mxfp4")
+               for dt in (torch.bfloat16, torch.float16) for bk in (64, 128)
+               if not (q == "mxfp4" and dt == torch.float16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("quant,dtype,bk", EXACT_CASES,
+                         ids=[f"{q}-{str(d)[6:]}-bk{b}" for q, d, b in EXACT_CASES])
+def test_gpu_unpacking_is_bitwise_the_portable_one_gpu(quant, dtype, bk, monkeypatch):
+    from moeconvert.runtime.moeconvert_triton import weights_from_tensors
+    from moeconvert.kernels.moe_fast import ENV_PORTABLE, fused_moe_fast
+
+    g = torch.Generator().manual_seed(bk)
+    act = "swigluoai" if quant == "mxfp4" else "silu"
+    tensors, _ = encoded(quant, 8, 512, 256, dtype, quant == "mxfp4", g, act)
+    tensors = {n: t.cuda() for n, t in tensors.items()}
+    x = torch.randn(40, 512, generator=g).to("cuda", dtype)
+    tw, ids = torch.topk(torch.softmax(torch.randn(40, 8, generator=g).cuda(), -1), 2)
+    fmt = "mxfp4" if quant == "mxfp4" else quant[:4]
+    group = 32 if quant == "mxfp4" else (-1 if "gch" in quant else int(quant.rsplit("-g", 1)[1]))
+    # no split-K (whose atomic adds sum in any order); 64 x 64 tiles, BLOCK_K 64 or 128 (one group or
+    # several a step)
+    cfg = CFG(BLOCK_M=64, BLOCK_N=64, BLOCK_K=bk, num_stages=3)
+
+    def run():
+        return fused_moe_fast(x, weights_from_tensors(tensors, "w13"), weights_from_tensors(tensors, "w2"), tw,
+                              ids.to(torch.int32), fmt=fmt, group_size=group, activation=act, configs=(cfg, cfg))
+
+    monkeypatch.delenv(ENV_PORTABLE, raising=False)
+    fast = run()
+    monkeypatch.setenv(ENV_PORTABLE, "1")
+    portable = run()
+    assert fast.abs().max() > 0
+    assert torch.equal(fast, portable), f"{(fast.float() - portable.float()).abs().max().item():.3e} apart"
+
+
 def _shipped_h200_runs() -> list[tuple[str, str]]:
     from moeconvert.bench.kernel import SHAPES
 
