@@ -128,11 +128,10 @@ def heuristic_configs(fmt: str, E: int, top_k: int, H: int, I: int, M: int, num_
     # pairs an expert and took 32 at 16 (Qwen3-30B-A3B, Qwen3-235B-A22B at M = 256, Mixtral at M = 64)
     bm = 16 if per_expert < 12 else 32 if per_expert <= 48 else 64 if per_expert < 80 else 128
     small = bm <= 32
-    if small:  # weight streaming: BLOCK_K 128 (MXFP4 64, one scale group a step), 4 stages; GEMM1 64
-        # columns, GEMM2 128 (what --tune picked for GEMM2 at 14 of the 16 int4 points M <= 256)
-        c1 = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64 if fmt == "mxfp4" else 128, GROUP_M=1, SPLIT_K=1,
-                  num_warps=4, num_stages=4)
-        c2 = dict(c1, BLOCK_N=128)
+    if small:  # weight streaming, 4 stages: GEMM1 64 x 128 (columns x inputs), GEMM2 128 columns (MXFP4
+        # 128 x 64), what --tune picked at 14 of the 16 int4 points M <= 256 and for gpt-oss at M = 64, 256
+        c1 = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=4)
+        c2 = dict(c1, BLOCK_N=128, BLOCK_K=64 if fmt == "mxfp4" else 128)
     elif bm == 64:  # 48-80 pairs an expert: 64 x 128 x 64 tiles, 4 stages, both GEMMs
         c1 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, num_warps=4, num_stages=4,
                   OPERAND_SCALE=1)
