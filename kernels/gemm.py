@@ -105,17 +105,18 @@ def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_tile, z_tile, step, K, 
         else:
             s = s_tile.to(compute_type)
         s = tl.broadcast_to(s[:, :, None], (BLOCK_N, SG, BLOCK_K // SG)).reshape(BLOCK_N, BLOCK_K)
-        if HAS_ZP and FMT == 1 and compute_type == tl.bfloat16:  # u - z needs 9 bits: fp32, one rounding
-            z = z_tile.to(tl.float32) + i8_magic(FAST, compute_type)  # w: MAGIC + u in fp32 (RAW)
-            z = tl.broadcast_to(z[:, :, None], (BLOCK_N, SG, BLOCK_K // SG)).reshape(BLOCK_N, BLOCK_K)
-            w = ((w - z) * s.to(tl.float32)).to(compute_type)
-        elif HAS_ZP:  # (MAGIC + u) - (MAGIC + z) = u - z, exact (int4; int8 in fp16 and fp32; codes unpacked RAW)
+        if HAS_ZP:  # the codes unpacked RAW: (MAGIC + u) - (MAGIC + z) = u - z, exact
             MAGIC: tl.constexpr = i8_magic(FAST, compute_type) if FMT == 1 else i4_magic(FAST, compute_type)
-            z = (z_tile.to(tl.float32) + MAGIC).to(compute_type)
+            WIDE: tl.constexpr = FMT == 1 and compute_type == tl.bfloat16  # int8's u - z needs 9 bits: fp32
+            z = z_tile.to(tl.float32) + MAGIC
+            if not WIDE:
+                z = z.to(compute_type)
             z = tl.broadcast_to(z[:, :, None], (BLOCK_N, SG, BLOCK_K // SG)).reshape(BLOCK_N, BLOCK_K)
-            if SG > 1:  # several groups a step: in PTX on the operand's own pairs (dequant.sub_mul)
+            if WIDE:  # w: MAGIC + u in fp32; one rounding of the product
+                w = ((w - z) * s.to(tl.float32)).to(compute_type)
+            elif SG > 1:  # several groups a step: in PTX on the operand's own pairs (dequant.sub_mul)
                 w = sub_mul(w, z, s, FAST, compute_type)
-            else:  # one group: the compiler keeps the pairs itself (sub_mul measured 27 % more SASS here)
+            else:  # one group: the compiler keeps the pairs itself (sub_mul measured 28 % more SASS here)
                 w = (w - z) * s
         else:
             w = w * s
