@@ -152,11 +152,12 @@ def bench_load(out: Path, device: str = "cuda", runs: int = 5, layers=None, read
             dt = _timed(fn, dev)
             if i:
                 times[k].append(dt)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    shown = {k: [round(x, 6) for x in v] for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in shown.items()}  # of the figures as listed
     result = {
         "output": str(out), "device": str(dev), "runs": runs, "layers": len(entries), "bytes": nbytes,
         "source": src_id, "source_note": src_note,
-        "seconds": {k: [round(x, 6) for x in v] for k, v in times.items()},
+        "seconds": shown,
         "median_seconds": med,
         "ratio_converted_vs_floor": med["converted"] / med["floor"],
         "stand_in": "load_then_process = the source's tensors read to the device, then decoded, quantized "
