@@ -144,13 +144,16 @@ def heuristic_configs(fmt: str, E: int, top_k: int, H: int, I: int, M: int, num_
         c1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=4,
                   OPERAND_SCALE=1)
         c2 = dict(c1, BLOCK_N=256, num_stages=3)
-    # split K when the blocks x column tiles would leave SMs idle (GEMM1: N = I, K = H; GEMM2: N = H, K = I)
+    # split K when the blocks x column tiles would leave SMs idle (GEMM1: N = I, K = H; GEMM2: N = H, K = I),
+    # into enough parts for twice the SMs, rounded up: where the H200's --tune kept these column tiles it
+    # split at least that much (of 1, 2, 4; DeepSeek-V3 GEMM1 at M = 1: 256 programs, split 2; Mixtral
+    # GEMM2 at M = 16: 256, 2), docs/kernels.md "Split-K rounds up"
     blocks = min(E, M * top_k)
     for c, n, k, most in ((c1, I, H, 4), (c2, H, I, 8)):
         programs = blocks * math.ceil(n / c["BLOCK_N"])
         if small and programs < 2 * num_sms:
             steps = max(1, k // c["BLOCK_K"])
-            c["SPLIT_K"] = max(1, min(most, (2 * num_sms) // max(programs, 1), steps))
+            c["SPLIT_K"] = max(1, min(most, math.ceil(2 * num_sms / max(programs, 1)), steps))
     return c1, c2
 
 
