@@ -63,7 +63,7 @@ def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_tile, z_tile, step, K, 
                DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc^T [BLOCK_N, BLOCK_M] += W[n, k] @ A^T[k, m] over K step ``step``; ``s_tile`` / ``z_tile`` are
     the step's raw scale / zero-point rows [BLOCK_N, SG] (``_step_rows``). ``POST``: the scale (SG = 1)
-    multiplies the fp32 product; MXFP4 with ``GROUP_DOTS``: one dot per 32-input group, its scale on the
+    multiplies the fp32 product of the exact codes (zero points: u - z); MXFP4 with ``GROUP_DOTS``: one dot per 32-input group, its scale on the
     fp32 product; else the scales multiply the operand, and MXFP4 with ``MX_FOLD`` (every e8m0 exponent
     <= 128) multiplies value * 2^-126 by 2^(S - 1). Atoms: 64 inputs (int4, MXFP4), 32 (int8)."""
     ATOM_K: tl.constexpr = 32 if FMT == 1 else 64
@@ -93,7 +93,16 @@ def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_tile, z_tile, step, K, 
         w = fragment_operand(unpack_fragments(raw, FMT, FAST, compute_type, RAW), BLOCK_N, BLOCK_K)
     k = step * BLOCK_K + tl.arange(0, BLOCK_K)
     a = tl.load(a_rows + k[:, None], mask=(k < K)[:, None] & a_mask[None, :], other=0.0)
-    if POST:  # symmetric WNA16, one group a step: the scale multiplies the step's fp32 product
+    if HAS_ZP:  # the codes unpacked RAW: (MAGIC + u) - (MAGIC + z) = u - z, exact
+        MAGIC: tl.constexpr = i8_magic(FAST, compute_type) if FMT == 1 else i4_magic(FAST, compute_type)
+        WIDE: tl.constexpr = FMT == 1 and compute_type == tl.bfloat16  # int8's MAGIC + u needs fp32
+        z = z_tile.to(tl.float32) + MAGIC
+        if not WIDE:
+            z = z.to(compute_type)
+        z = tl.broadcast_to(z[:, :, None], (BLOCK_N, SG, BLOCK_K // SG)).reshape(BLOCK_N, BLOCK_K)
+    if POST:  # one group a step: the scale multiplies the step's fp32 product
+        if HAS_ZP:  # u - z in the operand: an integer of at most 8 bits and a sign, exact in bf16 / fp16
+            w = (w - z).to(compute_type)
         s = tl.reshape(s_tile, (BLOCK_N,)).to(tl.float32)
         acc += tl.dot(w, a, input_precision=DOT_PRECISION) * s[:, None]
     else:
@@ -105,13 +114,7 @@ def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_tile, z_tile, step, K, 
         else:
             s = s_tile.to(compute_type)
         s = tl.broadcast_to(s[:, :, None], (BLOCK_N, SG, BLOCK_K // SG)).reshape(BLOCK_N, BLOCK_K)
-        if HAS_ZP:  # the codes unpacked RAW: (MAGIC + u) - (MAGIC + z) = u - z, exact
-            MAGIC: tl.constexpr = i8_magic(FAST, compute_type) if FMT == 1 else i4_magic(FAST, compute_type)
-            WIDE: tl.constexpr = FMT == 1 and compute_type == tl.bfloat16  # int8's u - z needs 9 bits: fp32
-            z = z_tile.to(tl.float32) + MAGIC
-            if not WIDE:
-                z = z.to(compute_type)
-            z = tl.broadcast_to(z[:, :, None], (BLOCK_N, SG, BLOCK_K // SG)).reshape(BLOCK_N, BLOCK_K)
+        if HAS_ZP:
             if WIDE:  # w: MAGIC + u in fp32; one rounding of the product
                 w = ((w - z) * s.to(tl.float32)).to(compute_type)
             elif SG > 1:  # several groups a step: in PTX on the operand's own pairs (dequant.sub_mul)
@@ -149,8 +152,8 @@ def moe_gemm(
     global top-k ids, ``EM`` = pairs x BLOCK_M; one token's pairs go to distinct experts). The weights
     are fragment ordered (``stride_bk``: bytes per 16-row atom row, K * 8 for 4 bits, K * 16 for int8)
     and multiply swapped, the MMA's first operand straight from registers.
-    ``OPERAND_SCALE``: symmetric scales with one group a step multiply the operand, not the step's fp32
-    product (each dot then chains into the accumulator and the MMA runs asynchronously with the next
+    ``OPERAND_SCALE``: scales with one group a step (zero points or not) multiply the operand, not the
+    step's fp32 product (each dot then chains into the accumulator and the MMA runs asynchronously with the next
     step's unpacking; what large M gains: docs/kernels.md, "The GEMM's compile-time flags")."""
     kernel_start(PDL)
     pid_m, pid_n = grouped_program_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -191,9 +194,9 @@ def moe_gemm(
     w_rows = b_base + na.to(tl.int64) * stride_bk + ka_rows * 512 + (rows % 32) * 16
     w_ptrs = w_rows[:, None] + tl.arange(0, 16)[None, :]
     up_ptrs = w_ptrs + (up_offset // 16) * stride_bk
-    # symmetric WNA16 with one scale group a step: the scale multiplies the step's fp32 product (unless
-    # OPERAND_SCALE: then the product chains into the accumulator and the MMA runs asynchronously)
-    POST: tl.constexpr = FMT != 2 and not HAS_ZP and GROUP % BLOCK_K == 0 and not OPERAND_SCALE
+    # WNA16 with one scale group a step: the scale multiplies the step's fp32 product (unless OPERAND_SCALE:
+    # then the product chains into the accumulator and the MMA runs asynchronously)
+    POST: tl.constexpr = FMT != 2 and GROUP % BLOCK_K == 0 and not OPERAND_SCALE
     SG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1
     S_OTHER: tl.constexpr = 127 if FMT == 2 else 0  # e8m0 127 = 1.0 past the last group
     Z_OTHER: tl.constexpr = 128 if FMT == 1 else 8

@@ -105,7 +105,7 @@ def candidates(s: LayerShape, M: int, sms: int) -> list[tuple[int, list[dict], l
             # (BLOCK_N, BLOCK_K, warps, stages): 4 stages for the two tiles heuristic_configs takes with them
             tiles = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4),
                      (128, 128, 8, 3), (256, 64, 8, 3)]
-            # MMA-bound: symmetric scales in the operand too (the MMA then overlaps the next unpacking)
+            # MMA-bound: integer scales in the operand too (the MMA then overlaps the next unpacking)
             scales = (0,) if s.fmt == "mxfp4" else (0, 1)
             base = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, GROUP_M=8, SPLIT_K=1, OPERAND_SCALE=o)
                     for bn, bk, w, st in tiles for o in scales]

@@ -259,6 +259,14 @@ def _cases():
         configs=[CFG(OPERAND_SCALE=1), CFG(BLOCK_K=128, OPERAND_SCALE=1)])
     add("fp32-int8-sym-g64-scale-on-product-M13", quant="int8-sym-g64", dtype="float32", M=13,
         configs=[CFG(BLOCK_K=64), CFG(BLOCK_K=32)])
+    # zero points with one group a step: u - z exact in the operand and the scale on the product (by
+    # default), or (u - z) * s in the operand (OPERAND_SCALE)
+    add("fp16-int8-asym-g64-scale-on-product-M13", quant="int8-asym-g64", dtype="float16", M=13,
+        configs=[CFG(BLOCK_K=64), CFG(BLOCK_K=32)])
+    add("fp16-int4-asym-g128-operand-scale-M13", quant="int4-asym-g128", dtype="float16", M=13, I=256,
+        configs=[CFG(OPERAND_SCALE=1), CFG(BLOCK_K=128, OPERAND_SCALE=1)])
+    add("fp32-int8-asym-g64-operand-scale-M7", quant="int8-asym-g64", dtype="float32", M=7,
+        configs=[CFG(BLOCK_K=64, OPERAND_SCALE=1), CFG(BLOCK_K=32, OPERAND_SCALE=1)])
     add("fp32-int4-sym-gch-H320-bk128-M7", quant="int4-sym-gch", dtype="float32", M=7, H=320, I=192,
         configs=[CFG(BLOCK_K=128), CFG(BLOCK_K=128, SPLIT_K=2)])
     add("fp32-mxfp4-H192-bk128-M7", quant="mxfp4", dtype="float32", M=7, H=192, I=320,
