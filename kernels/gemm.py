@@ -57,6 +57,20 @@ def _step_rows(base, step, last, K, offs_n, n_mask, stride_g, other, GROUP: tl.c
 
 
 @triton.jit
+def _zero_points(z_tile, FMT: tl.constexpr, FAST: tl.constexpr, WIDE: tl.constexpr, compute_type: tl.constexpr,
+                 SG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The step's zero points [BLOCK_N, SG] as MAGIC + z along K [BLOCK_N, BLOCK_K], for codes unpacked RAW
+    (MAGIC + u): (MAGIC + u) - (MAGIC + z) = u - z, exact; fp32 where ``WIDE``. Broadcast along K before
+    the subtraction: subtracted as a [BLOCK_N, 1] column, the compiler sends the operand through shared
+    memory (GEMM2 at 16 x 128 x 128, sm_90)."""
+    MAGIC: tl.constexpr = i8_magic(FAST, compute_type) if FMT == 1 else i4_magic(FAST, compute_type)
+    z = z_tile.to(tl.float32) + MAGIC
+    if not WIDE:
+        z = z.to(compute_type)
+    return tl.broadcast_to(z[:, :, None], (BLOCK_N, SG, BLOCK_K // SG)).reshape(BLOCK_N, BLOCK_K)
+
+
+@triton.jit
 def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_tile, z_tile, step, K, acc, FMT: tl.constexpr,
                GROUP: tl.constexpr, HAS_ZP: tl.constexpr, FAST: tl.constexpr, POST: tl.constexpr,
                GROUP_DOTS: tl.constexpr, MX_FOLD: tl.constexpr, compute_type: tl.constexpr,
@@ -93,15 +107,10 @@ def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_tile, z_tile, step, K, 
         w = fragment_operand(unpack_fragments(raw, FMT, FAST, compute_type, RAW), BLOCK_N, BLOCK_K)
     k = step * BLOCK_K + tl.arange(0, BLOCK_K)
     a = tl.load(a_rows + k[:, None], mask=(k < K)[:, None] & a_mask[None, :], other=0.0)
-    if HAS_ZP:  # the codes unpacked RAW: (MAGIC + u) - (MAGIC + z) = u - z, exact
-        MAGIC: tl.constexpr = i8_magic(FAST, compute_type) if FMT == 1 else i4_magic(FAST, compute_type)
-        WIDE: tl.constexpr = FMT == 1 and compute_type == tl.bfloat16  # int8's MAGIC + u needs fp32
-        z = z_tile.to(tl.float32) + MAGIC
-        if not WIDE:
-            z = z.to(compute_type)
-        z = tl.broadcast_to(z[:, :, None], (BLOCK_N, SG, BLOCK_K // SG)).reshape(BLOCK_N, BLOCK_K)
+    WIDE: tl.constexpr = FMT == 1 and compute_type == tl.bfloat16  # int8's MAGIC + u is fp32 in bf16
     if POST:  # one group a step: the scale multiplies the step's fp32 product
         if HAS_ZP:  # u - z in the operand: an integer of at most 8 bits and a sign, exact in bf16 / fp16
+            z = _zero_points(z_tile, FMT, FAST, WIDE, compute_type, SG, BLOCK_N, BLOCK_K)
             w = (w - z).to(compute_type)
         s = tl.reshape(s_tile, (BLOCK_N,)).to(tl.float32)
         acc += tl.dot(w, a, input_precision=DOT_PRECISION) * s[:, None]
@@ -115,6 +124,7 @@ def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_tile, z_tile, step, K, 
             s = s_tile.to(compute_type)
         s = tl.broadcast_to(s[:, :, None], (BLOCK_N, SG, BLOCK_K // SG)).reshape(BLOCK_N, BLOCK_K)
         if HAS_ZP:
+            z = _zero_points(z_tile, FMT, FAST, WIDE, compute_type, SG, BLOCK_N, BLOCK_K)
             if WIDE:  # w: MAGIC + u in fp32; one rounding of the product
                 w = ((w - z) * s.to(tl.float32)).to(compute_type)
             elif SG > 1:  # several groups a step: in PTX on the operand's own pairs (dequant.sub_mul)
