@@ -77,9 +77,10 @@ def _frag_tile(a_rows, a_mask, w_ptrs, ka_rows, na_ok, s_tile, z_tile, step, K, 
                DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc^T [BLOCK_N, BLOCK_M] += W[n, k] @ A^T[k, m] over K step ``step``; ``s_tile`` / ``z_tile`` are
     the step's raw scale / zero-point rows [BLOCK_N, SG] (``_step_rows``). ``POST``: the scale (SG = 1)
-    multiplies the fp32 product of the exact codes (zero points: u - z); MXFP4 with ``GROUP_DOTS``: one dot per 32-input group, its scale on the
-    fp32 product; else the scales multiply the operand, and MXFP4 with ``MX_FOLD`` (every e8m0 exponent
-    <= 128) multiplies value * 2^-126 by 2^(S - 1). Atoms: 64 inputs (int4, MXFP4), 32 (int8)."""
+    multiplies the fp32 product of the exact codes (zero points: u - z); MXFP4 with ``GROUP_DOTS``: one
+    dot per 32-input group, its scale on the fp32 product; else the scales multiply the operand, and
+    MXFP4 with ``MX_FOLD`` (every e8m0 exponent <= 128) multiplies value * 2^-126 by 2^(S - 1). Atoms:
+    64 inputs (int4, MXFP4), 32 (int8)."""
     ATOM_K: tl.constexpr = 32 if FMT == 1 else 64
     KA: tl.constexpr = BLOCK_K // ATOM_K
     SG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1
@@ -163,8 +164,8 @@ def moe_gemm(
     are fragment ordered (``stride_bk``: bytes per 16-row atom row, K * 8 for 4 bits, K * 16 for int8)
     and multiply swapped, the MMA's first operand straight from registers.
     ``OPERAND_SCALE``: scales with one group a step (zero points or not) multiply the operand, not the
-    step's fp32 product (each dot then chains into the accumulator and the MMA runs asynchronously with the next
-    step's unpacking; what large M gains: docs/kernels.md, "The GEMM's compile-time flags")."""
+    step's fp32 product (each dot then chains into the accumulator and the MMA runs asynchronously with
+    the next step's unpacking; what large M gains: docs/kernels.md, "The GEMM's compile-time flags")."""
     kernel_start(PDL)
     pid_m, pid_n = grouped_program_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)

@@ -94,8 +94,9 @@ def k_loop(sass: str) -> list[str]:
     longest = None
     for offset, text in at.items():
         m = re.search(r"\bBRA\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < offset and (longest is None or offset - int(m.group(1), 16) > longest[1] - longest[0]):
-            longest = (int(m.group(1), 16), offset)
+        target = int(m.group(1), 16) if m else offset
+        if target < offset and (longest is None or offset - target > longest[1] - longest[0]):
+            longest = (target, offset)
     return [] if longest is None else [at[o] for o in sorted(at) if longest[0] <= o <= longest[1]]
 
 
