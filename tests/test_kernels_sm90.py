@@ -158,7 +158,7 @@ def test_the_heuristics_tiles_keep_the_k_loop_out_of_local_memory(name, fmt, gro
     loop (a few bytes of the epilogue's addresses, at 255 registers) costs once a tile and is allowed."""
     from moeconvert.kernels.configs import heuristic_configs
 
-    # 1024 experts, one of each pair's: ``pairs`` pairs an expert and enough programs that K is not split
+    # 1024 experts, top-1, M = pairs x 1024: ``pairs`` pairs an expert, and programs enough that K is not split
     c1, c2 = heuristic_configs(name, 1024, 1, 7168, 2048, pairs * 1024, num_sms=1)
     for gated, c in ((True, c1), (False, c2)):
         ptx, usage, sass = compile_sm90(fmt, group, zp, gated, dtype, (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]),
