@@ -119,3 +119,133 @@ def make_header_only(out_dir: str | Path, model: str = "deepseek-v3") -> Path:
     (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (out / "config.json").write_text(json.dumps(c, indent=2) + "\n")
     return out
+
+
+# Qwen/Qwen3-30B-A3B's config.json (the keys that shape a tensor or the engine's model), for checkpoints with
+# random weights at the published size: `moeconvert example OUT --family qwen3-30b-a3b --random-weights`.
+_QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "torch_dtype": "bfloat16",
+    "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 40960, "max_window_layers": 48,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "rope_scaling": None, "attention_bias": False,
+    "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": False,
+    "bos_token_id": 151643, "eos_token_id": 151645,
+}
+RANDOM_MODELS = {"qwen3-30b-a3b": _QWEN3_30B_A3B}
+
+
+def _qwen3_moe_tensors(c: dict) -> list[tuple[str, list[int], str]]:
+    H, V, hd = c["hidden_size"], c["vocab_size"], c["head_dim"]
+    E, I = c["num_experts"], c["moe_intermediate_size"]
+    out = [("model.embed_tokens.weight", [V, H], "BF16")]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", [H], "BF16"), (p + "post_attention_layernorm.weight", [H], "BF16"),
+                (p + "self_attn.q_proj.weight", [c["num_attention_heads"] * hd, H], "BF16"),
+                (p + "self_attn.k_proj.weight", [c["num_key_value_heads"] * hd, H], "BF16"),
+                (p + "self_attn.v_proj.weight", [c["num_key_value_heads"] * hd, H], "BF16"),
+                (p + "self_attn.o_proj.weight", [H, c["num_attention_heads"] * hd], "BF16"),
+                (p + "self_attn.q_norm.weight", [hd], "BF16"), (p + "self_attn.k_norm.weight", [hd], "BF16"),
+                (p + "mlp.gate.weight", [E, H], "BF16")]
+        for e in range(E):
+            out += [(f"{p}mlp.experts.{e}.gate_proj.weight", [I, H], "BF16"),
+                    (f"{p}mlp.experts.{e}.up_proj.weight", [I, H], "BF16"),
+                    (f"{p}mlp.experts.{e}.down_proj.weight", [H, I], "BF16")]
+    return out + [("model.norm.weight", [H], "BF16"), ("lm_head.weight", [V, H], "BF16")]
+
+
+def _w4a16_config(group_size: int) -> dict:
+    """config.json's quantization_config as compressed-tensors writes it for llm-compressor's W4A16 preset
+    (every Linear but lm_head and the routers: the same keys ``moeconvert example`` gets from
+    compressed-tensors itself)."""
+    return {
+        "config_groups": {"group_0": {
+            "format": "pack-quantized", "input_activations": None, "output_activations": None,
+            "targets": ["Linear"], "weights": {"dynamic": False, "group_size": group_size, "num_bits": 4,
+                                               "strategy": "group", "symmetric": True, "type": "int"}}},
+        "format": "pack-quantized", "global_compression_ratio": None, "ignore": ["lm_head", "re:.*mlp.gate$"],
+        "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+        "sparsity_config": {}}
+
+
+def make_random_weights(out_dir: str | Path, model: str = "qwen3-30b-a3b", *, layers: int | None = None,
+                        scheme: str = "w4a16", group_size: int = 128, seed: int = 0, device: str = "cpu",
+                        progress=None) -> Path:
+    """Write ``model`` at its published size (or its first ``layers`` decoder layers) with random but valid
+    weights: bf16 ``N(0, 0.02)`` matrices, unit norms, and for ``w4a16`` every Linear but lm_head and the
+    routers in compressed-tensors ``pack-quantized`` int4 (uniform codes, scales about ``0.02 / 4.6`` so the
+    weights have the bf16 ones' spread). For start-up and memory measurements at real size: the tokens mean
+    nothing, but they are the same wherever the same bytes are served. Written shard by shard (5 GB each),
+    never more than one shard in memory."""
+    import torch
+    from safetensors.torch import save_file
+
+    if model not in RANDOM_MODELS:
+        raise MoeConvertError("no full-size description of this model", tensor="--family",
+                              expected=" | ".join(RANDOM_MODELS), found=model)
+    if scheme not in ("bf16", "w4a16"):
+        raise MoeConvertError("random weights are written in", tensor="--scheme", expected="bf16 | w4a16",
+                              found=scheme)
+    c = dict(RANDOM_MODELS[model])
+    if layers is not None:
+        c["num_hidden_layers"] = min(layers, c["num_hidden_layers"])
+        c["max_window_layers"] = c["num_hidden_layers"]
+    names = _qwen3_moe_tensors(c)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    quantized = scheme == "w4a16"
+
+    def is_quantized(name: str, shape: list[int]) -> bool:
+        return (quantized and len(shape) == 2 and name.endswith("proj.weight") and shape[1] % group_size == 0
+                and "embed" not in name and not name.startswith("lm_head"))
+
+    def make(name: str, shape: list[int]) -> dict[str, "torch.Tensor"]:
+        if len(shape) == 1:
+            return {name: torch.ones(shape, dtype=torch.bfloat16)}
+        if not is_quantized(name, shape):
+            w = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02)
+            return {name: w.to(torch.bfloat16).cpu()}
+        N, K = shape
+        base = name[: -len(".weight")]
+        words = torch.randint(-(2**31), 2**31, (N, K // 8), generator=gen, device=device, dtype=torch.int64)
+        scale = 0.0043 * (1 + 0.1 * torch.randn((N, K // group_size), generator=gen, device=device))
+        return {base + ".weight_packed": words.to(torch.int32).cpu(),
+                base + ".weight_scale": scale.to(torch.bfloat16).cpu(),
+                base + ".weight_shape": torch.tensor([N, K], dtype=torch.int64)}
+
+    def nbytes(name: str, shape: list[int]) -> int:
+        n = 1
+        for d in shape:
+            n *= d
+        return n // 2 if is_quantized(name, shape) else n * 2
+
+    groups: list[list] = [[]]
+    size = 0
+    for name, shape, _ in names:
+        n = nbytes(name, shape)
+        if groups[-1] and size + n > SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, shape))
+        size += n
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map, total = {}, 0
+    for k, group in enumerate(groups):
+        fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        shard: dict = {}
+        for name, shape in group:
+            shard.update(make(name, shape))
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+        del shard
+        if progress:
+            progress(k + 1, len(groups))
+    (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    if quantized:
+        c["quantization_config"] = _w4a16_config(group_size)
+    (out / "config.json").write_text(json.dumps(c, indent=2) + "\n")
+    return out

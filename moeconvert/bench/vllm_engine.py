@@ -1,50 +1,167 @@
 """``moeconvert bench vllm-serve SRC OUT``: vLLM's whole engine started on the source and on the converted
-folder, each in a fresh process, alternating; the start-up time and the greedy tokens.
+folder, each in a fresh process, alternating: start-up, the part of it spent loading and processing the
+weights, peak memory, the greedy tokens, and (``--throughput``) prefill and decode speed.
 
-Each run is ``python -m moeconvert.bench.vllm_engine FOLDER``: ``vllm.LLM(FOLDER)`` in one process (no
-engine subprocess), eager mode, the same MoE backend for both (the folder's: Marlin or Triton), then a few fixed prompts greedily.
+Each run is ``python -m moeconvert.bench.vllm_engine FOLDER ...``: ``vllm.LLM(FOLDER)`` in one process (no
+engine subprocess, so this process sees vLLM's own log records and the device's allocator), eager mode, the
+same MoE backend for both (the folder's: Marlin, humming or Triton), then a few fixed prompts greedily.
 The source's start-up includes vLLM's own repack (or online quantization) of every MoE layer; the
-folder's only the plugin's loading. Everything else (reading the files, building the model, profiling
-memory, the KV cache) is the same work for both.
+folder's only the plugin's loading. Everything else (building the model, profiling memory, the KV cache)
+is the same work for both.
+
+What is read from vLLM's log records (``vllm/v1/worker/gpu_model_runner.py``,
+``model_executor/model_loader/base_loader.py`` and ``default_loader.py``): "Initializing model took",
+"Loading weights took" and "Model loading took ... GiB memory and ... seconds". The last one is logged
+right after ``process_weights_after_loading``: at that moment the run also reads the allocator's peak
+(``torch.cuda.max_memory_allocated``, reset before the engine starts: the most the device held while
+reading and processing the weights, the second copy included) and the process's peak resident memory.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+_GiB = 1 << 30
+# the prompts of the token check: short, fixed, within any model's vocabulary
+_PROMPT_LENGTHS = (5, 8, 11, 14)
+
+
+class _LoadRecords(logging.Handler):
+    """vLLM's load-time log records, and the peaks at the moment the model finished loading."""
+
+    _PATTERNS = {
+        "init_model_s": re.compile(r"Initializing model took ([0-9.]+) seconds"),
+        "load_weights_s": re.compile(r"Loading weights took ([0-9.]+) seconds"),
+        "model_load_s": re.compile(r"Model loading took [0-9.]+ GiB memory and ([0-9.]+) seconds"),
+        "model_gib": re.compile(r"Model loading took ([0-9.]+) GiB memory"),
+    }
+
+    def __init__(self):
+        super().__init__(level=logging.DEBUG)
+        self.values: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record that cannot format is not one of ours
+            return
+        for key, pattern in self._PATTERNS.items():
+            m = pattern.search(text)
+            if m and key not in self.values:
+                self.values[key] = float(m.group(1))
+                if key == "model_load_s":
+                    self._peaks()
+
+    def _peaks(self) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            self.values["load_peak_gpu_gib"] = torch.cuda.max_memory_allocated() / _GiB
+        self.values["load_peak_host_gib"] = _max_rss_gib()
+
+
+def _max_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GiB  # ru_maxrss is in KiB on Linux
+
+
+def model_len(cfg: dict, wanted: int) -> int:
+    """The engine's ``max_model_len``: ``wanted``, or less where the model's own
+    ``max_position_embeddings`` is shorter (vLLM refuses a longer one at start-up)."""
+    limit = (cfg.get("text_config") or cfg).get("max_position_embeddings")
+    return min(wanted, limit) if isinstance(limit, int) and limit > 0 else wanted
+
 
 def engine_run(folder: Path, *, moe_backend: str = "marlin", quantization: str | None = None,
-               attention_backend: str = "TRITON_ATTN", max_tokens: int = 8) -> dict:
-    """Start ``vllm.LLM`` on ``folder`` in this process and generate; what the bench and tests compare."""
+               attention_backend: str = "TRITON_ATTN", max_tokens: int = 8, max_model_len: int = 256,
+               load_format: str = "auto", throughput: dict | None = None,
+               gpu_memory_utilization: float = 0.5) -> dict:
+    """Start ``vllm.LLM`` on ``folder`` in this process and generate; what the bench and tests compare.
+
+    ``throughput``: ``{"prefill_len", "prefill_batch", "decode_batch", "decode_tokens"}`` to also time
+    prefill (prompts of ``prefill_len`` tokens, one output token each) and decode (``decode_batch`` short
+    prompts, ``decode_tokens`` tokens each, minus the same prompts' one-token run), each the second of two
+    rounds (the first takes the one-time costs)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import torch
     from vllm import LLM, SamplingParams
 
     cfg = json.loads((folder / "config.json").read_text())
     vocab = (cfg.get("text_config") or cfg)["vocab_size"]
+    max_model_len = model_len(cfg, max_model_len)
+    if max_model_len < max(_PROMPT_LENGTHS) + max_tokens:
+        raise ValueError(f"max_model_len {max_model_len} leaves no room for the {max(_PROMPT_LENGTHS)}-token "
+                         f"prompts and {max_tokens} tokens")
+    records = _LoadRecords()
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(records)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     llm = LLM(model=str(folder), dtype=(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), enforce_eager=True,
-              max_model_len=256, seed=0, gpu_memory_utilization=0.5, skip_tokenizer_init=True,
-              attention_backend=attention_backend, moe_backend=moe_backend, compilation_config={"mode": 0},
-              quantization=quantization)
+              max_model_len=max_model_len, seed=0, gpu_memory_utilization=gpu_memory_utilization,
+              skip_tokenizer_init=True, attention_backend=attention_backend, moe_backend=moe_backend,
+              compilation_config={"mode": 0}, quantization=quantization, load_format=load_format)
     init_s = time.perf_counter() - t0
-    prompts = [{"prompt_token_ids": [(7 * i + 13 * j + 1) % vocab for j in range(5 + 3 * i)]} for i in range(4)]
+    vllm_logger.removeHandler(records)
+    prompts = [{"prompt_token_ids": [(7 * i + 13 * j + 1) % vocab for j in range(n)]}
+               for i, n in enumerate(_PROMPT_LENGTHS)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False)
     got = llm.generate(prompts, params, use_tqdm=False)
-    return {"folder": str(folder), "init_s": init_s,
-            "quantization": llm.llm_engine.vllm_config.model_config.quantization,
-            "tokens": [list(o.outputs[0].token_ids) for o in got],
-            "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in got]}
+    out = {"folder": str(folder), "init_s": init_s, "load_format": load_format, "max_model_len": max_model_len,
+           "quantization": llm.llm_engine.vllm_config.model_config.quantization,
+           "tokens": [list(o.outputs[0].token_ids) for o in got],
+           "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in got],
+           **records.values}
+    if {"model_load_s", "load_weights_s", "init_model_s"} <= records.values.keys():
+        # what is left of "Model loading took" once the model is built and its weights are read: vLLM's
+        # process_weights_after_loading (and for the source the repack it does there)
+        out["process_s"] = max(0.0, records.values["model_load_s"] - records.values["load_weights_s"]
+                               - records.values["init_model_s"])
+    if throughput:
+        out.update(_throughput(llm, SamplingParams, vocab, max_model_len, **throughput))
+    out["peak_host_gib"] = _max_rss_gib()
+    return out
 
 
-def _child(folder: Path, moe_backend: str, quantization: str | None, timeout: float) -> dict:
+def _throughput(llm, SamplingParams, vocab: int, max_model_len: int, *, prefill_len: int, prefill_batch: int,
+                decode_batch: int, decode_tokens: int) -> dict:
+    prefill_len = min(prefill_len, max_model_len - 1)
+
+    def prompts(n: int, length: int) -> list[dict]:
+        return [{"prompt_token_ids": [(31 * i + 17 * j + 3) % vocab for j in range(length)]} for i in range(n)]
+
+    def timed(ps: list[dict], tokens: int) -> float:
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        t = time.perf_counter()
+        llm.generate(ps, params, use_tqdm=False)
+        return time.perf_counter() - t
+
+    long, short = prompts(prefill_batch, prefill_len), prompts(decode_batch, 16)
+    decode_tokens = min(decode_tokens, max_model_len - 16)
+    rounds = []
+    for _ in range(2):  # the first round takes the one-time costs (kernel compiles, allocator blocks)
+        prefill = timed(long, 1)
+        one = timed(short, 1)
+        full = timed(short, decode_tokens)
+        rounds.append((prefill, full - one))
+    prefill, decode = rounds[-1]
+    return {"prefill_tok_s": prefill_batch * prefill_len / prefill, "prefill_len": prefill_len,
+            "prefill_batch": prefill_batch, "decode_tok_s": decode_batch * (decode_tokens - 1) / decode,
+            "decode_batch": decode_batch, "decode_tokens": decode_tokens}
+
+
+def _child(folder: Path, moe_backend: str, quantization: str | None, timeout: float, **options) -> dict:
     p = subprocess.run([sys.executable, "-m", "moeconvert.bench.vllm_engine", str(folder), moe_backend,
-                        *([quantization] if quantization else [])],
+                        quantization or "-", json.dumps(options)],
                        capture_output=True, text=True, timeout=timeout)
     lines = p.stdout.strip().splitlines()
     if p.returncode != 0 or not lines:
@@ -57,37 +174,56 @@ def _child(folder: Path, moe_backend: str, quantization: str | None, timeout: fl
 
 
 def bench_vllm_serve(src: Path | str, out_dir: Path, *, runs: int = 2, moe_backend: str | None = None,
-                     timeout: float = 900, progress=None) -> dict:
+                     timeout: float = 900, progress=None, max_model_len: int = 256, load_format: str = "moeconvert",
+                     throughput: dict | None = None, gpu_memory_utilization: float = 0.5) -> dict:
+    """``runs`` start-ups of each, alternating; ``load_format`` is the folder's (the source always loads
+    with vLLM's default loader)."""
     from moeconvert.sources import open_source
 
     src = open_source(str(src)).root  # a folder, or a Hub repo id (its snapshot in the Hub cache)
     manifest = json.loads((out_dir / "moeconvert.json").read_text())
-    if moe_backend is None:  # the backend the folder's layout is for: marlin | triton
+    if moe_backend is None:  # the backend the folder's layout is for: marlin | humming | triton
         moe_backend = manifest["layout"]["name"]
     # a bf16 source converted to MXFP4 is served by vLLM with its online MXFP4: `--quantization mxfp4`
     unquantized = not json.loads((src / "config.json").read_text()).get("quantization_config")
     src_quant = "mxfp4" if unquantized and (manifest["scheme"] or {}).get("kind") == "mxfp4" else None
+    common = {"max_model_len": max_model_len, "throughput": throughput,
+              "gpu_memory_utilization": gpu_memory_utilization}
     src_runs, out_runs = [], []
     for _ in range(runs):  # alternating, so drift on the machine hits both alike
-        src_runs.append(_child(src, moe_backend, src_quant, timeout))
-        out_runs.append(_child(out_dir, moe_backend, None, timeout))
+        src_runs.append(_child(src, moe_backend, src_quant, timeout, load_format="auto", **common))
+        out_runs.append(_child(out_dir, moe_backend, None, timeout, load_format=load_format, **common))
         if progress:
             progress(1)
     a, b = src_runs[-1], out_runs[-1]
     worst = max((abs(x - y) for p, q in zip(a["logprobs"], b["logprobs"]) for x, y in zip(p, q)), default=0.0)
-    med = lambda rs: statistics.median(r["init_s"] for r in rs)
+
+    def med(rs: list[dict], key: str) -> float | None:
+        values = [r[key] for r in rs if key in r]
+        return statistics.median(values) if values else None
+
+    keys = ("init_s", "model_load_s", "load_weights_s", "process_s", "load_peak_gpu_gib", "load_peak_host_gib",
+            "model_gib", "peak_host_gib", "prefill_tok_s", "decode_tok_s")
     return {"source": str(src), "folder": str(out_dir), "runs": runs, "moe_backend": moe_backend,
+            "folder_load_format": load_format, "max_model_len": a["max_model_len"],
             "source_quantization": a["quantization"], "folder_quantization": b["quantization"],
             "source_init_s": [r["init_s"] for r in src_runs], "folder_init_s": [r["init_s"] for r in out_runs],
-            "median_source_init_s": med(src_runs), "median_folder_init_s": med(out_runs),
+            "median_source_init_s": med(src_runs, "init_s"), "median_folder_init_s": med(out_runs, "init_s"),
+            "source_medians": {k: med(src_runs, k) for k in keys},
+            "folder_medians": {k: med(out_runs, k) for k in keys},
+            "throughput": {k: a.get(k) for k in ("prefill_len", "prefill_batch", "decode_batch", "decode_tokens")}
+            if throughput else None,
             "same_tokens": a["tokens"] == b["tokens"], "max_logprob_diff": worst}
 
 
 def main() -> None:
+    """``python -m moeconvert.bench.vllm_engine FOLDER [BACKEND [QUANTIZATION|- [OPTIONS_JSON]]]``: one run,
+    its result as one JSON line on stdout."""
     folder, backend = Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "marlin"
-    quantization = sys.argv[3] if len(sys.argv) > 3 else None
+    quantization = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "-" else None
+    options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     try:
-        r = engine_run(folder, moe_backend=backend, quantization=quantization)
+        r = engine_run(folder, moe_backend=backend, quantization=quantization, **options)
     except Exception as e:  # noqa: BLE001 - reported to the parent as one line
         import traceback
 

@@ -322,28 +322,51 @@ def bench_vllm_serve_cmd(
     out_dir: Path = typer.Argument(..., help="A folder the plugin serves, converted from SRC."),
     runs: int = typer.Option(2, "--runs", min=1, help="Start-ups of each, alternating."),
     moe_backend: Optional[str] = typer.Option(None, "--moe-backend", help="vLLM's MoE backend for both (default: "
-                                              "the folder's layout, marlin or triton)."),
+                                              "the folder's layout: marlin, humming or triton)."),
+    load_format: str = typer.Option("moeconvert", "--load-format", help="vLLM's load format for the folder "
+                                    "(the source loads with vLLM's default, auto)."),
+    max_model_len: int = typer.Option(256, "--max-model-len", min=32, help="The engine's max_model_len (less "
+                                      "where the model's max_position_embeddings is shorter)."),
+    throughput: bool = typer.Option(False, "--throughput", help="Also time prefill (8 prompts of up to 1024 "
+                                    "tokens) and decode (32 prompts, 64 tokens each) on both."),
+    gpu_memory_utilization: float = typer.Option(0.5, "--gpu-memory-utilization", min=0.05, max=0.95),
     json_out: bool = JSON,
 ):
-    """vLLM's whole engine (`vllm.LLM`) started on SRC and on OUT, each in a fresh process: start-up time and
-    the greedy tokens of a few fixed prompts (needs `moeconvert[vllm]` and a GPU)."""
+    """vLLM's whole engine (`vllm.LLM`) started on SRC and on OUT, each in a fresh process: start-up time, the
+    part spent loading and processing the weights, peak GPU and host memory at load, the greedy tokens of a few
+    fixed prompts, and with --throughput prefill and decode speed (needs `moeconvert[vllm]` and a GPU)."""
     _need_vllm("vllm-serve")
     _bench_device("cuda")
     from moeconvert.bench.vllm_engine import bench_vllm_serve
 
+    speed = {"prefill_len": 1024, "prefill_batch": 8, "decode_batch": 32, "decode_tokens": 64} if throughput else None
     with _progress() as prog:
         task = prog.add_task("vllm-serve", total=runs)
         try:
-            r = bench_vllm_serve(src, out_dir, runs=runs, moe_backend=moe_backend, progress=lambda n: prog.advance(task, n))
+            r = bench_vllm_serve(src, out_dir, runs=runs, moe_backend=moe_backend, progress=lambda n: prog.advance(task, n),
+                                 max_model_len=max_model_len, load_format=load_format, throughput=speed,
+                                 gpu_memory_utilization=gpu_memory_utilization)
         except ValueError as e:
             raise MoeConvertError(str(e), tensor=str(out_dir)) from None
     if json_out:
         print(json.dumps(r, indent=1))
         return
-    out.print(f"vllm.LLM start-up, MoE backend {r['moe_backend']}, {runs} run(s) each, alternating:")
-    out.print(f"  source ({r['source_quantization']}): median {r['median_source_init_s']:.2f} s, runs "
-              f"{[round(x, 2) for x in r['source_init_s']]}")
-    out.print(f"  folder ({r['folder_quantization']}): median {r['median_folder_init_s']:.2f} s, runs "
-              f"{[round(x, 2) for x in r['folder_init_s']]}")
+    out.print(f"vllm.LLM start-up, MoE backend {r['moe_backend']}, {runs} run(s) each, alternating "
+              f"(folder loaded with --load-format {r['folder_load_format']}):")
+    for who, quant, m in (("source", r["source_quantization"], r["source_medians"]),
+                          ("folder", r["folder_quantization"], r["folder_medians"])):
+        runs_s = [round(x, 2) for x in r[f"{who}_init_s"]]
+        line = f"  {who} ({quant}): start-up median {m['init_s']:.2f} s, runs {runs_s}"
+        if m.get("model_load_s") is not None:
+            line += f"; model loading {m['model_load_s']:.2f} s"
+        if m.get("process_s") is not None:
+            line += f" (processing {m['process_s']:.2f} s)"
+        if m.get("load_peak_gpu_gib") is not None:
+            line += f"; peak GPU memory at load {m['load_peak_gpu_gib']:.2f} GiB"
+        if m.get("load_peak_host_gib") is not None:
+            line += f", peak host {m['load_peak_host_gib']:.2f} GiB"
+        if m.get("prefill_tok_s") is not None:
+            line += f"; prefill {m['prefill_tok_s']:.0f} tok/s, decode {m['decode_tok_s']:.0f} tok/s"
+        out.print(line)
     out.print(f"  greedy tokens {'identical' if r['same_tokens'] else 'DIFFERENT'}, largest logprob difference "
               f"{r['max_logprob_diff']:.2e}")

@@ -35,6 +35,12 @@ def example(
     header_only: bool = typer.Option(False, "--header-only", help="The published model at full size (deepseek-v3 | "
                                      "kimi-k2, bf16) as sparse shards: real names, shapes and config, no data; for "
                                      "planning with --dry-run."),
+    random_weights: bool = typer.Option(False, "--random-weights", help="The published model at full size "
+                                        "(qwen3-30b-a3b; --layers N for its first N layers) with random but "
+                                        "valid weights, --scheme w4a16 (compressed-tensors pack-quantized) or "
+                                        "bf16: for start-up and memory measurements at real size."),
+    device: str = typer.Option("cpu", "--device", help="With --random-weights: where the random numbers are "
+                               "drawn (cpu | cuda)."),
 ):
     """Write a small but real checkpoint (transformers + compressed-tensors) to try the tools on."""
     from moeconvert.writer import StagedOutput, check_output_target
@@ -50,6 +56,18 @@ def example(
             make_header_only(staged.staging, family)
             staged.publish()
         out.print(f"wrote {family} at full size, headers only (sparse files, every weight reads as zero), to {out_dir}")
+        return
+    if random_weights:
+        from moeconvert.fullsize import RANDOM_MODELS, make_random_weights
+
+        if family not in RANDOM_MODELS:
+            raise MoeConvertError("--random-weights writes a published model at full size", tensor="--family",
+                                  expected=" | ".join(RANDOM_MODELS), found=family)
+        with StagedOutput(out_dir, [], overwrite) as staged, _writing(out_dir):
+            make_random_weights(staged.staging, family, layers=layers, scheme=scheme, group_size=group_size,
+                                seed=seed, device=device)
+            staged.publish()
+        out.print(f"wrote {family} {scheme} at full size with random weights to {out_dir}")
         return
     from moeconvert.example import make_example
 

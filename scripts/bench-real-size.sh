@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# What serving from a folder saves, at real size, on one GPU: a Qwen3-30B-A3B-shaped W4A16 checkpoint
+# (compressed-tensors pack-quantized, random but valid weights, about 17 GB) is written, converted for each
+# layout, and vLLM's engine is started on the source and on each folder, alternating (`bench vllm-serve`).
+#
+#   scripts/bench-real-size.sh WORKDIR [LAYOUT ...]        (layouts default to: marlin humming)
+#
+# Needs a CUDA GPU, vLLM (`moeconvert[vllm]`) and, for humming, humming-kernels. Writes into WORKDIR: the
+# source (src/), one folder per layout (LAYOUT/), each conversion's log, and bench-LAYOUT.json with every run.
+# Each layout's first start-up in a process pays its kernels' JIT compiles (humming, Triton); a warm-up
+# start of the folder runs before the timed ones so that both the source's and the folder's timed runs
+# find warm caches (HUMMING_CACHE_DIR, TRITON_CACHE_DIR persist across processes).
+set -uo pipefail
+work=${1:?usage: bench-real-size.sh WORKDIR [LAYOUT ...]}
+shift
+layouts=("$@")
+[ ${#layouts[@]} -gt 0 ] || layouts=(marlin humming)
+PY=${PYTHON:-python3}
+RUNS=${RUNS:-2}
+mkdir -p "$work"
+log() { echo "[$(date +%H:%M:%S)] $*"; }
+if [ ! -e "$work/src/moeconvert.done" ]; then
+  log "writing the source checkpoint"
+  t=$(date +%s)
+  "$PY" -m moeconvert example "$work/src" --family qwen3-30b-a3b --random-weights --scheme w4a16 \
+      --device "${DEVICE:-cuda}" --overwrite || exit 1
+  touch "$work/src/moeconvert.done"
+  log "source written in $(( $(date +%s) - t )) s: $(du -sh "$work/src" | cut -f1)"
+fi
+for layout in "${layouts[@]}"; do
+  log "repack --backend $layout"
+  t=$(date +%s)
+  "$PY" -m moeconvert repack "$work/src" "$work/$layout" --backend "$layout" --overwrite > "$work/repack-$layout.log" 2>&1 \
+    || { log "repack $layout failed: $(tail -1 "$work/repack-$layout.log")"; continue; }
+  log "repack $layout: $(( $(date +%s) - t )) s; $(tail -1 "$work/repack-$layout.log")"
+  case "$layout" in triton-fast) backend=triton ;; *) backend=$layout ;; esac
+  log "warm-up start of the $layout folder (JIT caches)"
+  "$PY" -m moeconvert.bench.vllm_engine "$work/$layout" "$backend" - '{"max_model_len": 2048}' > "$work/warmup-$layout.json" 2>"$work/warmup-$layout.err"
+  log "warm-up: $(cut -c1-300 "$work/warmup-$layout.json")"
+  log "bench vllm-serve $layout, $RUNS run(s) each, alternating"
+  "$PY" -m moeconvert bench vllm-serve "$work/src" "$work/$layout" --runs "$RUNS" --moe-backend "$backend" \
+      --max-model-len 2048 --throughput --json > "$work/bench-$layout.json" 2>"$work/bench-$layout.err"
+  log "bench $layout done (exit $?): $(head -c 2000 "$work/bench-$layout.json")"
+done
+log "all done"
