@@ -44,3 +44,36 @@ def test_vllm_startup_compares_each_parameter_with_vllms_of_the_same_role():
     assert _same_bytes(ours, module(w13_weight_packed=w + 1, w13_weight_scale=s)) == \
         {"w13_weight": False, "w13_weight_scale": True}
     assert _same_bytes(ours, module(w13_weight_scale=s))["w13_weight"] == "vLLM holds no such tensor"
+
+
+def test_vllm_serve_reads_vllms_load_records_and_the_peaks_at_that_moment():
+    """``bench vllm-serve``'s figures come from vLLM's own log records, in vLLM 0.33.0's words; the peaks are
+    read when "Model loading took" arrives (right after the weights are processed), not at the end."""
+    import logging
+
+    from moeconvert.bench.vllm_engine import _LoadRecords
+
+    records, log = _LoadRecords(), logging.getLogger("vllm.test_bench_records")
+    log.addHandler(records)
+    log.propagate = False
+    log.setLevel(logging.INFO)  # as vLLM sets its loggers (VLLM_LOGGING_LEVEL's default)
+    try:
+        log.info("Initializing model took %.6f seconds", 1.25)
+        log.info("Loading weights took %.2f seconds", 10.5)
+        log.info("unrelated: Loading weights took 99 seconds later")  # only the first record of a kind counts
+        assert "load_peak_host_gib" not in records.values
+        log.info("Model loading took %s GiB memory and %.6f seconds", "16.02", 14.0)
+    finally:
+        log.removeHandler(records)
+    v = records.values
+    assert (v["init_model_s"], v["load_weights_s"], v["model_load_s"], v["model_gib"]) == (1.25, 10.5, 14.0, 16.02)
+    assert v["load_peak_host_gib"] > 0
+
+
+def test_vllm_serve_keeps_max_model_len_within_the_models_positions():
+    """vLLM refuses a max_model_len beyond max_position_embeddings at start-up: tiny fixtures have 64."""
+    from moeconvert.bench.vllm_engine import model_len
+
+    assert model_len({"max_position_embeddings": 64}, 256) == 64
+    assert model_len({"text_config": {"max_position_embeddings": 40960}}, 2048) == 2048
+    assert model_len({}, 256) == 256
