@@ -28,11 +28,14 @@ if [ ! -e "$work/src/moeconvert.done" ]; then
   log "source written in $(( $(date +%s) - t )) s: $(du -sh "$work/src" | cut -f1)"
 fi
 for layout in "${layouts[@]}"; do
-  log "repack --backend $layout"
-  t=$(date +%s)
-  "$PY" -m moeconvert repack "$work/src" "$work/$layout" --backend "$layout" --overwrite > "$work/repack-$layout.log" 2>&1 \
-    || { log "repack $layout failed: $(tail -1 "$work/repack-$layout.log")"; continue; }
-  log "repack $layout: $(( $(date +%s) - t )) s; $(tail -1 "$work/repack-$layout.log")"
+  if [ ! -e "$work/$layout/moeconvert.json" ]; then  # a finished folder (its manifest is written last) is kept
+    log "repack --backend $layout"
+    t=$(date +%s)
+    "$PY" -m moeconvert repack "$work/src" "$work/$layout" --backend "$layout" --overwrite > "$work/repack-$layout.log" 2>&1 \
+      || { log "repack $layout failed: $(tail -1 "$work/repack-$layout.log")"; continue; }
+    log "repack $layout: $(( $(date +%s) - t )) s; $(tail -2 "$work/repack-$layout.log" | tr '\n' ' ')"
+  fi
+  [ -n "${PREPARE_ONLY:-}" ] && continue
   case "$layout" in triton-fast) backend=triton ;; *) backend=$layout ;; esac
   log "warm-up start of the $layout folder (JIT caches)"
   "$PY" -m moeconvert.bench.vllm_engine "$work/$layout" "$backend" - '{"max_model_len": 2048}' > "$work/warmup-$layout.json" 2>"$work/warmup-$layout.err"
