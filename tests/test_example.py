@@ -29,6 +29,7 @@ from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E40
 from compressed_tensors.utils.match import match_name  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from helpers import cli  # noqa: E402
 from moeconvert.errors import MoeConvertError  # noqa: E402
 from moeconvert.example import FAMILIES, make_example  # noqa: E402
 
@@ -356,3 +357,34 @@ def test_a_write_that_fails_names_the_folder(tmp_path, args):
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and str(out) in lines[0] and "File too large" in lines[0], run.stderr
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_random_weights_write_a_checkpoint_that_reads_as_the_scheme_it_claims(tmp_path, monkeypatch):
+    """``example --random-weights`` at a shrunken Qwen3-30B-A3B shape (the published one is 17 GB): the
+    checkpoint reads back as compressed-tensors W4A16 g128 with every expert present, its codes are not
+    all one value, and it repacks for Marlin and verifies."""
+    import json
+
+    from moeconvert import fullsize
+
+    small = {**fullsize.RANDOM_MODELS["qwen3-30b-a3b"], "vocab_size": 64, "hidden_size": 256,
+             "moe_intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
+             "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2}
+    monkeypatch.setitem(fullsize.RANDOM_MODELS, "qwen3-30b-a3b", small)
+    src = fullsize.make_random_weights(tmp_path / "src", "qwen3-30b-a3b", layers=1)
+    run = cli("inspect", src, "--json", expect=0)
+    layers = json.loads(run.out)["moe_layers"]
+    assert [(x["num_experts"], x["hidden_size"], x["intermediate_size"], x["scheme"]) for x in layers] == [
+        (4, 256, 128, "w4a16 g128 sym")]
+    assert json.loads((src / "config.json").read_text())["num_hidden_layers"] == 1
+    from safetensors import safe_open
+
+    with safe_open(str(next(src.glob("*.safetensors"))), "pt") as f:
+        words = f.get_tensor("model.layers.0.mlp.experts.3.down_proj.weight_packed")
+    assert words.dtype.is_signed and words.unique().numel() > 100
+    cli("repack", src, tmp_path / "marlin", "--backend", "marlin", "--verify", expect=0)
+
+
+def test_random_weights_name_the_models_they_know():
+    run = cli("example", "unused-out", "--family", "mixtral", "--random-weights", expect=2)
+    assert "expected qwen3-30b-a3b" in run.err and len(run.err.strip().splitlines()) == 1, run.err
