@@ -42,6 +42,8 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     bf16 = make_example(base / "bf16", "qwen3-moe", "bf16", num_layers=1, num_experts=E, hidden_size=H,
                         intermediate_size=I)
     return {
+        "ct": make_example(base / "ct", "qwen3-moe", "w4a16", num_layers=1, num_experts=E, hidden_size=H,
+                           intermediate_size=I, group_size=32, symmetric=False),
         "gptq4": make_int_checkpoint(bf16, base / "gptq4", "gptq", bits=4, group_size=32),
         "gptq8": make_int_checkpoint(bf16, base / "gptq8", "gptq", bits=8, group_size=-1, g_idx=False),
         "awq": make_int_checkpoint(bf16, base / "awq", "awq", bits=4, group_size=64),
@@ -298,6 +300,8 @@ REFUSALS = {
     "gptq extra tensor": ("gptq4", None, lambda t: t.__setitem__(
         sorted(n for n in t if n.endswith("experts.0.gate_proj.qweight"))[0].replace("qweight", "weight_scale"),
         torch.ones(2)), ["unexpected expert tensor", "weight_scale"]),
+    "compressed-tensors NaN scale": ("ct", None, _set("experts.3.up_proj.weight_scale", _nan_last),
+                                     ["experts.3.up_proj.weight_scale", "finite", "1 NaN/inf"]),
     "awq gemv": ("awq", {"version": "gemv"}, None, ["quantization_config.version", "GEMM"]),
     "awq 8 bits": ("awq", {"bits": 8}, None, ["quantization_config.bits", "4 bits only"]),
     "awq no zero point": ("awq", {"zero_point": False}, None, ["quantization_config.zero_point"]),
