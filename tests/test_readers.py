@@ -167,6 +167,22 @@ def test_autoround_writes_what_the_spec_fixtures_hold(sources, tmp_path):
         assert same_bits(ours.half(), ref), module
 
 
+def _v2_zeros(t: torch.Tensor) -> torch.Tensor:
+    """v1 qzeros (every 4-bit field zero - 1 = 7) as gptq_v2 stores them (every field 8)."""
+    return t + 0x11111111
+
+
+@pytest.mark.parametrize("name,config,tensors", [
+    ("gptq4", {"checkpoint_format": "gptq_v2"}, _v2_zeros),
+    ("gptq8", {"desc_act": True}, None),  # channelwise: activation ordering is a no-op, and vLLM accepts it
+])
+def test_accepted_variants_decode_to_the_same_block(sources, tmp_path, name, config, tensors):
+    edit = None if tensors is None else (lambda t: [t.__setitem__(n, tensors(t[n])) for n in list(t)
+                                                    if n.endswith("qzeros")])
+    _, block = canonical(edited(sources[name], tmp_path, config, edit))
+    assert block.differences(canonical(sources[name])[1]) == []
+
+
 def test_scheme_and_inspect_name_the_format(sources):
     for name, fmt, scheme in (("gptq4", "gptq", "w4a16 g32 sym"), ("gptq8", "gptq", "w8a16 channel sym"),
                               ("awq", "awq", "w4a16 g64 asym")):
@@ -302,6 +318,8 @@ REFUSALS = {
         torch.ones(2)), ["unexpected expert tensor", "weight_scale"]),
     "compressed-tensors NaN scale": ("ct", None, _set("experts.3.up_proj.weight_scale", _nan_last),
                                      ["experts.3.up_proj.weight_scale", "finite", "1 NaN/inf"]),
+    "awq experts not converted": ("awq", {"modules_to_not_convert": ["mlp.experts"]}, None,
+                                  ["experts are stored quantized", "leaves the experts unquantized"]),
     "awq gemv": ("awq", {"version": "gemv"}, None, ["quantization_config.version", "GEMM"]),
     "awq 8 bits": ("awq", {"bits": 8}, None, ["quantization_config.bits", "4 bits only"]),
     "awq no zero point": ("awq", {"zero_point": False}, None, ["quantization_config.zero_point"]),
