@@ -415,8 +415,8 @@ class CompressedTensorsConfig:
                 file=_where(self.config_file))
         return picked
 
-    def scheme_for(self, module_names: dict[str, str], scale_dtype: str) -> WNA16Scheme | None:
-        """Resolve the scheme of one expert's projections (role -> module name). None = not quantized.
+    def expert_group(self, module_names: dict[str, str]) -> QuantGroup | None:
+        """The config group of one expert's projections (role -> module name). None = not quantized.
 
         Mirrors vLLM's ``get_moe_method``: all projections must resolve to the same scheme.
         """
@@ -428,8 +428,18 @@ class CompressedTensorsConfig:
                 + ", ".join(f"{module_names[r]} -> {g.name if g else 'unquantized'}" for r, g in resolved.items()),
                 file=_where(self.config_file),
             )
-        first = next(iter(resolved.values()))
-        return None if first is None else self._wna16(first, scale_dtype)
+        return next(iter(resolved.values()))
+
+    def format_of(self, group: QuantGroup) -> tuple[str, str]:
+        """The group's format (its own, else the config's) and the key that says it."""
+        if group.format:
+            return group.format, f"{_SECTION}config_groups.{group.name}.format"
+        return self.format, _SECTION + "format"
+
+    def scheme_for(self, module_names: dict[str, str], scale_dtype: str) -> WNA16Scheme | None:
+        """The WNA16 scheme of one expert's projections (role -> module name). None = not quantized."""
+        group = self.expert_group(module_names)
+        return None if group is None else self._wna16(group, scale_dtype)
 
     def _wna16(self, group: QuantGroup, scale_dtype: str) -> WNA16Scheme:
         """The group as a WNA16 scheme, refused where vLLM 0.33.0's WNA16 MoE method refuses it."""
@@ -441,7 +451,7 @@ class CompressedTensorsConfig:
 
         if w is None:
             refuse(section + "weights", f"config group '{group.name}' quantizes no weights", "an object")
-        fmt, fmt_key = (group.format, section + "format") if group.format else (self.format, _SECTION + "format")
+        fmt, fmt_key = self.format_of(group)
         if fmt != "pack-quantized":
             refuse(fmt_key, "for Fused MoE layers only format pack-quantized is supported", "pack-quantized", fmt)
         if w.type != "int":
