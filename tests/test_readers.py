@@ -44,7 +44,7 @@ def test_an_unknown_quant_method_is_refused_naming_those_read(tmp_path):
                        intermediate_size=64, group_size=32)
     line = refused(edited(src, tmp_path, {"quant_method": "bitsandbytes"}), tmp_path,
                    "quantization_config.quant_method", "bitsandbytes")
-    assert "compressed-tensors, mxfp4 or none" in line
+    assert "compressed-tensors, fp8, mxfp4 or none" in line
 
 
 def test_a_compressed_tensors_format_without_a_reader_is_refused_naming_those_read(tmp_path):
@@ -54,4 +54,4 @@ def test_a_compressed_tensors_format_without_a_reader_is_refused_naming_those_re
     groups["group_0"]["format"] = "int-quantized"
     line = refused(edited(src, tmp_path, {"config_groups": groups}), tmp_path,
                    "quantization_config.config_groups.group_0.format", "int-quantized")
-    assert "expected one of pack-quantized" in line
+    assert "expected one of mxfp4-pack-quantized, nvfp4-pack-quantized, pack-quantized" in line

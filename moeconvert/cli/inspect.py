@@ -37,12 +37,15 @@ def inspect(
         from moeconvert.quantize import Quantization, resolve_model_dtype
 
         quant, out_dtype = Quantization(fmt), resolve_model_dtype(model.dtype, dtype)
+    from moeconvert.readers import get_reader
+
     moe_names = model.moe_tensor_names()
     layers = []
     for lm in model.layers:
         nbytes = sum(source.info(n).nbytes for n in lm.source_tensors())
         layers.append({"prefix": lm.prefix, "layer": lm.layer, "num_experts": lm.num_experts, "top_k": lm.top_k,
                        "hidden_size": lm.hidden_size, "intermediate_size": lm.intermediate_size,
+                       "format": get_reader(lm.format).title,
                        "scheme": lm.scheme.describe(), "activation": lm.activation, "has_bias": lm.has_bias,
                        "bytes": nbytes, "shared_experts": bool(lm.shared)})
     backends = {}
@@ -68,6 +71,7 @@ def inspect(
         return
     out.print(f"[bold]{src}[/bold]  family [cyan]{model.family.name}[/cyan]  dtype {model.dtype}  "
               f"{len(layers)} MoE layers  experts {_human(report['moe_bytes'])}  other {_human(other)}")
+    out.print("experts stored as " + "; ".join(dict.fromkeys(x["format"] for x in layers)))
     t = Table(title="MoE layers")
     for col in ("layer", "prefix", "E", "top-k", "H", "I", "scheme", "bias", "bytes"):
         t.add_column(col, justify="right" if col in ("E", "top-k", "H", "I", "bytes") else "left",

@@ -1,0 +1,148 @@
+"""compressed-tensors ``mxfp4-pack-quantized`` / ``nvfp4-pack-quantized`` experts read into the canonical
+MXFP4 / NVFP4 blocks (moeconvert/readers/ct_fp4.py), against compressed-tensors itself: its
+``MXFP4PackedCompressor`` / ``NVFP4PackedCompressor`` made the checkpoints (``moeconvert.example``) and
+their ``decompress`` is the oracle of what the stored values mean.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moeconvert.canonical import Partition
+from moeconvert.decode import decode_chunk
+from moeconvert.modelmap import map_model
+from moeconvert.mxfp4 import E2M1_VALUES, dequantize_mxfp4
+from moeconvert.schemes import MXFP4Scheme, NVFP4Scheme
+from moeconvert.sources import open_source
+
+from helpers import assert_refused, cli, resave, same_bits
+
+pytest.importorskip("compressed_tensors")
+E, H, I = 4, 256, 128
+SCHEMES = {"mxfp4": ("MXFP4", MXFP4Scheme()), "nvfp4": ("NVFP4", NVFP4Scheme())}
+
+
+@pytest.fixture(params=list(SCHEMES))
+def fp4(request, example_ckpt):
+    return request.param, example_ckpt("qwen3-moe", request.param, num_layers=2, num_experts=E)
+
+
+def ct_decompressed(ckpt, scheme: str, module: str) -> torch.Tensor:
+    """compressed-tensors' own dequantization of one Linear of the checkpoint."""
+    from compressed_tensors.compressors import MXFP4PackedCompressor, NVFP4PackedCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    tensors = load_file(ckpt / "model.safetensors")
+    state = {k.removeprefix(module + "."): v for k, v in tensors.items() if k.startswith(module + ".")}
+    compressor = MXFP4PackedCompressor if scheme == "mxfp4" else NVFP4PackedCompressor
+    return compressor.decompress(state, preset_name_to_scheme(SCHEMES[scheme][0], ["Linear"]))["weight"]
+
+
+def our_dequantized(block, e: int, which: str) -> torch.Tensor:
+    """The canonical block's value of expert ``e``'s w13 or w2, in fp32."""
+    packed, scales = getattr(block, which)[e], getattr(block, which + "_scale")[e]
+    if isinstance(block.scheme, MXFP4Scheme):
+        return dequantize_mxfp4(packed, scales)
+    codes = torch.stack((packed & 0xF, packed >> 4), -1).flatten(-2).long()
+    values = torch.tensor(E2M1_VALUES)[codes] * scales.float().repeat_interleave(16, -1)
+    mult = block.w13_global[e].repeat_interleave(values.shape[0] // 2) if which == "w13" else block.w2_global[e]
+    return values * mult.reshape(-1, 1)
+
+
+def test_the_block_is_what_compressed_tensors_decompresses(fp4):
+    """Codes and scales as stored (nibble order, e8m0 bytes), and the dequantized values compressed-tensors
+    gets: equal for MXFP4 (powers of two), within bf16 rounding for NVFP4 (compressed-tensors divides the
+    scale by the global scale, the block multiplies by its reciprocal, as vLLM does)."""
+    name, ckpt = fp4
+    source = open_source(str(ckpt))
+    layer = map_model(source).layers[0]
+    assert layer.scheme == SCHEMES[name][1]
+    block = decode_chunk(source, layer, Partition(), 0, E)
+    for e in range(E):
+        theirs = {proj: ct_decompressed(ckpt, name, f"{layer.prefix}.{e}.{proj}").float()
+                  for proj in ("gate_proj", "up_proj", "down_proj")}
+        for which, ref in (("w13", torch.cat([theirs["gate_proj"], theirs["up_proj"]])), ("w2", theirs["down_proj"])):
+            ours = our_dequantized(block, e, which)
+            if name == "mxfp4":
+                assert same_bits(ours.bfloat16(), ref.bfloat16()), (e, which)
+            else:
+                assert torch.allclose(ours, ref, rtol=2 ** -7, atol=0), (e, which)
+                assert bool((ours != 0).any())
+
+
+def test_a_tp_rank_holds_its_rows_and_k_columns(fp4):
+    """TP 2, rank 1: gate and up rows [I/2, I), down's K columns [I/2, I) with their scale groups, global
+    scales whole: the values of compressed-tensors' weights there."""
+    name, ckpt = fp4
+    source = open_source(str(ckpt))
+    layer = map_model(source).layers[1]
+    whole = decode_chunk(source, layer, Partition(), 0, E)
+    rank = decode_chunk(source, layer, Partition(tp_size=2, tp_rank=1), 1, 3)
+    h = I // 2
+    for i, e in enumerate((1, 2)):
+        w13 = our_dequantized(whole, e, "w13")
+        assert torch.equal(our_dequantized(rank, i, "w13"), torch.cat([w13[h:I], w13[I + h:]]))
+        assert torch.equal(our_dequantized(rank, i, "w2"), our_dequantized(whole, e, "w2")[:, h:])
+
+
+def _damaged(ckpt, tmp_path, edit_tensors=None, edit_config=None):
+    src = tmp_path / "src"
+    shutil.copytree(ckpt, src)
+    if edit_tensors:
+        resave(src, replace=edit_tensors(load_file(src / "model.safetensors")))
+    if edit_config:
+        cfg = json.loads((src / "config.json").read_text())
+        edit_config(cfg["quantization_config"]["config_groups"]["group_0"])
+        (src / "config.json").write_text(json.dumps(cfg))
+    return src
+
+
+EXPERT = "model.layers.1.mlp.experts.2"
+
+
+def _set(name, fn):
+    return lambda t: {name: fn(t[name].clone())}
+
+
+def _byte(value):
+    def edit(t):
+        t.view(torch.uint8)[3, 1] = value
+        return t
+    return edit
+
+
+REFUSALS = [
+    ("mxfp4", dict(edit_tensors=_set(f"{EXPERT}.up_proj.weight_scale", _byte(255))),
+     ["NaN MXFP4 scale", f"{EXPERT}.up_proj.weight_scale"]),
+    ("nvfp4", dict(edit_tensors=_set(f"{EXPERT}.down_proj.weight_scale", _byte(0x7F))),
+     ["NaN NVFP4 scale", f"{EXPERT}.down_proj.weight_scale"]),
+    ("nvfp4", dict(edit_tensors=_set(f"{EXPERT}.down_proj.weight_scale", _byte(0xB0))),
+     ["negative NVFP4 scale", f"{EXPERT}.down_proj.weight_scale"]),
+    ("nvfp4", dict(edit_tensors=_set(f"{EXPERT}.gate_proj.weight_global_scale", lambda t: t * 0)),
+     ["global scale must be finite and positive", f"{EXPERT}.gate_proj.weight_global_scale"]),
+    ("nvfp4", dict(edit_tensors=lambda t: {n: v.bfloat16() for n, v in t.items() if n.endswith("proj.weight_scale")}),
+     ["unexpected dtype", "weight_scale", "F8_E4M3", "BF16"]),
+    ("mxfp4", dict(edit_tensors=_set(f"{EXPERT}.down_proj.weight_scale", lambda t: t[:, :2].contiguous())),
+     ["expert tensors disagree across experts", f"{EXPERT}.down_proj.weight_scale"]),
+    ("mxfp4", dict(edit_config=lambda g: g["weights"].update(group_size=16)),
+     ["not an mxfp4-pack-quantized weight scheme", "group_size = 16", "config_groups.group_0.weights"]),
+    ("nvfp4", dict(edit_config=lambda g: g.update(input_activations={"num_bits": 8, "type": "float"})),
+     ["NVFP4 input activations or none", "config_groups.group_0.input_activations"]),
+]
+
+
+@pytest.mark.parametrize("scheme,damage,phrases", REFUSALS, ids=[p[0] for _, _, p in REFUSALS])
+def test_bad_fp4_checkpoints_are_refused_in_one_line(scheme, damage, phrases, example_ckpt, tmp_path):
+    src = _damaged(example_ckpt("qwen3-moe", scheme, num_layers=2, num_experts=E), tmp_path, **damage)
+    assert_refused(src, tmp_path / "out", *phrases, backend="marlin")
+
+
+def test_inspect_names_the_format(fp4):
+    name, ckpt = fp4
+    out = cli("inspect", ckpt, expect=0).out
+    assert f"compressed-tensors {name}-pack-quantized" in out and name in out
