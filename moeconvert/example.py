@@ -446,20 +446,27 @@ def fp4_quantization_config(scheme: str):
                               ignore=list(_IGNORE))
 
 
-def fp4_global_scale(module):
-    """NVFP4: the module's per-tensor global scales, set as llm-compressor's observers set them (the weight's
-    from its min/max; the input's from an activation range of [-1, 1], for want of calibration data);
-    None for schemes without them."""
+def fp4_global_scales(tree) -> None:
+    """NVFP4: every module's per-tensor global scales, set as llm-compressor sets them: the weight's from its
+    min/max (``generate_gparam``), then one for each gate/up pair, the smaller of the two (its
+    ``update_fused_layer_weight_global_scales``, which vLLM relies on: it keeps the gate's for both); the
+    input's from an activation range of [-1, 1], for want of calibration data. No-op for other schemes."""
     import torch
     from compressed_tensors.quantization.utils import generate_gparam
 
-    if not hasattr(module, "weight_global_scale"):
-        return None
-    w = module.weight
-    module.weight_global_scale.copy_(generate_gparam(w.min(), w.max()))
-    if hasattr(module, "input_global_scale"):
-        module.input_global_scale.copy_(generate_gparam(torch.tensor(-1.0), torch.tensor(1.0)))
-    return module.weight_global_scale
+    modules = dict(tree.named_modules())
+    for module in modules.values():
+        if hasattr(module, "weight_global_scale"):
+            w = module.weight
+            module.weight_global_scale.copy_(generate_gparam(w.min(), w.max()))
+            if hasattr(module, "input_global_scale"):
+                module.input_global_scale.copy_(generate_gparam(torch.tensor(-1.0), torch.tensor(1.0)))
+    for name, module in modules.items():
+        up = modules.get(name.removesuffix("gate_proj") + "up_proj") if name.endswith("gate_proj") else None
+        if up is not None and hasattr(module, "weight_global_scale"):
+            fused = torch.minimum(module.weight_global_scale, up.weight_global_scale)
+            module.weight_global_scale.copy_(fused)
+            up.weight_global_scale.copy_(fused)
 
 
 def weight_qparams(weight, args, global_scale=None):
@@ -558,10 +565,11 @@ def _write_pack_quantized(float_dir: Path, out: Path, bits: int, group_size: int
         apply_quantization_config(tree, config, **quiet)  # (0.17 has no bar)
     # 2. Calibrate: the weight-only equivalent of running llm-compressor's observers.
     with torch.no_grad():
+        fp4_global_scales(tree)
         for module in tree.modules():
             if is_module_quantized(module):
                 args = module.quantization_scheme.weights
-                scale, zero_point = weight_qparams(module.weight, args, fp4_global_scale(module))
+                scale, zero_point = weight_qparams(module.weight, args, getattr(module, "weight_global_scale", None))
                 module.weight_scale.copy_(scale)
                 module.weight_zero_point.copy_(zero_point)
     # 3. Compress (quantize + pack, drop symmetric zero points) and describe it.

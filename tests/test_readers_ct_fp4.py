@@ -20,7 +20,7 @@ from moeconvert.mxfp4 import E2M1_VALUES, dequantize_mxfp4
 from moeconvert.schemes import MXFP4Scheme, NVFP4Scheme
 from moeconvert.sources import open_source
 
-from helpers import assert_refused, cli, resave, same_bits
+from helpers import assert_refused, cli, resave, same_bits, st_tensors
 
 pytest.importorskip("compressed_tensors")
 E, H, I = 4, 256, 128
@@ -63,6 +63,8 @@ def test_the_block_is_what_compressed_tensors_decompresses(fp4):
     layer = map_model(source).layers[0]
     assert layer.scheme == SCHEMES[name][1]
     block = decode_chunk(source, layer, Partition(), 0, E)
+    if name == "nvfp4":  # the example gives gate and up one global scale, as llm-compressor does
+        assert torch.equal(block.w13_global[:, 0], block.w13_global[:, 1])
     for e in range(E):
         theirs = {proj: ct_decompressed(ckpt, name, f"{layer.prefix}.{e}.{proj}").float()
                   for proj in ("gate_proj", "up_proj", "down_proj")}
@@ -88,6 +90,46 @@ def test_a_tp_rank_holds_its_rows_and_k_columns(fp4):
         w13 = our_dequantized(whole, e, "w13")
         assert torch.equal(our_dequantized(rank, i, "w13"), torch.cat([w13[h:I], w13[I + h:]]))
         assert torch.equal(our_dequantized(rank, i, "w2"), our_dequantized(whole, e, "w2")[:, h:])
+
+
+def test_the_marlin_folder_is_what_vllm_holds_for_the_checkpoint(fp4, tmp_path, vllm_version):
+    """``repack --backend marlin`` of the real checkpoint against vLLM's own processing of the tensors its
+    loader puts in place (w13 = [gate; up] per expert, global scales per shard): the compressed-tensors
+    FP4 methods' Marlin paths, run on the CPU (tests/test_layout_marlin_*fp4.py say how)."""
+    import types
+
+    import test_layout_marlin_mxfp4
+    import test_layout_marlin_nvfp4
+
+    name, ckpt = fp4
+    out = tmp_path / "out"
+    cli("repack", ckpt, out, "--backend", "marlin", expect=0)
+    written, tensors = st_tensors(out), load_file(ckpt / "model.safetensors")
+    prefix = "model.layers.1.mlp.experts"
+    stack = lambda proj, suffix: torch.stack([tensors[f"{prefix}.{e}.{proj}.{suffix}"] for e in range(E)])
+    w13 = torch.cat([stack("gate_proj", "weight_packed"), stack("up_proj", "weight_packed")], 1)
+    s13 = torch.cat([stack("gate_proj", "weight_scale"), stack("up_proj", "weight_scale")], 1)
+    w2, s2 = stack("down_proj", "weight_packed"), stack("down_proj", "weight_scale")
+    if name == "nvfp4":
+        ref = test_layout_marlin_nvfp4.vllm_reference(vllm_version)
+        g13 = torch.cat([stack("gate_proj", "weight_global_scale"), stack("up_proj", "weight_global_scale")], 1)
+        stub = types.SimpleNamespace(num_experts=E, hidden_size=H, intermediate_size_per_partition=I,
+                                     params_dtype=torch.bfloat16)
+        theirs = dict(zip(("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w2_weight", "w2_weight_scale",
+                           "w2_weight_scale_2"), ref.prepare_nvfp4_moe_layer_for_marlin(
+            stub, w13=w13, w13_scale=s13, w13_scale_2=1.0 / g13[:, 0].contiguous(), w2=w2, w2_scale=s2,
+            w2_scale_2=1.0 / stack("down_proj", "weight_global_scale").flatten(), is_act_and_mul=True)))
+    else:
+        ref = test_layout_marlin_mxfp4.vllm_reference(vllm_version)
+        stub = types.SimpleNamespace(
+            moe_config=types.SimpleNamespace(num_local_experts=E, hidden_dim=H, intermediate_size_per_partition=I),
+            params_dtype=torch.bfloat16, w13_weight=w13, w2_weight=w2, w13_weight_scale=s13, w2_weight_scale=s2)
+        ref.prepare_moe_fp4_layer_for_marlin(stub)
+        theirs = {n: getattr(stub, n) for n in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")}
+    ours = {n.removeprefix(prefix + "."): t for n, t in written.items() if n.startswith(prefix + ".")}
+    assert set(ours) == set(theirs)
+    for n in theirs:
+        assert same_bits(ours[n], theirs[n]), n
 
 
 def _damaged(ckpt, tmp_path, edit_tensors=None, edit_config=None):
