@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from moeconvert.canonical import Partition
 from moeconvert.decode import decode_chunk
 from moeconvert.modelmap import map_model
-from moeconvert.mxfp4 import E2M1_VALUES, dequantize_mxfp4
+from moeconvert.mxfp4 import dequantize_mxfp4, dequantize_nvfp4
 from moeconvert.schemes import MXFP4Scheme, NVFP4Scheme
 from moeconvert.sources import open_source
 
@@ -48,10 +48,9 @@ def our_dequantized(block, e: int, which: str) -> torch.Tensor:
     packed, scales = getattr(block, which)[e], getattr(block, which + "_scale")[e]
     if isinstance(block.scheme, MXFP4Scheme):
         return dequantize_mxfp4(packed, scales)
-    codes = torch.stack((packed & 0xF, packed >> 4), -1).flatten(-2).long()
-    values = torch.tensor(E2M1_VALUES)[codes] * scales.float().repeat_interleave(16, -1)
-    mult = block.w13_global[e].repeat_interleave(values.shape[0] // 2) if which == "w13" else block.w2_global[e]
-    return values * mult.reshape(-1, 1)
+    glob = getattr(block, which + "_global")[e]
+    return dequantize_nvfp4(packed, scales, (glob.repeat_interleave(packed.shape[0] // 2) if which == "w13"
+                                             else glob.expand(packed.shape[0])).unsqueeze(-1))
 
 
 def test_the_block_is_what_compressed_tensors_decompresses(fp4):
@@ -130,6 +129,32 @@ def test_the_marlin_folder_is_what_vllm_holds_for_the_checkpoint(fp4, tmp_path, 
     assert set(ours) == set(theirs)
     for n in theirs:
         assert same_bits(ours[n], theirs[n]), n
+
+
+def test_the_runtime_runs_a_marlin_nvfp4_folder_as_the_checkpoint_computes(example_ckpt, tmp_path):
+    """``moeconvert.runtime.load`` of the folder (the PyTorch reference on CPU) against the MoE computed from
+    compressed-tensors' own dequantization of the checkpoint (in fp32; its weights are bf16)."""
+    from moeconvert.runtime import load
+
+    ckpt = example_ckpt("qwen3-moe", "nvfp4", num_layers=2, num_experts=E)
+    out = tmp_path / "out"
+    cli("repack", ckpt, out, "--backend", "marlin", expect=0)
+    with pytest.warns(Warning, match="PyTorch reference"):
+        layer = load(out, device="cpu").moe_layers["model.layers.0.mlp.experts"]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, H, generator=gen).bfloat16()
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [2, 1]])
+    weights = torch.rand(5, 2, generator=gen)
+    ref = torch.zeros(5, H)
+    for t in range(5):
+        for j in range(2):
+            w = {p: ct_decompressed(ckpt, "nvfp4", f"model.layers.0.mlp.experts.{int(ids[t, j])}.{p}").float()
+                 for p in ("gate_proj", "up_proj", "down_proj")}
+            xt = x[t].float()
+            a = torch.nn.functional.silu(w["gate_proj"] @ xt) * (w["up_proj"] @ xt)
+            ref[t] += weights[t, j] * (w["down_proj"] @ a)
+    got = layer(x, weights, ids).float()
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2
 
 
 def _damaged(ckpt, tmp_path, edit_tensors=None, edit_config=None):
