@@ -91,44 +91,70 @@ def test_a_tp_rank_holds_its_rows_and_k_columns(fp4):
         assert torch.equal(our_dequantized(rank, i, "w2"), our_dequantized(whole, e, "w2")[:, h:])
 
 
-def test_the_marlin_folder_is_what_vllm_holds_for_the_checkpoint(fp4, tmp_path, vllm_version):
-    """``repack --backend marlin`` of the real checkpoint against vLLM's own processing of the tensors its
-    loader puts in place (w13 = [gate; up] per expert, global scales per shard): the compressed-tensors
-    FP4 methods' Marlin paths, run on the CPU (tests/test_layout_marlin_*fp4.py say how)."""
+def vllm_marlin_of(name: str, ckpt, prefix: str, version: str) -> dict[str, torch.Tensor]:
+    """What vLLM ``version`` holds for one layer of the checkpoint: the tensors its loader puts in place
+    (w13 = [gate; up] per expert, global scales per shard) through the compressed-tensors FP4 methods'
+    Marlin paths, run on the CPU (tests/test_layout_marlin_*fp4.py say how)."""
     import types
 
     import test_layout_marlin_mxfp4
     import test_layout_marlin_nvfp4
 
-    name, ckpt = fp4
-    out = tmp_path / "out"
-    cli("repack", ckpt, out, "--backend", "marlin", expect=0)
-    written, tensors = st_tensors(out), load_file(ckpt / "model.safetensors")
-    prefix = "model.layers.1.mlp.experts"
+    tensors = load_file(ckpt / "model.safetensors")
     stack = lambda proj, suffix: torch.stack([tensors[f"{prefix}.{e}.{proj}.{suffix}"] for e in range(E)])
     w13 = torch.cat([stack("gate_proj", "weight_packed"), stack("up_proj", "weight_packed")], 1)
     s13 = torch.cat([stack("gate_proj", "weight_scale"), stack("up_proj", "weight_scale")], 1)
     w2, s2 = stack("down_proj", "weight_packed"), stack("down_proj", "weight_scale")
     if name == "nvfp4":
-        ref = test_layout_marlin_nvfp4.vllm_reference(vllm_version)
+        ref = test_layout_marlin_nvfp4.vllm_reference(version)
         g13 = torch.cat([stack("gate_proj", "weight_global_scale"), stack("up_proj", "weight_global_scale")], 1)
         stub = types.SimpleNamespace(num_experts=E, hidden_size=H, intermediate_size_per_partition=I,
                                      params_dtype=torch.bfloat16)
-        theirs = dict(zip(("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w2_weight", "w2_weight_scale",
-                           "w2_weight_scale_2"), ref.prepare_nvfp4_moe_layer_for_marlin(
+        return dict(zip(("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w2_weight", "w2_weight_scale",
+                         "w2_weight_scale_2"), ref.prepare_nvfp4_moe_layer_for_marlin(
             stub, w13=w13, w13_scale=s13, w13_scale_2=1.0 / g13[:, 0].contiguous(), w2=w2, w2_scale=s2,
             w2_scale_2=1.0 / stack("down_proj", "weight_global_scale").flatten(), is_act_and_mul=True)))
-    else:
-        ref = test_layout_marlin_mxfp4.vllm_reference(vllm_version)
-        stub = types.SimpleNamespace(
-            moe_config=types.SimpleNamespace(num_local_experts=E, hidden_dim=H, intermediate_size_per_partition=I),
-            params_dtype=torch.bfloat16, w13_weight=w13, w2_weight=w2, w13_weight_scale=s13, w2_weight_scale=s2)
-        ref.prepare_moe_fp4_layer_for_marlin(stub)
-        theirs = {n: getattr(stub, n) for n in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")}
-    ours = {n.removeprefix(prefix + "."): t for n, t in written.items() if n.startswith(prefix + ".")}
-    assert set(ours) == set(theirs)
-    for n in theirs:
-        assert same_bits(ours[n], theirs[n]), n
+    ref = test_layout_marlin_mxfp4.vllm_reference(version)
+    stub = types.SimpleNamespace(
+        moe_config=types.SimpleNamespace(num_local_experts=E, hidden_dim=H, intermediate_size_per_partition=I),
+        params_dtype=torch.bfloat16, w13_weight=w13, w2_weight=w2, w13_weight_scale=s13, w2_weight_scale=s2)
+    ref.prepare_moe_fp4_layer_for_marlin(stub)
+    return {n: getattr(stub, n) for n in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")}
+
+
+def assert_marlin_folder_is_vllms(name: str, ckpt, tmp_path, version: str, verify: bool = False) -> None:
+    out = tmp_path / "out"
+    cli("repack", ckpt, out, "--backend", "marlin", expect=0)
+    if verify:  # decodes with the layer facts the manifest recorded
+        cli("verify", out, "--against", ckpt, expect=0)
+    written = st_tensors(out)
+    for prefix in ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts"):
+        ours = {n.removeprefix(prefix + "."): t for n, t in written.items() if n.startswith(prefix + ".")}
+        theirs = vllm_marlin_of(name, ckpt, prefix, version)
+        assert set(ours) == set(theirs)
+        for n in theirs:
+            assert same_bits(ours[n], theirs[n]), (prefix, n)
+
+
+def test_the_marlin_folder_is_what_vllm_holds_for_the_checkpoint(fp4, tmp_path, vllm_version):
+    name, ckpt = fp4
+    assert_marlin_folder_is_vllms(name, ckpt, tmp_path, vllm_version)
+
+
+def test_nvfp4_scales_below_224_are_rescaled_as_vllm_does_over_the_whole_layer(example_ckpt, tmp_path, vllm_version):
+    """Layer 1's scales quartered (its global scales too, so the values stay): vLLM then multiplies that
+    layer's scales by 4 (``_nvfp4_compute_scale_factor`` over all its experts), layer 0's by 1."""
+    src = tmp_path / "src"
+    shutil.copytree(example_ckpt("qwen3-moe", "nvfp4", num_layers=2, num_experts=E), src)
+    t = load_file(src / "model.safetensors")
+    quarter = {n: (v.float() / 4).to(torch.float8_e4m3fn) for n, v in t.items()
+               if n.startswith("model.layers.1.mlp.experts.") and n.endswith(".weight_scale")}
+    quarter.update({n: v * 4 for n, v in t.items()
+                    if n.startswith("model.layers.1.mlp.experts.") and n.endswith(".weight_global_scale")})
+    resave(src, replace=quarter)
+    assert_marlin_folder_is_vllms("nvfp4", src, tmp_path, vllm_version, verify=True)
+    meta = json.loads((tmp_path / "out" / "moeconvert.json").read_text())["moe_layers"]
+    assert [m["layout_metadata"]["w13"]["scale_factor"] for m in meta] == [1, 4]
 
 
 def test_the_runtime_runs_a_marlin_nvfp4_folder_as_the_checkpoint_computes(example_ckpt, tmp_path):
