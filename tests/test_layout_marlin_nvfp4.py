@@ -181,3 +181,54 @@ def test_vllm_ct_nvfp4_method_gives_marlin_the_gate_global_scale_reciprocal(vllm
         "convert_to_nvfp4_moe_kernel_format"])
     assert ("prepare_nvfp4_moe_layer_for_marlin(layer=layer, w13=w13, w13_scale=w13_scale, w13_scale_2=w13_scale_2, "
             "w2=w2, w2_scale=w2_scale, w2_scale_2=w2_scale_2, is_act_and_mul=is_act_and_mul)") in oracle
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: vLLM's compiled Marlin MoE kernel on our bytes, as vLLM's fused_marlin_moe calls it for NVFP4
+# (its quant config's g1/g2 alphas, i.e. w13/w2_weight_scale_2, passed as the kernel's global_scale)
+
+FLOAT4_E2M1F = 0x2000000010102  # vllm/scalar_type.py: scalar_types.float4_e2m1f.id (test_layout_marlin_mxfp4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E,H,I,top", [(4, 256, 128, 0x7E), (4, 512, 160, 0x58)])  # the second: I padded, sf > 1
+def test_vllm_marlin_kernel_computes_right_on_our_nvfp4_bytes(E, H, I, top):
+    from moeconvert.mxfp4 import dequantize_nvfp4
+    from moeconvert.runtime import vllm_marlin
+
+    from helpers import rel, vllm_moe_ops
+
+    ops = vllm_moe_ops()
+    dev = "cuda"
+    block = make_block(E, H, I, seed=7, top=top)
+    block.w13_global[:, 1] = block.w13_global[:, 0]  # one global scale for gate and up, as checkpoints have
+    shape = scanned(block, layer(E, H, I))
+    t = {k: v.to(dev) for k, v in LAYOUT.encode(block, shape).items()}
+    Np = t["w13_weight"].shape[2] // 4
+    want = LAYOUT.expected_block(block, shape)  # the values vLLM's bytes hold
+    w13 = dequantize_nvfp4(want.w13, want.w13_scale, want.w13_global[:, :1, None]).to(dev)
+    w2 = dequantize_nvfp4(want.w2, want.w2_scale, want.w2_global.view(-1, 1, 1)).to(dev)
+
+    M, top_k = 16, 2
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(M, H, device=dev, generator=gen).to(torch.bfloat16)
+    topk_w, topk_ids = torch.topk(torch.softmax(torch.randn(M, E, device=dev, generator=gen), -1), top_k, -1)
+    r = vllm_marlin.prepare(topk_w, topk_ids, E)
+
+    def gemm(a, sub, size_n, size_k, first):
+        return ops.moe_wna16_marlin_gemm(
+            a, None, t[f"{sub}_weight"], None, t[f"{sub}_weight_scale"], None, t[f"{sub}_weight_scale_2"], None,
+            vllm_marlin._workspace(a.device), r.sorted_ids, r.expert_ids, r.num_tokens_past_padded, r.topk_weights,
+            r.block_size, top_k if first else 1, not first, FLOAT4_E2M1F, a.shape[0], size_n, size_k,
+            False, True, False, -1, -1, -1).view(-1, size_n)
+
+    c1 = gemm(x, "w13", 2 * Np, H, True)
+    ids = topk_ids.flatten().long()
+    ref1 = torch.einsum("rk,rnk->rn", x.float().repeat_interleave(top_k, 0), w13[ids])
+    keep = torch.cat([torch.arange(I), Np + torch.arange(I)]).to(dev)  # our real rows; padded rows are zero
+    a = (torch.nn.functional.silu(c1[:, :Np].float()) * c1[:, Np:].float()).to(torch.bfloat16)
+    c2 = gemm(a.contiguous(), "w2", H, Np, False)
+    ref2 = torch.einsum("rk,rnk->rn", a[:, :I].float(), w2[ids]) * topk_w.flatten()[:, None]
+    errs = rel(c1[:, keep], ref1), rel(c2, ref2)
+    print(f"\nmarlin nvfp4 kernel E{E} H{H} I{I}: rel err gemm1 {errs[0]:.2e} gemm2 {errs[1]:.2e}")
+    assert max(errs) < 1e-2
