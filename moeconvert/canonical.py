@@ -20,7 +20,7 @@ nvfp4      packed e2m1 uint8 ``[E, N, K/2]``       e4m3 scales float8_e4m3fn ``[
 NVFP4's value is ``e2m1 * scale * global``: ``global`` is the dequantization multiplier, which
 compressed-tensors stores as its reciprocal (``weight_global_scale``, a divisor); the reader takes
 ``1 / weight_global_scale`` in fp32, the division vLLM's ``CompressedTensorsW4A4Nvfp4MoEMethod`` makes
-(docs/source-formats.md).
+(docs/sources.md).
 
 w13 holds the gate rows first, then the up rows (vLLM's order), also for models whose checkpoint
 interleaves them (gpt-oss): the layer's ``activation`` says how the engine wants them, and layouts

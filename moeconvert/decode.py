@@ -12,8 +12,6 @@ fields, scales keep their stored dtype, nothing is dequantized. TP/EP cuts follo
 
 from __future__ import annotations
 
-import torch
-
 from moeconvert.canonical import ExpertBlock, Partition
 from moeconvert.errors import MoeConvertError
 from moeconvert.modelmap import MoELayerMap

@@ -235,7 +235,8 @@ def test_bad_fp4_checkpoints_are_refused_in_one_line(scheme, damage, phrases, ex
     assert_refused(src, tmp_path / "out", *phrases, backend="marlin")
 
 
-def test_inspect_names_the_format(fp4):
+def test_inspect_names_the_format_and_scheme(fp4):
     name, ckpt = fp4
-    out = cli("inspect", ckpt, expect=0).out
-    assert f"compressed-tensors {name}-pack-quantized" in out and name in out
+    report = json.loads(cli("inspect", ckpt, "--json", expect=0).out)
+    assert report["format"] == f"compressed-tensors ({name}-pack-quantized)"
+    assert {(x["format"], x["scheme"]) for x in report["moe_layers"]} == {(f"{name}-pack-quantized", name)}

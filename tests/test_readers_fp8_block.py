@@ -113,5 +113,7 @@ def test_bad_fp8_checkpoints_are_refused_in_one_line(damage, phrases, fp8, tmp_p
     assert_refused(_copy(fp8, tmp_path, **damage), tmp_path / "out", *phrases)
 
 
-def test_inspect_names_the_format(fp8):
-    assert "FP8 e4m3, 128x128 block scales" in cli("inspect", fp8, expect=0).out
+def test_inspect_names_the_format_and_scheme(fp8):
+    report = json.loads(cli("inspect", fp8, "--json", expect=0).out)
+    assert report["format"] == "fp8"
+    assert {(x["format"], x["scheme"]) for x in report["moe_layers"]} == {("fp8", "bfloat16")}

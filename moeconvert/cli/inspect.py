@@ -37,16 +37,14 @@ def inspect(
         from moeconvert.quantize import Quantization, resolve_model_dtype
 
         quant, out_dtype = Quantization(fmt), resolve_model_dtype(model.dtype, dtype)
-    from moeconvert.readers import get_reader
-
     moe_names = model.moe_tensor_names()
     layers = []
     for lm in model.layers:
         nbytes = sum(source.info(n).nbytes for n in lm.source_tensors())
         layers.append({"prefix": lm.prefix, "layer": lm.layer, "num_experts": lm.num_experts, "top_k": lm.top_k,
                        "hidden_size": lm.hidden_size, "intermediate_size": lm.intermediate_size,
-                       "format": get_reader(lm.format).title,
-                       "scheme": lm.scheme.describe(), "activation": lm.activation, "has_bias": lm.has_bias,
+                       "format": lm.format, "scheme": lm.scheme.describe(), "activation": lm.activation,
+                       "has_bias": lm.has_bias,
                        "bytes": nbytes, "shared_experts": bool(lm.shared)})
     backends = {}
     for name in layout_names():
@@ -63,15 +61,16 @@ def inspect(
                           "kernel": layout.kernel, "layout_version": layout.version}
     other = sum(i.nbytes for n, i in source.tensors.items() if n not in moe_names)
     advice = _advice(model, quant, backends)
-    report = {"source": src, "revision": source.revision, "family": model.family.name, "dtype": model.dtype,
+    report = {"source": src, "revision": source.revision, "family": model.family.name,
+              "format": model.source_format.describe(), "dtype": model.dtype,
               "moe_layers": layers, "moe_bytes": sum(x["bytes"] for x in layers), "other_bytes": other,
               "partition": part.to_json(), "backends": backends, "advice": advice}
     if json_out:
         print(json.dumps(report, indent=1))
         return
-    out.print(f"[bold]{src}[/bold]  family [cyan]{model.family.name}[/cyan]  dtype {model.dtype}  "
+    out.print(f"[bold]{src}[/bold]  family [cyan]{model.family.name}[/cyan]  format {escape(report['format'])}  "
+              f"dtype {model.dtype}  "
               f"{len(layers)} MoE layers  experts {_human(report['moe_bytes'])}  other {_human(other)}")
-    out.print("experts stored as " + "; ".join(dict.fromkeys(x["format"] for x in layers)))
     t = Table(title="MoE layers")
     for col in ("layer", "prefix", "E", "top-k", "H", "I", "scheme", "bias", "bytes"):
         t.add_column(col, justify="right" if col in ("E", "top-k", "H", "I", "bytes") else "left",

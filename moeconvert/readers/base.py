@@ -75,6 +75,10 @@ class Reader:
         """The suffixes every projection must have under ``scheme``."""
         return self.suffixes
 
+    def optional(self, scheme: Scheme) -> frozenset[str]:
+        """The suffixes a projection may have besides those required (and ``bias``) under ``scheme``."""
+        return frozenset()
+
     def shapes(self, source: Source, prefix: str, first: Expert, scheme: Scheme) -> tuple[int, int]:
         """Checks expert 0's shapes and dtypes against each other and the scheme; returns (H, I)."""
         raise NotImplementedError
@@ -87,7 +91,7 @@ class Reader:
     def check(self, source: Source, prefix: str, experts: list[Expert], scheme: Scheme) -> tuple[int, int]:
         """Every expert has the tensors of this format, with expert 0's shapes and dtypes; returns (H, I)."""
         required = self.required(scheme)
-        check_alike(source, prefix, experts, required, required | {"bias"}, scheme)
+        check_alike(source, prefix, experts, required, required | self.optional(scheme) | {"bias"}, scheme)
         H, I = self.shapes(source, prefix, experts[0], scheme)
         check_bias(source, prefix, experts[0], H, I)
         return H, I

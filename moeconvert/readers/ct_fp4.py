@@ -1,4 +1,4 @@
-"""compressed-tensors ``mxfp4-pack-quantized`` and ``nvfp4-pack-quantized`` experts (docs/source-formats.md).
+"""compressed-tensors ``mxfp4-pack-quantized`` and ``nvfp4-pack-quantized`` experts (docs/sources.md).
 
 Per projection, as compressed-tensors' ``MXFP4PackedCompressor`` / ``NVFP4PackedCompressor`` write them:
 ``weight_packed [N, K/2]`` uint8, two e2m1 codes a byte, element 2j in the low nibble of byte j (their

@@ -1,5 +1,5 @@
 """FP8 checkpoints with 128x128 block scales (``quant_method: fp8``, ``weight_block_size: [128, 128]``), as
-DeepSeek-V3/R1 and the MiniMax/GLM FP8 releases ship them (docs/source-formats.md).
+DeepSeek-V3/R1 and the MiniMax/GLM FP8 releases ship them (docs/sources.md).
 
 Per projection: ``weight [N, K]`` float8_e4m3fn and ``weight_scale_inv [ceil(N/128), ceil(K/128)]`` fp32, the
 value being ``weight * weight_scale_inv`` of its block. The reader dequantizes: each element's fp32 product

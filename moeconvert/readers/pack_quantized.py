@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from moeconvert.errors import MoeConvertError
 from moeconvert.packing import unpack_int32
-from moeconvert.readers.base import (INT_DTYPES, Expert, Projection, Reader, expect_dtype, expect_shape,
-                                     suffix_list)
+from moeconvert.readers.base import (INT_DTYPES, Expert, Projection, Reader, expect_dtype, expect_finite,
+                                     expect_shape, suffix_list)
 from moeconvert.readers.registry import register
 from moeconvert.schemes import CompressedTensorsConfig, Scheme, WNA16Scheme, float_dtype_name
 from moeconvert.sources import Source
@@ -87,8 +87,8 @@ class PackQuantized(Reader):
         zero = None
         if not scheme.symmetric:
             zero = unpack_int32(source.read(names["weight_zero_point"]), scheme.bits, n, dim=0)
-        return Projection(unpack_int32(source.read(names["weight_packed"]), scheme.bits, k, dim=1),
-                          source.read(names["weight_scale"]), zero)
+        scale = expect_finite(source, names["weight_scale"], source.read(names["weight_scale"]))
+        return Projection(unpack_int32(source.read(names["weight_packed"]), scheme.bits, k, dim=1), scale, zero)
 
 
 def _weight_shape(source: Source, name: str) -> tuple[int, ...]:
