@@ -100,6 +100,11 @@ REFUSALS = [
     (dict(replace=_nan_scale), ["FP8 block scales must be finite", f"{EXPERT}.up_proj.weight_scale_inv"]),
     (dict(config=lambda q: q.update(weight_block_size=[64, 64])),
      ["only 128x128 block scales", "quantization_config.weight_block_size", "[64, 64]"]),
+    # experts vLLM leaves unquantized (exact name in ignored_layers) must then be float weights
+    (dict(config=lambda q: q.update(ignored_layers=["model.layers.1.mlp.experts"])),
+     ["model.layers.1.mlp.experts.0.gate_proj.weight", "expected BF16, F16 or F32", "F8_E4M3"]),
+    (dict(config=lambda q: q.update(activation_scheme="static")),
+     ["block-wise FP8 takes dynamic activations only", "quantization_config.activation_scheme", "static"]),
     (dict(replace=lambda t: {n: t[n][:, :1].contiguous() for n in t if n.endswith("proj.weight_scale_inv")
                              and ".experts." in n and n.endswith("gate_proj.weight_scale_inv")}),
      ["unexpected shape", "gate_proj.weight_scale_inv", "[1, 2]"]),
@@ -108,7 +113,7 @@ REFUSALS = [
 ]
 
 
-@pytest.mark.parametrize("damage,phrases", REFUSALS, ids=["inf-scale", "block-64", "scale-shape", "weight-dtype"])
+@pytest.mark.parametrize("damage,phrases", REFUSALS, ids=["inf-scale", "block-64", "ignored", "static", "scale-shape", "weight-dtype"])
 def test_bad_fp8_checkpoints_are_refused_in_one_line(damage, phrases, fp8, tmp_path):
     assert_refused(_copy(fp8, tmp_path, **damage), tmp_path / "out", *phrases)
 

@@ -66,22 +66,26 @@ class FP8Block(Reader):
         fmt = config_value(qc, "fmt", str, default="e4m3", section=section)
         if fmt != "e4m3":
             raise _refuse(section, "fmt", "only e4m3 weights are read", "e4m3", fmt)
-        scheme = config_value(qc, "activation_scheme", str, default="dynamic", section=section)
-        if scheme not in ("dynamic", "static"):
-            raise _refuse(section, "activation_scheme", "unknown activation scheme (vLLM's Fp8Config refuses it)",
-                          "dynamic or static", scheme)
-        ignored = []
-        for key in ("ignored_layers", "modules_to_not_convert"):
-            value = config_value(qc, key, list, default=None, section=section) or []
-            for i, m in enumerate(value):
-                if not isinstance(m, str):
-                    raise _refuse(section, f"{key}[{i}]", "not a module name", "a string", m)
-            ignored += value
+        # vLLM's Fp8Config: activation_scheme is required, and block-wise weights take dynamic activations only
+        scheme = config_value(qc, "activation_scheme", str, section=section)
+        if scheme != "dynamic":
+            raise _refuse(section, "activation_scheme", "vLLM's block-wise FP8 takes dynamic activations only",
+                          "dynamic", scheme)
+        # its ignored layers: ``ignored_layers``, else ``modules_to_not_convert``
+        ignored = config_value(qc, "ignored_layers", list, default=None, section=section) or []
+        key = "ignored_layers"
+        if not ignored:
+            key, ignored = "modules_to_not_convert", config_value(qc, "modules_to_not_convert", list, default=None,
+                                                                  section=section) or []
+        for i, m in enumerate(ignored):
+            if not isinstance(m, str):
+                raise _refuse(section, f"{key}[{i}]", "not a module name", "a string", m)
         return FP8BlockConfig(tuple(ignored))
 
     def quantizes(self, config: FP8BlockConfig, prefix: str) -> bool:
-        """vLLM skips a layer its config names (or a parent of it)."""
-        return not any(prefix == m or prefix.startswith(m + ".") for m in config.ignored)
+        """vLLM leaves the experts unquantized when their layer's name is in the list (``is_layer_skipped``,
+        its default "exact" match)."""
+        return prefix not in config.ignored
 
     def scheme(self, source: Source, prefix: str, first: Expert, config) -> Scheme:
         if not {"weight", "weight_scale_inv"} <= set(first["gate"]):
