@@ -11,7 +11,7 @@ vLLM's own code, per vLLM version:
 * ``repack --backend marlin`` writes, byte for byte, what vLLM's Marlin processing of the tensors its
   loader holds gives (``_process_weights_marlin`` after AutoGPTQMoEMethod's transpose;
   ``_process_awq_weights_marlin``), the CUDA repack ops stood in by vLLM's Python reference
-  (helpers.vllm_marlin_reference; the GPU test below runs the real AWQ op).
+  (helpers.vllm_marlin_reference; the GPU test below runs vLLM's compiled AWQ op against its stand-in).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from moeconvert.example import make_example
 from moeconvert.modelmap import map_model
 from moeconvert.sources import open_source
 
-from helpers import (cli, make_int_checkpoint, same_bits, st_tensors, vllm_marlin_reference, vllm_moe_ops,
+from helpers import (cli, make_int_checkpoint, same_bits, st_tensors, vllm_marlin_reference,
                      vllm_process_awq_marlin, vllm_process_marlin)
 
 E, H, I = 4, 256, 128
@@ -248,15 +248,20 @@ def test_awq_marlin_bytes_equal_vllm(sources, tmp_path_factory, vllm_version):
 
 @pytest.mark.gpu
 def test_awq_repack_op_equals_its_python_stand_in(sources):
-    """vLLM's compiled ``awq_marlin_moe_repack`` on the AWQ words == the stand-in the oracle above uses."""
-    lib = vllm_moe_ops()
-    if not hasattr(lib, "awq_marlin_moe_repack"):
-        pytest.skip("this vLLM build's _moe_C has no awq_marlin_moe_repack")
+    """vLLM's compiled ``awq_marlin_moe_repack`` (its ``_C`` library, through the installed vLLM's
+    ``_custom_ops``) on the AWQ words == the stand-in the oracle above uses, and the marlin layout's bytes."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    try:
+        from vllm import _custom_ops as ops
+        from vllm import __version__ as installed
+    except ImportError as e:
+        pytest.skip(f"needs vLLM with its CUDA ops installed ({e})")
     src = sources["awq"]
     prefix = map_model(open_source(str(src))).layers[0].prefix
     w13 = loaded(src, prefix)["w13"]
-    theirs = lib.awq_marlin_moe_repack(w13.cuda(), None, w13.shape[1], w13.shape[2] * 8, 4).cpu()
-    stand_in = vllm_marlin_reference("0.33.0").ops.awq_marlin_moe_repack(w13, w13.shape[1], w13.shape[2] * 8, 4)
+    theirs = ops.awq_marlin_moe_repack(w13.cuda(), w13.shape[1], w13.shape[2] * 8, 4).cpu()
+    stand_in = vllm_marlin_reference(installed).ops.awq_marlin_moe_repack(w13, w13.shape[1], w13.shape[2] * 8, 4)
     assert same_bits(theirs, stand_in)
 
 
