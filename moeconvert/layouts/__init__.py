@@ -51,7 +51,7 @@ def _registry() -> dict[str, list[type[Layout]]]:
 
 
 def get_layout(name: str, kind: str | None = None) -> Layout:
-    """The layout ``--backend name`` writes for experts of scheme kind ``kind`` ("float", "wna16", "mxfp4").
+    """The layout ``--backend name`` writes for experts of scheme kind ``kind`` ("float", "wna16", "mxfp4", "nvfp4").
 
     Without a kind, or when no layout of that name takes the kind, the first one registered is given:
     its ``check`` then says which schemes it takes.
