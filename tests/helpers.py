@@ -413,7 +413,7 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _EXPERT_WEIGHT = re.compile(r"^(.*\.experts\.\d+\.(?:gate_proj|up_proj|down_proj))\.weight$")
 
 
-def _pack_words(fields: torch.Tensor, bits: int, order=None) -> torch.Tensor:
+def pack_words(fields: torch.Tensor, bits: int, order=None) -> torch.Tensor:
     """``[..., n]`` unsigned fields -> ``[..., n / pf]`` int32 words, field ``order[i]`` of each run of
     ``pf`` in bits ``[b*i, b*i + b)`` (plain order when None): shifts and sums, nothing of moeconvert's."""
     pf = 32 // bits
@@ -492,14 +492,14 @@ def make_int_checkpoint(bf16_dir: Path, out: Path, method: str, *, bits: int = 4
             packed = _autoround_packed(method, t, bits, group_size, scale, zero)
             written.update({f"{module}.{k}": v.contiguous() for k, v in packed.items() if g_idx or k != "g_idx"})
         elif method == "gptq":
-            written[f"{module}.qweight"] = _pack_words(u, bits).T.contiguous()  # [K/pf, N], packed along K
-            written[f"{module}.qzeros"] = _pack_words(zero.T.contiguous() - 1, bits)  # v1: zero - 1
+            written[f"{module}.qweight"] = pack_words(u, bits).T.contiguous()  # [K/pf, N], packed along K
+            written[f"{module}.qzeros"] = pack_words(zero.T.contiguous() - 1, bits)  # v1: zero - 1
             written[f"{module}.scales"] = scale.T.contiguous()
             if g_idx:
                 written[f"{module}.g_idx"] = (torch.arange(K) // (K if group_size == -1 else group_size)).to(torch.int32)
         else:
-            written[f"{module}.qweight"] = _pack_words(u.T.contiguous(), bits, AWQ_PACK_ORDER)
-            written[f"{module}.qzeros"] = _pack_words(zero.T.contiguous(), bits, AWQ_PACK_ORDER)
+            written[f"{module}.qweight"] = pack_words(u.T.contiguous(), bits, AWQ_PACK_ORDER)
+            written[f"{module}.qzeros"] = pack_words(zero.T.contiguous(), bits, AWQ_PACK_ORDER)
             written[f"{module}.scales"] = scale.T.contiguous()
     save_file(written, out / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
