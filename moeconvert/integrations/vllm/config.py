@@ -224,7 +224,7 @@ class MoeconvertConfig(QuantizationConfig):
         vLLM's own expert map gives the layer; and the TP sizes whose cuts the layout declares exact
         (``Layout.tp_cuts``; DP without EP is TP across DP there)."""
         from moeconvert.layouts.output import layer_shape_from_manifest, parse_scheme
-        from moeconvert.integrations.vllm.method import RankShare
+        from moeconvert.integrations.vllm.methods import RankShare
         from moeconvert.layouts import get_layout
 
         from vllm.config import get_current_vllm_config_or_none
@@ -267,7 +267,7 @@ class MoeconvertConfig(QuantizationConfig):
         layout = get_layout(layout_name, kind)
         if have["ep_size"] > 1:
             # a choice vLLM makes over a rank's own experts (humming's sign-magnitude) must be the folder's
-            from moeconvert.integrations.vllm.method import local_experts
+            from moeconvert.integrations.vllm.methods import local_experts
 
             stored = entry.get("tp_sizes", {}).get(str(have["tp_size"])) or {}
             metadata = (stored["rank_layout_metadata"][have["tp_rank"]] if "rank_layout_metadata" in stored
@@ -313,7 +313,7 @@ class MoeconvertConfig(QuantizationConfig):
         from vllm.model_executor.layers.fused_moe import RoutedExperts
 
         if isinstance(layer, RoutedExperts):
-            from moeconvert.integrations.vllm import method as methods
+            from moeconvert.integrations.vllm import methods
 
             owner = prefix.removesuffix(".routed_experts")
             if self.manifest is None:
