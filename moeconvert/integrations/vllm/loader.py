@@ -91,7 +91,7 @@ class MoeconvertModelLoader(DefaultModelLoader):
     def load_weights(self, model: torch.nn.Module, model_config) -> None:
         from vllm.model_executor.layers.fused_moe import RoutedExperts
 
-        from moeconvert.integrations.vllm.methods import FinalLayoutMethod, local_experts
+        from moeconvert.integrations.vllm.methods.base import FinalLayoutMethod, local_experts
 
         ours = {name.removesuffix(".routed_experts"): m for name, m in model.named_modules()
                 if isinstance(m, RoutedExperts) and isinstance(m.quant_method, FinalLayoutMethod)}

@@ -5,11 +5,13 @@ the folder's bytes copied into them as they are, vLLM's kernel built over them."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
 from moeconvert.format import DTYPES
+from moeconvert.integrations.vllm.methods.spec import SPECS, MethodSpec, alternatives, elsewhere, layout_fits
 from moeconvert.layouts.base import TPCut
 
 
@@ -87,10 +89,23 @@ def _expert_runs(experts: list[int]) -> list[tuple[int, slice]]:
 class FinalLayoutMethod(FusedMoEMethodBase):
     """What every method shares: parameters from the manifest, exact loading, the kernel over them."""
 
-    #: vLLM's EPLB moves whole experts between ranks (``RoutedExperts.get_expert_weights`` views each
-    #: parameter ``[E_local, -1]``), which every layout allows; the plugin follows vLLM's own method for
-    #: the same kernel, which is what vLLM was checked with (set per method below)
+    #: what the method serves, and why not (``spec.py``): bound by the class's name, so a method without a
+    #: spec fails when its module is imported
+    spec: ClassVar[MethodSpec]
+    #: what vLLM asks before it rebalances experts (``--enable-eplb``): the spec's answer. vLLM's EPLB moves
+    #: whole experts between ranks (``RoutedExperts.get_expert_weights`` views each parameter
+    #: ``[E_local, -1]``), which every layout allows; a spec follows vLLM's own method for the same kernel
     supports_eplb = False
+
+    def __init_subclass__(cls, shared: bool = False, **kwargs):
+        """``shared``: a base of several methods (no spec of its own)."""
+        super().__init_subclass__(**kwargs)
+        if shared:
+            return
+        if cls.__name__ not in SPECS:
+            raise TypeError(f"{cls.__name__}: a plugin method needs its spec in methods/spec.py")
+        cls.spec = SPECS[cls.__name__]
+        cls.supports_eplb = cls.spec.supports_eplb()[0]
 
     def __init__(self, moe, entry: dict, manifest: dict, share: RankShare | None = None):
         super().__init__(moe)
@@ -115,6 +130,27 @@ class FinalLayoutMethod(FusedMoEMethodBase):
 
     def _refuse(self, what: str) -> ValueError:
         return ValueError(f"moeconvert: {self.entry['prefix']}: {what}")
+
+    def _alternatives(self, **kw) -> list[MethodSpec]:
+        """The other methods that serve this layer (``spec.alternatives``; ``kw``: ``eplb``, ``portable``)."""
+        e = self.entry
+        return alternatives(e["scheme"]["kind"], e["activation"], e.get("activation_params"),
+                            layout_fits(e, self.manifest_dtype), exclude=self.spec, **kw)
+
+    def _instead(self) -> str:
+        """The fix where no vLLM holds what this folder holds: a folder of another method's layout."""
+        alts = self._alternatives()
+        return (f"convert with --backend {alts[0].layout} ({alts[0].command(self.entry['scheme']['kind'])})" if alts
+                else "no other layout the plugin serves holds these experts")
+
+    def _elsewhere(self) -> str:
+        """The fix where this method's kernel cannot run on this machine: the first other method whose
+        layout holds this layer and whose kernel runs on any CUDA GPU (none off GPUs), from the specs."""
+        from vllm.platforms import current_platform
+
+        alts = self._alternatives(portable=True)
+        on_gpu = current_platform.get_device_capability() is not None
+        return elsewhere(alts, None if on_gpu else current_platform.device_type)
 
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
@@ -216,11 +252,11 @@ class FinalLayoutMethod(FusedMoEMethodBase):
 
     def _activation_constants(self) -> dict:
         """``gemm1_alpha`` / ``gemm1_beta`` / ``gemm1_clamp_limit`` for the quant config: for swigluoai, the
-        layer's alpha and limit (the manifest's; vLLM's kernels take gpt-oss's only, ``scope.SWIGLUOAI``) and
+        layer's alpha and limit (the manifest's; vLLM's kernels take gpt-oss's only, ``spec.SWIGLUOAI``) and
         beta 1, as vLLM's GptOssMxfp4MoEMethod passes them; nothing for silu, as vLLM's Mxfp4MoEMethod."""
         if self.entry["activation"] != "swigluoai":
             return {"gemm1_alpha": None, "gemm1_beta": None, "gemm1_clamp_limit": None}
-        from moeconvert.integrations.vllm.scope import SWIGLUOAI, SWIGLUOAI_BETA
+        from moeconvert.integrations.vllm.methods.spec import SWIGLUOAI, SWIGLUOAI_BETA
 
         params = {**SWIGLUOAI, **(self.entry.get("activation_params") or {})}
         return {"gemm1_alpha": params["alpha"], "gemm1_beta": SWIGLUOAI_BETA, "gemm1_clamp_limit": params["limit"]}
@@ -250,7 +286,7 @@ class FinalLayoutMethod(FusedMoEMethodBase):
             hash_indices_table=layer.hash_indices_table)
 
 
-class MXFP4Method(FinalLayoutMethod):
+class MXFP4Method(FinalLayoutMethod, shared=True):
     """What the MXFP4 methods share: the padded sizes the folder holds, and gpt-oss's activation constants
     passed to vLLM's quant config as its own gpt-oss method passes them."""
 

@@ -42,19 +42,19 @@ class HummingWNA16Method(FinalLayoutMethod):
 
         problem = self._vllm_state_problem()
         if problem:
-            raise self._refuse(f"{problem}: convert with --backend marlin")
+            raise self._refuse(f"{problem}: {self._instead()}")
         want = self.made_for.get("humming-kernels")
         if not has_humming():
             raise self._refuse(f"this folder holds humming-kernels {want}'s bytes and this Python has no humming "
                                f"(import humming fails): pip install --no-deps humming-kernels=={want} "
-                               "(vLLM 0.33.0's pin), or convert with --backend marlin")
+                               f"(vLLM 0.33.0's pin), or {self._elsewhere()}")
         import humming
 
         have = getattr(humming, "__version__", None)
         if have != want:
             raise self._refuse(f"this folder holds humming-kernels {want}'s bytes; this Python has humming-kernels "
                                f"{have}, whose transform may differ: install humming-kernels=={want} "
-                               "(vLLM 0.33.0's pin), or convert with --backend marlin")
+                               f"(vLLM 0.33.0's pin), or {self._elsewhere()}")
         sm = self.made_for.get("sm")
         cap = current_platform.get_device_capability()  # None off GPUs
         # humming transforms weights per GPU architecture (LayerConfig.sm_version decides raw / flat / native
@@ -63,8 +63,7 @@ class HummingWNA16Method(FinalLayoutMethod):
         if cap is None or str(cap.to_int()) != sm:
             where = f"an SM{cap.to_int()} GPU" if cap is not None else f"its {current_platform.device_type} platform"
             raise self._refuse(f"this folder holds humming's SM{sm} bytes (H100 / H200) and vLLM runs on {where}: "
-                               "humming lays weights out per GPU architecture; convert with --backend marlin for "
-                               "this machine")
+                               f"humming lays weights out per GPU architecture; {self._elsewhere()}")
         input_schema = self._input_schema(layer, self._weight_schema("w13"))
         bits = input_schema.a_dtype.num_bits if input_schema.a_dtype is not None else 16
         if bits != 16:
@@ -94,7 +93,7 @@ class HummingWNA16Method(FinalLayoutMethod):
         self.experts_cls = select_humming_moe_experts(self.moe, self._weight_key(params_dtype), None)
         if self.experts_cls is None:
             raise self._refuse("none of vLLM's humming experts supports this deployment (vLLM's oracle says why "
-                               "at debug level); serve a --backend marlin folder")
+                               f"at debug level); {self._elsewhere()}")
         super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                                **extra_weight_attrs)
 
@@ -190,7 +189,6 @@ class HummingMXFP4Method(MXFP4Method, HummingWNA16Method):
     against the manifest's; the refusals are the WNA16 method's (docs/layouts/humming.md, "MXFP4")."""
 
     backend = "HUMMING"
-    supports_eplb = True  # as vLLM's Mxfp4MoEMethod
 
     def __init__(self, moe, entry: dict, manifest: dict, share: RankShare | None = None):
         FinalLayoutMethod.__init__(self, moe, entry, manifest, share)

@@ -40,7 +40,6 @@ class MarlinMXFP4Method(MXFP4Method):
     e2m1 weights and e8m0 scales, over H and I zero-padded as vLLM pads them for Marlin (the folder holds
     them padded)."""
 
-    supports_eplb = True  # as vLLM's Mxfp4MoEMethod (quantization/mxfp4.py), Marlin backend included
 
     def get_fused_moe_quant_config(self, layer):
         from vllm.model_executor.layers.fused_moe.config import mxfp4_w4a16_moe_quant_config

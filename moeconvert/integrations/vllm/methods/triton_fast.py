@@ -15,7 +15,6 @@ class TritonFastMethod(FinalLayoutMethod):
     processed. The kernel needs CUDA (or Triton's interpreter): anything else is refused when the layer is
     built, before a byte is read."""
 
-    supports_eplb = False  # not yet run with vLLM's expert rebalancing
 
     def __init__(self, moe, entry: dict, manifest: dict, share: RankShare | None = None):
         super().__init__(moe, entry, manifest, share)
@@ -61,7 +60,7 @@ class TritonFastMethod(FinalLayoutMethod):
                                                            mk.FusedMoEActivationFormat.Standard)
             why = None if ok else f"vLLM's modular kernel cannot take moeconvert's experts here: {why}"
         if why is not None:
-            raise self._refuse(f"{why}; serve a --backend marlin folder on this machine")
+            raise self._refuse(f"{why}; {self._elsewhere()}")
         super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                                **extra_weight_attrs)
 

@@ -15,7 +15,6 @@ class TritonMXFP4Method(MXFP4Method):
     bytes; the wrappers are views of them, held by the method."""
 
     backend = "TRITON"
-    supports_eplb = False  # vLLM's GptOssMxfp4MoEMethod declares none, and the monolithic kernel takes none
 
     def __init__(self, moe, entry: dict, manifest: dict, share: RankShare | None = None):
         super().__init__(moe, entry, manifest, share)

@@ -11,7 +11,6 @@ class TritonWNA16Method(MarlinWNA16Method):
     TRITON conversion (what ``--moe-backend triton`` gives)."""
 
     backend = "TRITON"
-    supports_eplb = True  # as CompressedTensorsWNA16MoEMethod with the TRITON backend
 
     @staticmethod
     def _experts_cls():
