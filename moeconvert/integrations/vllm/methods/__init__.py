@@ -1,7 +1,7 @@
 """The plugin's MoE methods: vLLM's expert parameters in the folder's final layout, loaded unchanged.
 
 One module per kernel family, each method declaring what it serves in one spec (``spec.py``, read
-without vLLM by the converter too): ``marlin`` (vLLM's Marlin, WNA16 and MXFP4), ``triton_wna16``
+without vLLM by the converter too): ``marlin`` (vLLM's Marlin: WNA16, MXFP4, NVFP4), ``triton_wna16``
 (vLLM's Triton WNA16), ``triton_mxfp4`` (triton_kernels, gpt-oss), ``humming`` (humming-kernels, WNA16
 and MXFP4) and ``triton_fast`` (moeconvert's own kernel). What they share is in ``base``:
 ``create_weights`` makes each parameter with the shape and dtype the manifest records, cut for this rank

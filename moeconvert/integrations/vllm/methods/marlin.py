@@ -1,4 +1,4 @@
-"""vLLM's Marlin MoE kernel (``moe_wna16_marlin_gemm``, ``MarlinExperts``): WNA16 and MXFP4 folders."""
+"""vLLM's Marlin MoE kernel (``moe_wna16_marlin_gemm``, ``MarlinExperts``): WNA16, MXFP4 and NVFP4 folders."""
 
 from __future__ import annotations
 
@@ -47,3 +47,31 @@ class MarlinMXFP4Method(MXFP4Method):
         return mxfp4_w4a16_moe_quant_config(w1_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale,
                                             w1_bias=getattr(layer, "w13_bias", None),
                                             w2_bias=getattr(layer, "w2_bias", None), **self._activation_constants())
+
+
+class MarlinNVFP4Method(FinalLayoutMethod):
+    """``marlin`` NVFP4 (compressed-tensors ``nvfp4-pack-quantized`` sources): vLLM's ``MarlinExperts`` with
+    e2m1 weights, S0E5M3-coded e4m3 group scales and one fp32 global scale per expert and sublayer
+    (``w13_weight_scale_2`` / ``w2_weight_scale_2``), what vLLM's compressed-tensors NVFP4 MoE method holds
+    after ``prepare_nvfp4_moe_layer_for_marlin`` on Hopper (docs/layouts/marlin-nvfp4.md). The layer is built
+    over I as the model has it; the parameters hold I padded as the folder holds it, as vLLM's own
+    parameters do after that step, and the kernel reads N from them."""
+
+    backend = "MARLIN"
+
+    def get_fused_moe_quant_config(self, layer):
+        # vLLM's make_nvfp4_moe_quant_config for its MARLIN backend: 16-bit activations, the global scales
+        # as the kernel's g1 / g2 alphas (the parameters themselves)
+        from vllm.model_executor.layers.fused_moe.config import nvfp4_w4a16_moe_quant_config
+
+        return nvfp4_w4a16_moe_quant_config(g1_alphas=layer.w13_weight_scale_2, g2_alphas=layer.w2_weight_scale_2,
+                                            w1_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale)
+
+    def _make_kernel(self, layer):
+        from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend, make_nvfp4_moe_kernel
+
+        kernel = make_nvfp4_moe_kernel(moe_quant_config=self.moe_quant_config, moe_config=self.moe,
+                                       experts_cls=self.experts_cls, backend=NvFp4MoeBackend.MARLIN,
+                                       routing_tables=layer._expert_routing_tables())
+        kernel.fused_experts.process_weights_after_loading(layer)  # as vLLM's NVFP4 method does
+        return kernel

@@ -29,7 +29,7 @@ class MethodSpec:
     name: str  #: the class, as ``Layout.vllm_method`` names it
     module: str  #: ``methods/<module>.py`` holds the class
     layout: str  #: the layout (the ``--backend`` word) of the folders it serves
-    kinds: tuple[str, ...]  #: the scheme kinds (``wna16``, ``mxfp4``) of those folders
+    kinds: tuple[str, ...]  #: the scheme kinds (``wna16``, ``mxfp4``, ``nvfp4``) of those folders
     kernel: str  #: what runs the experts, in words
     #: the expert activations it serves, as vLLM 0.33.0's kernel for it runs them
     activations: tuple[str, ...]
@@ -78,6 +78,11 @@ SPECS: dict[str, MethodSpec] = {s.name: s for s in (
     # Mxfp4MoEMethod (quantization/mxfp4.py), Marlin backend included
     MethodSpec("MarlinMXFP4Method", "marlin", "marlin", ("mxfp4",), "vLLM's Marlin MoE kernel", ("silu", "swigluoai"),
                portable=True),
+    # vLLM's compressed-tensors NVFP4 method with its MARLIN backend (Hopper, 16-bit activations): [gate; up]
+    # for SiLU-and-mul only (the layout's row order)
+    MethodSpec("MarlinNVFP4Method", "marlin", "marlin", ("nvfp4",), "vLLM's Marlin MoE kernel", ("silu",),
+               no_eplb="vLLM 0.33.0's CompressedTensorsW4A4Nvfp4MoEMethod moves experts between ranks for its "
+                       "FlashInfer backends only, not Marlin (supports_eplb)", portable=True),
     # EPLB as CompressedTensorsWNA16MoEMethod with the TRITON backend
     MethodSpec("TritonWNA16Method", "triton_wna16", "triton", ("wna16",), "vLLM's Triton WNA16 MoE kernel", ("silu",),
                portable=True),
