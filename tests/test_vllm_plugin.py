@@ -521,6 +521,20 @@ def gpu_vllm(test):
     return test
 
 
+@gpu_vllm
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_vllms_marlin_experts_run_a_folder_from_each_source_format(source_folders, name):
+    """On the GPU: vLLM's MarlinExperts, built by the plugin's method over the folder's tensors (NVFP4: e2m1
+    weights, S0E5M3 scales, the global scales as the kernel's alphas), against ``reference_moe`` on the source's
+    own weights (FP8 block: dequantized, then quantized to MXFP4 as the manifest says)."""
+    src, out = source_folders[name]
+    got = _gpu_child(out, "--forward", str(src))
+    for prefix, layer in got["layers"].items():
+        assert layer["experts_class"] == "MarlinExperts"
+        for M, r in layer["tokens"].items():
+            assert r["finite"] and r["want_norm"] > 0 and r["rel"] < 2e-2, (prefix, M, r)
+
+
 FORWARD = sorted(SCHEMES)
 BENCH = ["w4a16-g128", "w4a16-g128-asym", "w8a16-g128", "w4a16-channel", "bf16-mxfp4", "triton-w4a16-g128",
          "triton-w4a16-g128-asym", "triton-w8a16-g128"]
@@ -712,6 +726,16 @@ def test_hostile_quantization_configs_are_refused_in_one_line(folders, tmp_path)
         "layout of another name": ((json.loads(other_layout.joinpath("config.json").read_text())["quantization_config"],
                                     other_layout), 'quantization_config.layout: expected {"name": "marlin"'),
         "a folder no longer there": ((good, tmp_path / "gone"), f"{tmp_path / 'gone'}: no such folder"),
+        # other source formats: what vLLM's own config of the source refuses, in one line naming the key
+        "a GPTQ source without bits": ((changed(source_quantization_config={"quant_method": "gptq", "group_size": 32,
+                                                                            "desc_act": False, "sym": True}), out),
+                                       "quantization_config.source_quantization_config: vLLM's gptq config refuses it"),
+        "a quant_method vLLM does not know": ((changed(source_quantization_config={"quant_method": "gguf-ish"}), out),
+                                              "quantization_config.source_quantization_config: vLLM's gguf-ish config "
+                                              "refuses it (Unknown quantization method: gguf-ish"),
+        "a quant_method not a string": ((changed(source_quantization_config={"quant_method": 4}), out),
+                                        "quantization_config.source_quantization_config.quant_method: expected the "
+                                        "source's quantization method (a string), found 4"),
     }
     jobs = tmp_path / "jobs.json"
     jobs.write_text(json.dumps([[qc, str(folder)] for (qc, folder), _ in cases.values()]))
