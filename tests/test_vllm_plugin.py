@@ -466,7 +466,8 @@ def test_a_folder_from_each_source_format_names_the_plugin_and_keeps_the_sources
 @pytest.mark.parametrize("name", sorted(SOURCES))
 def test_vllm_serves_a_folder_from_each_source_format(source_checks, source_folders, name):
     """vLLM's CPU platform: each MoE layer built by the plugin's method holds the file's bytes after
-    processing (NVFP4: its global scales are the Marlin kernel's g1 / g2 alphas, 16-bit activations), and
+    processing (NVFP4: its global scales are the Marlin kernel's g1 / g2 alphas, 16-bit activations, and the
+    bytes are those vLLM's own NVFP4 method holds after processing the source for Marlin), and
     every other layer gets, from the plugin's config, the method vLLM's own config of the source gives it (the
     config vLLM's ModelConfig picks for the source, updated from the source folder as vLLM updates it)."""
     got = source_checks[name]
@@ -489,6 +490,12 @@ def test_vllm_serves_a_folder_from_each_source_format(source_checks, source_fold
         if name == "nvfp4":
             assert layer["weight_dtype"] == "nvfp4" and layer["global_scales_are_params"] == [True, True]
             assert {"w13_weight_scale_2", "w2_weight_scale_2"} <= set(m["tensors"])
+            # vLLM's own compressed-tensors NVFP4 method on the source, processed for Marlin (on the CPU, its
+            # CUDA repack stood in by its own Python reference): the very bytes the plugin's parameters hold
+            theirs = got["source"][m["prefix"]]
+            assert (theirs["method"], theirs["backend"]) == ("CompressedTensorsW4A4Nvfp4MoEMethod", "MARLIN")
+            for suffix in m["tensors"]:
+                assert theirs["params"][suffix] == layer["params"][f"routed_experts.{suffix}"]["sha256"], suffix
     assert got["inner"][0] == got["theirs"][0] == config and got["inner"][1] == got["theirs"][1]
     for prefix, want in linear.items():
         ours, theirs = got["linear"][prefix]

@@ -114,6 +114,43 @@ def _method_or_refusal(cfg, layer, prefix: str) -> str:
         return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
+def _vllm_marlin_nvfp4(src: Path, manifest: dict) -> dict:
+    """What vLLM's own compressed-tensors NVFP4 MoE method holds for each layer of the source after its
+    processing with the MARLIN backend (``--moe-backend marlin``, what Hopper gets): its parameters' sha256.
+    Run on the CPU: the one CUDA op there, ``gptq_marlin_repack``, is stood in by vLLM's own Python reference
+    of it (``marlin_utils_test.marlin_weights``, which vLLM's kernel tests hold the op to)."""
+    import torch
+    from vllm import _custom_ops
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_test import get_weight_perm, marlin_weights
+    from vllm.model_executor.layers.quantization.utils.quant_utils import unpack_cols
+
+    from moeconvert.integrations.vllm.harness import build_load_process, layer_tensors, one_process, quant_config_for
+    from moeconvert.modelmap import map_model
+    from moeconvert.sources import open_source
+
+    def gptq_marlin_repack(b_q_weight, size_k, size_n, num_bits, is_a_8bit=False):
+        assert not is_a_8bit
+        q = unpack_cols(b_q_weight.T.contiguous(), num_bits, size_n, size_k).T.contiguous()
+        return marlin_weights(q, size_k, size_n, num_bits, get_weight_perm(num_bits))
+
+    _custom_ops.gptq_marlin_repack = gptq_marlin_repack
+    held = {}
+    with one_process("cpu", moe_backend="marlin"):
+        cfg = quant_config_for(src)
+        layers = {x.prefix: x for x in map_model(open_source(str(src))).layers}
+        for m in manifest["moe_layers"]:
+            names = layers[m["prefix"]].source_tensors()
+            timed = build_load_process(cfg, layer_tensors(src, m["prefix"], cfg, names), device="cpu",
+                                       prefix=m["prefix"], num_experts=m["num_experts_global"], top_k=m["top_k"],
+                                       hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size_total"],
+                                       has_bias=m["has_bias"], dtype=getattr(torch, manifest["dtype"]))
+            q = timed.experts.quant_method
+            held[m["prefix"]] = {"method": type(q).__name__, "backend": q.nvfp4_backend.name,
+                                 "params": {n: hashlib.sha256(p.data.contiguous().view(torch.uint8).numpy()).hexdigest()
+                                            for n, p in timed.experts.named_parameters()}}
+    return held
+
+
 def _served_source(folder: Path, src: Path, prefixes: list[str]) -> dict:
     """A folder converted from a GPTQ / AWQ / FP8 / compressed-tensors source: its MoE layers as ``_layers``
     reports them, and for each of ``prefixes`` (layers that are not routed experts) the method the plugin's
@@ -139,6 +176,9 @@ def _served_source(folder: Path, src: Path, prefixes: list[str]) -> dict:
         out["inner"] = [type(ours.inner).__name__, ours.inner.get_name()]
         out["theirs"] = [type(theirs).__name__, theirs.get_name()]
         out["linear"] = {}
+        manifest = json.loads((folder / "moeconvert.json").read_text())
+        if manifest["scheme"]["kind"] == "nvfp4":
+            out["source"] = _vllm_marlin_nvfp4(src, manifest)
         with one_process("cpu", model_config=mc):
             for prefix in prefixes:
                 layer = ReplicatedLinear(256, 256, bias=False, prefix=prefix)
