@@ -49,6 +49,8 @@ SCHEMES = {
                            ["repack", "--backend", "triton-fast"]),
     "fast-w8a16-g128": (dict(scheme="w8a16", intermediate_size=256), ["repack", "--backend", "triton-fast"]),
     "fast-mxfp4": (dict(scheme="bf16", intermediate_size=256), ["quantize", "--format", "mxfp4", "--backend", "triton-fast"]),
+    # compressed-tensors NVFP4 on Marlin: no TP rank is a slice (each rank padded and scaled on its own)
+    "marlin-nvfp4": (dict(scheme="nvfp4", intermediate_size=256), ["repack", "--backend", "marlin"]),
 }
 
 
@@ -84,7 +86,7 @@ def _layout_and_shape(manifest: dict, entry: dict):
 
 
 # (family, scheme): every layout the plugin serves, gpt-oss's (interleaved w13 rows, expert biases) included
-CUT_CASES = [("qwen3-moe", s) for s in sorted(SCHEMES) if s != "triton-mxfp4"]
+CUT_CASES = [("qwen3-moe", s) for s in sorted(SCHEMES) if s not in ("triton-mxfp4", "marlin-nvfp4")]
 CUT_CASES += [("gpt-oss", "marlin-mxfp4"), ("gpt-oss", "triton-mxfp4"), ("gpt-oss", "fast-mxfp4")]
 
 
@@ -116,11 +118,13 @@ def test_every_layout_the_plugin_serves_declares_its_tp_cuts():
 
     served = [cls for classes in _registry().values() for cls in classes if cls.vllm_method]
     assert served and all(cls.tp_cuts is not Layout.tp_cuts for cls in served), served
-    # the layouts SCHEMES above proves the cuts of: every served one but humming's (WNA16, MXFP4), which declare
-    # that no TP rank is a slice of their full tensors (each rank is padded and tiled on its own)
+    # the layouts SCHEMES above proves the cuts of: every served one but humming's (WNA16, MXFP4) and Marlin
+    # NVFP4, which declare that no TP rank is a slice of their full tensors (each rank is padded and tiled, or
+    # scaled, on its own)
     assert {cls.__name__ for cls in served} == {"MarlinLayout", "MarlinMXFP4Layout", "TritonWNA16Layout",
                                                 "TritonMXFP4Layout", "HummingLayout", "HummingMXFP4Layout",
-                                                "TritonFastWNA16Layout", "TritonFastMXFP4Layout"}
+                                                "TritonFastWNA16Layout", "TritonFastMXFP4Layout",
+                                                "MarlinNVFP4Layout"}
     from moeconvert.canonical import LayerShape
     from moeconvert.layouts import get_layout
     from moeconvert.layouts.base import NotASlice
@@ -131,6 +135,10 @@ def test_every_layout_the_plugin_serves_declares_its_tp_cuts():
     assert isinstance(cut, NotASlice) and cut.convertible and "pads and tiles each rank's sublayers" in str(cut)
     cut = get_layout("humming", "mxfp4").tp_cuts(LayerShape(8, 256, 256, dtype="bfloat16"), MXFP4Scheme(), 2)
     assert isinstance(cut, NotASlice) and cut.convertible and "pads and tiles each rank's sublayers" in str(cut)
+    from moeconvert.schemes import NVFP4Scheme
+
+    cut = get_layout("marlin", "nvfp4").tp_cuts(LayerShape(8, 256, 256, dtype="bfloat16"), NVFP4Scheme(), 2)
+    assert isinstance(cut, NotASlice) and cut.convertible and "pads each rank's NVFP4 I on its own" in str(cut)
 
 
 # (scheme, example sizes, what the layout says): shapes where a rank's tensors are not a slice
@@ -254,6 +262,8 @@ EP_CASES = [  # family, scheme, placement asked for, placement vLLM takes
     ("deepseek-v3", "triton-w4a16-g128", "round_robin", "round_robin"),
     ("qwen3-moe", "fast-w4a16-g32-asym", "linear", "linear"),
     ("deepseek-v3", "fast-w8a16-g128", "round_robin", "round_robin"),
+    # each rank's experts give the layer's NVFP4 scale factor (Layout.experts_problem finds nothing)
+    ("qwen3-moe", "marlin-nvfp4", "linear", "linear"),
 ]
 
 
