@@ -41,8 +41,8 @@ def test_every_layout_vllm_serves_has_the_spec_of_its_method_and_every_spec_a_la
 def _entry(kind: str, activation: str = "silu", bits: int = 4, group: int = 128, symmetric: bool = True,
            H: int = 256, I: int = 256) -> dict:
     """A manifest layer entry of these experts (the fields a layout's check reads)."""
-    scheme = ({"kind": "mxfp4", "block_size": 32} if kind == "mxfp4" else
-              {"kind": "wna16", "bits": bits, "group_size": group, "symmetric": symmetric, "scale_dtype": "bfloat16"})
+    scheme = ({"kind": "mxfp4", "block_size": 32} if kind == "mxfp4" else {"kind": "nvfp4", "group_size": 16}
+              if kind == "nvfp4" else {"kind": "wna16", "bits": bits, "group_size": group, "symmetric": symmetric, "scale_dtype": "bfloat16"})
     return {"num_experts": 4, "hidden_size": H, "intermediate_size": I, "hidden_size_padded": H,
             "intermediate_size_padded": I, "has_bias": False, "activation": activation, "scheme": scheme,
             "activation_params": {}}
@@ -83,7 +83,7 @@ def test_a_layout_the_plugin_does_not_serve_is_refused_listing_every_method():
 # where no vLLM holds the folder's bytes
 LAYERS = [("wna16", dict(bits=4)), ("wna16", dict(bits=4, symmetric=False)), ("wna16", dict(bits=8)),
           ("wna16", dict(bits=8, symmetric=False)), ("wna16", dict(bits=4, group=-1)), ("mxfp4", {}),
-          ("mxfp4", dict(activation="swigluoai"))]
+          ("mxfp4", dict(activation="swigluoai")), ("nvfp4", {})]
 CASES = [(name, kind, kw) for name, spec in SPECS.items() for kind, kw in LAYERS if kind in spec.kinds
          and spec.supports_activation(kw.get("activation", "silu"))[0]]
 
@@ -138,6 +138,14 @@ def test_the_eplb_fix_of_each_method_is_the_one_that_serves_the_layer():
     assert fix("TritonMXFP4Method", mx)[:1] == ["MarlinMXFP4Method"]
     # vLLM's Triton WNA16 layout holds no int8 with zero points: no method with EPLB holds it
     assert fix("MarlinWNA16Method", _entry("wna16", bits=8, symmetric=False)) == []
+    # nor does any layout but Marlin's hold NVFP4: its EPLB refusal suggests no other backend
+    assert fix("MarlinNVFP4Method", _entry("nvfp4")) == []
+    line = eplb_refusal(SPECS["MarlinNVFP4Method"], "model.layers.0.mlp.experts", "TP 1 rank 0, EP 2 rank 0, with "
+                        "EPLB", [], lambda s: s.command("nvfp4"))
+    assert line == ("model.layers.0.mlp.experts: this vLLM builds the layer with EPLB (TP 1 rank 0, EP 2 rank 0, with "
+                    "EPLB); MarlinNVFP4Method (vLLM's Marlin MoE kernel) cannot follow it: vLLM 0.33.0's "
+                    "CompressedTensorsW4A4Nvfp4MoEMethod moves experts between ranks for its FlashInfer backends only, "
+                    "not Marlin (supports_eplb): serve without --enable-eplb")
 
 
 @pytest.mark.parametrize("layout", sorted({s.layout for s in SPECS.values()}))
