@@ -528,14 +528,27 @@ def gpu_vllm(test):
     return test
 
 
+@pytest.fixture(scope="module")
+def source_gpu_checks(source_folders, tmp_path_factory):
+    """The GPU forward of every source format's folder, in one vLLM process."""
+    names = sorted(SOURCES)
+    path = tmp_path_factory.mktemp("source-gpu-jobs") / "jobs.json"
+    path.write_text(json.dumps([["--forward", str(source_folders[n][1]), str(source_folders[n][0])] for n in names]))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+    p = subprocess.run([VLLM_PYTHON, str(CHILD), str(path)], capture_output=True, text=True, env=env, timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return dict(zip(names, json.loads(p.stdout.strip().splitlines()[-1])))
+
+
 @gpu_vllm
 @pytest.mark.parametrize("name", sorted(SOURCES))
-def test_vllms_marlin_experts_run_a_folder_from_each_source_format(source_folders, name):
+def test_vllms_marlin_experts_run_a_folder_from_each_source_format(source_gpu_checks, name):
     """On the GPU: vLLM's MarlinExperts, built by the plugin's method over the folder's tensors (NVFP4: e2m1
     weights, S0E5M3 scales, the global scales as the kernel's alphas), against ``reference_moe`` on the source's
     own weights (FP8 block: dequantized, then quantized to MXFP4 as the manifest says)."""
-    src, out = source_folders[name]
-    got = _gpu_child(out, "--forward", str(src))
+    got = source_gpu_checks[name]
+    assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
+    assert got["layers"]
     for prefix, layer in got["layers"].items():
         assert layer["experts_class"] == "MarlinExperts"
         for M, r in layer["tokens"].items():
