@@ -6,6 +6,8 @@ A scheme says what the canonical expert block holds (see ``canonical.py``):
 * :class:`WNA16Scheme`  – integer codes with group (or channel) scales, optional zero points
   (compressed-tensors ``pack-quantized``; docs/format.md).
 * :class:`MXFP4Scheme`  – e2m1 values with one e8m0 scale per 32 along K.
+* :class:`NVFP4Scheme`  – e2m1 values with one e4m3 scale per 16 along K and one fp32 scale per expert
+  and projection (compressed-tensors ``nvfp4-pack-quantized``).
 
 The config is read by our own parser of compressed-tensors' models and target matching (below), which
 refuses all they refuse and never imports compressed-tensors, pydantic or transformers; it is refused
@@ -77,7 +79,19 @@ class MXFP4Scheme:
         return asdict(self)
 
 
-Scheme = Union[FloatScheme, WNA16Scheme, MXFP4Scheme]
+@dataclass(frozen=True)
+class NVFP4Scheme:
+    group_size: int = 16
+    kind: str = "nvfp4"
+
+    def describe(self) -> str:
+        return "nvfp4"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+Scheme = Union[FloatScheme, WNA16Scheme, MXFP4Scheme, NVFP4Scheme]
 
 
 def scheme_from_json(d: dict) -> Scheme:
@@ -89,7 +103,9 @@ def scheme_from_json(d: dict) -> Scheme:
         return WNA16Scheme(**fields)
     if kind == "mxfp4":
         return MXFP4Scheme(**fields)
-    raise MoeConvertError("unknown scheme kind", found=kind, expected="float, wna16 or mxfp4")
+    if kind == "nvfp4":
+        return NVFP4Scheme(**fields)
+    raise MoeConvertError("unknown scheme kind", found=kind, expected="float, wna16, mxfp4 or nvfp4")
 
 
 # ---------------------------------------------------------------------------------------------------

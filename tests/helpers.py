@@ -76,6 +76,32 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
 
 
+def assert_refused(src, out, *phrases, extra=(), backend: str = "plain") -> str:
+    """``moeconvert repack SRC OUT --backend BACKEND`` refuses: exit 2, one line on stderr holding every phrase,
+    and nothing in OUT nor beside it that looks like an output. Returns the line."""
+    code, _, err = cli("repack", src, out, "--backend", backend, *extra)
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("moeconvert: error: "), err
+    for p in phrases:
+        assert p in lines[0], lines[0]
+    assert not out.exists() or not any(out.iterdir())
+    assert not [p for p in out.parent.iterdir() if "moeconvert-partial" in p.name]
+    return lines[0]
+
+
+def resave(src: Path, drop=(), replace=None) -> None:
+    """Rewrite a one-shard checkpoint's ``model.safetensors`` without ``drop`` and with ``replace``'s tensors."""
+    from safetensors.torch import load_file, save_file
+
+    f = Path(src) / "model.safetensors"
+    tensors = load_file(f)
+    for name in drop:
+        del tensors[name]
+    tensors.update(replace or {})
+    save_file(tensors, f, metadata={"format": "pt"})
+
+
 def assert_lists_exactly(problems: list[str], needles: list[str]) -> None:
     """``check``'s golden list: as many problems as needles, and each needle in exactly one problem."""
     assert len(problems) == len(needles), "\n".join(problems)

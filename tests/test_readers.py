@@ -114,7 +114,7 @@ def edited(src: Path, tmp_path: Path, config: dict | None = None, tensors=None) 
 def test_an_unknown_quant_method_is_refused_naming_those_read(sources, tmp_path):
     line = refused(edited(sources["gptq4"], tmp_path, {"quant_method": "bitsandbytes"}), tmp_path,
                    "quantization_config.quant_method", "bitsandbytes")
-    assert "awq, compressed-tensors, gptq, mxfp4 or none" in line
+    assert "awq, compressed-tensors, fp8, gptq, mxfp4 or none" in line
 
 
 def test_a_compressed_tensors_format_without_a_reader_is_refused_naming_those_read(tmp_path):
@@ -124,7 +124,7 @@ def test_a_compressed_tensors_format_without_a_reader_is_refused_naming_those_re
     groups["group_0"]["format"] = "int-quantized"
     line = refused(edited(src, tmp_path, {"config_groups": groups}), tmp_path,
                    "quantization_config.config_groups.group_0.format", "int-quantized")
-    assert "expected one of pack-quantized" in line
+    assert "expected one of mxfp4-pack-quantized, nvfp4-pack-quantized, pack-quantized" in line
 
 
 # ---------------------------------------------------------------------------------------------------

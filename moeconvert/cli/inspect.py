@@ -123,7 +123,8 @@ def _advice(model, quant, backends: dict) -> list[dict]:
         rows = []
         for a in advise(scheme.kind, model.family.name, bits=scheme.bits if wna16 else None,
                         group_size=scheme.group_size if wna16 else None,
-                        symmetric=scheme.symmetric if wna16 else None, has_bias=lm.has_bias):
+                        symmetric=scheme.symmetric if wna16 else None, has_bias=lm.has_bias,
+                        source_format=None if quant else lm.format):
             row = a.to_json()
             fits = a.backend is not None and backends.get(a.backend, {}).get("ok", False)
             row["fits"] = fits
