@@ -211,21 +211,29 @@ def ints(tmp_path_factory):
             "awq": make_int_checkpoint(bf16, base / "awq", "awq", bits=4, group_size=64),
             "ct": make_example(base / "ct", "qwen3-moe", "w4a16", group_size=32, **kw)}
     outs = {}
-    for name, src in srcs.items():
-        outs[name] = base / f"{name}-plain"
-        cli("quantize", src, outs[name], "--format", "mxfp4", "--backend", "plain", expect=0)
+    for case, (name, extra) in INT_CASES.items():
+        outs[case] = base / f"{case}-plain"
+        cli("quantize", srcs[name], outs[case], "--format", "mxfp4", "--backend", "plain", *extra, expect=0)
     return srcs, outs
 
 
-@pytest.mark.parametrize("name", ["gptq", "awq", "ct"])
-def test_int_sources_quantize_vllms_own_dequantization(ints, name, vllm_version):
+#: case -> (source, extra quantize arguments): the model dtype and a TP rank's cut are the dequantization's too
+INT_CASES = {"gptq": ("gptq", []), "awq": ("awq", []), "ct": ("ct", []),
+             "gptq fp16": ("gptq", ["--dtype", "float16"]),
+             "awq tp2 rank1": ("awq", ["--tp-size", "2", "--tp-rank", "1"])}
+
+
+@pytest.mark.parametrize("case", list(INT_CASES))
+def test_int_sources_quantize_vllms_own_dequantization(ints, case, vllm_version):
     """The MXFP4 bytes are the MXFP4 quantization (the rule test_mxfp4.py proves bit-exact with vLLM's online
     quantizer) of what vLLM's own Python dequantization of the loaded int4 tensors gives in the model dtype
-    (``_unpack_and_dequant_int4_gptq`` / ``_awq``; compressed-tensors' packing along K is GPTQ's)."""
+    (``_unpack_and_dequant_int4_gptq`` / ``_awq``; compressed-tensors' packing along K is GPTQ's), cut for
+    the TP rank as vLLM's loader cuts the weights."""
     srcs, outs = ints
+    name, extra = INT_CASES[case]
     ref = vllm_marlin_reference(vllm_version)
-    got = st_tensors(outs[name])
-    manifest = json.loads((outs[name] / "moeconvert.json").read_text())
+    got = st_tensors(outs[case])
+    manifest = json.loads((outs[case] / "moeconvert.json").read_text())
     prefix = manifest["moe_layers"][0]["prefix"]
     assert manifest["moe_layers"][0]["source_scheme"]["kind"] == "wna16"
     # symmetric GPTQ / compressed-tensors are uint4b8 to vLLM: their zero points are not read
@@ -234,10 +242,16 @@ def test_int_sources_quantize_vllms_own_dequantization(ints, name, vllm_version)
     else:
         p = int_loaded(srcs[name], prefix, E, ("qweight", "scales", "qzeros" if name == "awq" else None))
     fn = ref._unpack_and_dequant_int4_awq if name == "awq" else ref._unpack_and_dequant_int4_gptq
+    dtype = torch.float16 if "float16" in extra else torch.bfloat16
+    tp, r = (2, 1) if "--tp-size" in extra else (1, 0)
+    Ir = II // tp
     for w in ("13", "2"):
-        # the loader casts the fp16 scales to the model dtype (bf16), the dequantization computes in it
-        deq = fn(p[f"w{w}"], p[f"s{w}"].to(torch.bfloat16), p.get(f"z{w}"), transpose_output=True,
-                 output_dtype=torch.bfloat16)
+        # the loader casts the fp16 scales to the model dtype, the dequantization computes in it
+        deq = fn(p[f"w{w}"], p[f"s{w}"].to(dtype), p.get(f"z{w}"), transpose_output=True, output_dtype=dtype)
+        if w == "13":
+            deq = torch.cat([deq[:, r * Ir:(r + 1) * Ir], deq[:, II + r * Ir:II + (r + 1) * Ir]], dim=1)
+        else:
+            deq = deq[:, :, r * Ir:(r + 1) * Ir]
         packed, scales = quantize_mxfp4(deq, "vllm")
         assert torch.equal(got[f"{prefix}.w{w}_weight"], packed)
         assert torch.equal(got[f"{prefix}.w{w}_weight_scale"], scales)
