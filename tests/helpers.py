@@ -461,6 +461,26 @@ def _autoround_packed(method: str, w: torch.Tensor, bits: int, group_size: int, 
     return {"qweight": q.qweight, "qzeros": q.qzeros, "scales": q.scales}
 
 
+def int_loaded(src: Path, prefix: str, num_experts: int, suffixes=("qweight", "scales", "qzeros"),
+               k_first: bool = True) -> dict[str, torch.Tensor]:
+    """The params vLLM's GPTQ / AWQ MoE method holds after its loader: each projection's tensors stacked
+    over experts as stored (K-first), gate then up along the output dim for w13. ``suffixes`` names the
+    words, scales and zero points (None: absent); ``k_first=False`` reads N-first tensors (compressed-tensors'
+    ``weight_packed [N, K/8]``, ``weight_scale [N, G]``) transposed to those shapes."""
+    t = st_tensors(src)
+
+    def per(proj: str, suffix: str) -> torch.Tensor:
+        return torch.stack([t[f"{prefix}.{e}.{proj}.{suffix}"] if k_first else t[f"{prefix}.{e}.{proj}.{suffix}"].T
+                            for e in range(num_experts)])
+
+    out = {}
+    for key, suffix in zip(("w", "s", "z"), suffixes):
+        if suffix is not None:
+            out[f"{key}13"] = torch.cat([per("gate_proj", suffix), per("up_proj", suffix)], dim=2)
+            out[f"{key}2"] = per("down_proj", suffix)
+    return out
+
+
 def make_int_checkpoint(bf16_dir: Path, out: Path, method: str, *, bits: int = 4, group_size: int = 32,
                         config: dict | None = None, g_idx: bool = True, producer: str = "spec") -> Path:
     """A GPTQ (``method`` "gptq": symmetric, ``checkpoint_format`` gptq, zeros stored minus 1) or AWQ

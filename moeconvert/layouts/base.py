@@ -182,7 +182,7 @@ class Layout(ABC):
             from moeconvert.layouts import layout_kinds
 
             hint = ("; `moeconvert quantize --format mxfp4` makes MXFP4 experts for it"
-                    if scheme.kind == "float" and "mxfp4" in layout_kinds(self.name) else "")
+                    if scheme.kind in ("float", "wna16") and "mxfp4" in layout_kinds(self.name) else "")
             return [f"backend '{self.name}' takes {', '.join(layout_kinds(self.name))} experts, not "
                     f"{scheme.describe()}{hint}"]
         return self._check(shape, scheme)
