@@ -239,6 +239,8 @@ def build_manifest(plan: ConversionPlan, digests: dict[str, str], quality: dict[
             "activation_params": m.activation_params,
             "has_bias": m.has_bias,
             "bias_dtype": lp.shape.bias_dtype,
+            # written only where true, so that every other family's manifest reads as before
+            **({"apply_router_weight_on_input": True} if m.router_on_input else {}),
             "scheme": lp.scheme.to_json(),
             "source_scheme": m.scheme.to_json(),
             "router": m.router,

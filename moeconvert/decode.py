@@ -16,6 +16,7 @@ import torch
 
 from moeconvert.canonical import ExpertBlock, Partition
 from moeconvert.errors import MoeConvertError
+from moeconvert.format.families import FUSED, FUSED_INTERLEAVED
 from moeconvert.modelmap import MoELayerMap
 from moeconvert.packing import unpack_int32
 from moeconvert.schemes import MXFP4Scheme, WNA16Scheme
@@ -97,20 +98,29 @@ def _check_weight_shape(source: Source, ex: dict, H: int, I: int) -> None:
 
 
 def _decode_fused(source: Source, layer: MoELayerMap, part: Partition, e0: int, e1: int) -> ExpertBlock:
-    """gpt-oss: gate/up interleaved (row 2j gate j, 2j+1 up j) -> [gate; up] rows.
+    """Fused 3-D experts, read one chunk of experts at a time (``rows=(e0, e1)``: the chunk's bytes only,
+    never the whole tensor), in the orientation the family declares (moeconvert/format/families.py):
 
-    Float: ``gate_up_proj [E, H, 2I]`` (x @ W), ``down_proj [E, I, H]``. MXFP4 (docs/format.md):
-    ``gate_up_proj_blocks [E, 2I, H/32, 16]`` / ``_scales [E, 2I, H/32]``, ``down_proj_blocks
-    [E, H, I/32, 16]`` / ``_scales [E, H, I/32]``. vLLM's gpt-oss loader gives the down bias to TP rank
-    0 only (the others hold zeros, so the all-reduce adds it once).
+    * gpt-oss (``fused-transposed-interleaved``): gate/up interleaved (row 2j gate j, 2j+1 up j) -> [gate; up]
+      rows. Float: ``gate_up_proj [E, H, 2I]`` (x @ W), ``down_proj [E, I, H]``. MXFP4 (docs/format.md):
+      ``gate_up_proj_blocks [E, 2I, H/32, 16]`` / ``_scales [E, 2I, H/32]``, ``down_proj_blocks [E, H, I/32, 16]``
+      / ``_scales [E, H, I/32]``. vLLM's gpt-oss loader gives the down bias to TP rank 0 only (the others
+      hold zeros, so the all-reduce adds it once).
+    * ``fused`` (Qwen3.5): ``gate_up_proj [E, 2I, H]``, gate rows then up rows; ``down_proj [E, H, I]``.
+    * ``fused-transposed`` (Llama 4): ``gate_up_proj [E, H, 2I]``, gate columns then up columns; ``down_proj
+      [E, I, H]`` (vLLM's Llama4 loader transposes both and chunks gate_up in two along 2I).
     """
     _, _, Ip = partition_sizes(layer, part)
     r = part.tp_rank
     rows = slice(r * Ip, (r + 1) * Ip)
+    I = layer.intermediate_size
     gu_names, dn_names = layer.fused_names["gate_up"], layer.fused_names["down"]
+    interleaved = layer.storage == FUSED_INTERLEAVED
 
-    def deinterleave(t: torch.Tensor) -> torch.Tensor:  # [e, 2I, ...] -> [e, 2Ip, ...] as [gate; up]
-        return torch.cat([t[:, 0::2][:, rows], t[:, 1::2][:, rows]], 1).contiguous()
+    def split(t: torch.Tensor) -> torch.Tensor:  # [e, 2I, ...] -> [e, 2Ip, ...] as [gate; up] of this rank
+        if interleaved:
+            return torch.cat([t[:, 0::2][:, rows], t[:, 1::2][:, rows]], 1).contiguous()
+        return torch.cat([t[:, :I][:, rows], t[:, I:][:, rows]], 1).contiguous()
 
     kw = {}
     if isinstance(layer.scheme, MXFP4Scheme):
@@ -120,16 +130,31 @@ def _decode_fused(source: Source, layer: MoELayerMap, part: Partition, e0: int, 
                                   expected="intermediate_size / tp_size a multiple of 32", found=Ip)
         n = e1 - e0
         gu = source.read(gu_names["_blocks"], rows=(e0, e1))
-        kw["w13"] = deinterleave(gu.view(n, gu.shape[1], -1))
-        kw["w13_scale"] = deinterleave(source.read(gu_names["_scales"], rows=(e0, e1)))
+        kw["w13"] = split(gu.view(n, gu.shape[1], -1))
+        kw["w13_scale"] = split(_finite_e8m0(source, gu_names["_scales"], e0, e1))
         dn = source.read(dn_names["_blocks"], rows=(e0, e1))
         kw["w2"] = dn.view(n, dn.shape[1], -1)[:, :, r * Ip // 2:(r + 1) * Ip // 2].contiguous()
-        kw["w2_scale"] = source.read(dn_names["_scales"], rows=(e0, e1))[:, :, r * Ip // 32:(r + 1) * Ip // 32].contiguous()
+        kw["w2_scale"] = _finite_e8m0(source, dn_names["_scales"], e0, e1)[:, :, r * Ip // 32:(r + 1) * Ip // 32].contiguous()
+    elif layer.storage == FUSED:
+        kw["w13"] = split(source.read(gu_names["weight"], rows=(e0, e1)))
+        kw["w2"] = source.read(dn_names["weight"], rows=(e0, e1))[:, :, rows].contiguous()
     else:
-        kw["w13"] = deinterleave(source.read(gu_names["weight"], rows=(e0, e1)).transpose(1, 2))
+        kw["w13"] = split(source.read(gu_names["weight"], rows=(e0, e1)).transpose(1, 2))
         kw["w2"] = source.read(dn_names["weight"], rows=(e0, e1)).transpose(1, 2)[:, :, rows].contiguous()
     if layer.has_bias:
-        kw["w13_bias"] = deinterleave(source.read(gu_names["_bias"], rows=(e0, e1)))
+        kw["w13_bias"] = split(source.read(gu_names["_bias"], rows=(e0, e1)))
         b2 = source.read(dn_names["_bias"], rows=(e0, e1))
         kw["w2_bias"] = torch.zeros_like(b2) if part.tp_size > 1 and r != 0 else b2
     return ExpertBlock(scheme=layer.scheme, **kw)
+
+
+def _finite_e8m0(source: Source, name: str, e0: int, e1: int) -> torch.Tensor:
+    """e8m0 scale bytes of experts [e0, e1); 0xFF is e8m0's NaN, which no quantizer writes and no kernel
+    reads as a scale: refused (as the float path refuses non-finite weights), never carried into the output."""
+    t = source.read(name, rows=(e0, e1))
+    bad = (t == 255).nonzero()
+    if len(bad):
+        e, *rest = (int(x) for x in bad[0])
+        raise MoeConvertError("non-finite e8m0 scale (0xFF is NaN)", file=source.info(name).file.name,
+                              tensor=f"{name}[{e0 + e}, {', '.join(map(str, rest))}]", expected="0..254", found=255)
+    return t

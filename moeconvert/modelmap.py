@@ -20,18 +20,22 @@ from typing import Iterator
 
 from moeconvert.errors import MoeConvertError
 from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme, WNA16Scheme, float_dtype_name, parse_quantization_config
-from moeconvert.format import CONFIG_NAME, MODEL_TYPES, config_int, config_number, config_value, family_name, show_value
+from moeconvert.format import CONFIG_NAME, config_int, config_value, family_name, show_value
+from moeconvert.format.families import (FAMILIES as TABLE, FIRST_K_DENSE, FUSED, FUSED_INTERLEAVED, FUSED_TRANSPOSED,
+                                       INTERLEAVE, LAYER_RANGE, MLP_LAYER_TYPES, PER_EXPERT, SPARSE_STEP, FamilySpec,
+                                       read_keys)
 from moeconvert.sources import Source
 
-# Per-expert tensors: {prefix}.{e}.{proj}.{suffix}; prefix ends in "<layers>.<L>.<mlp>.experts".
+# Per-expert tensors: {prefix}.{e}.{proj}.{suffix}; prefix ends in "<layers>.<L>.<block>.experts" (the
+# block names of the family table: mlp, block_sparse_moe, feed_forward).
 _PER_EXPERT = re.compile(
-    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts)"
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe|feed_forward)\.experts)"
     r"\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.(?P<suffix>[A-Za-z0-9_]+)$"
 )
-# Fused tensors (gpt-oss): {prefix}.gate_up_proj[_bias|_blocks|_scales], {prefix}.down_proj[...]
+# Fused tensors: {prefix}.gate_up_proj[_bias|_blocks|_scales], {prefix}.down_proj[...]
 _FUSED = re.compile(
-    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)"
-    r"(?P<suffix>|_bias|_blocks|_scales)$"
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe|feed_forward)\.experts)"
+    r"\.(?P<proj>gate_up_proj|down_proj)(?P<suffix>|_bias|_blocks|_scales)$"
 )
 
 # Any layer's tensors (attention, norms, experts, MTP): bounds what num_hidden_layers may claim.
@@ -40,39 +44,53 @@ _ANY_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 FLOAT_SUFFIXES = {"weight"}
 WNA16_SUFFIXES = {"weight_packed", "weight_scale", "weight_shape", "weight_zero_point"}
 
+#: a family's declared facts (moeconvert/format/families.py)
+Family = FamilySpec
 
-@dataclass(frozen=True)
-class Family:
-    name: str
-    model_types: tuple[str, ...]
-    roles: dict[str, str]  # checkpoint projection name -> gate / up / down
-    experts_key: tuple[str, ...]  # config keys for the routed expert count (first present wins)
-    intermediate_key: tuple[str, ...]  # config keys for the per-expert intermediate size
-    fused: bool = False  # experts stored as 3-D tensors (gpt-oss)
-    activation: str = "silu"
-    router: tuple[str, ...] = ("gate",)  # module names under the MoE block, for inspect
-    shared: tuple[str, ...] = ()
 
-    def sparse_layers(self, cfg: dict, section: str = "") -> "SparseLayers | None":
-        """The layers the config says have routed experts (None when it does not say how many layers)."""
-        n = config_int(cfg, "num_hidden_layers", default=None, section=section)
-        if n is None:
-            return None
-        if self.name in ("qwen2-moe", "qwen3-moe"):
-            # transformers: sparse when not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
-            step = config_int(cfg, "decoder_sparse_step", default=1, section=section)
-            only = config_value(cfg, "mlp_only_layers", list, default=[], section=section)
-            for i in only:
-                if type(i) is not int or i < 0:
-                    raise MoeConvertError("invalid value", file=CONFIG_NAME, tensor=f"{section}mlp_only_layers",
-                                          expected="a list of layer indices (integers >= 0)", found=show_value(i))
-            return SparseLayers(n, first=step - 1, step=step, skip=frozenset(only))
-        if self.name in ("deepseek-v2", "deepseek-v3", "glm4-moe"):
-            # transformers: sparse when i >= first_k_dense_replace and i % moe_layer_freq == 0
-            k = config_int(cfg, "first_k_dense_replace", min=0, default=0, section=section)
-            freq = config_int(cfg, "moe_layer_freq", default=1, section=section)
-            return SparseLayers(n, first=-(-k // freq) * freq, step=freq)
-        return SparseLayers(n, first=0, step=1)
+def sparse_layers(fam: Family, values: dict, section: str = "") -> "SparseLayers | None":
+    """The layers the config says have routed experts (None when it does not say how many layers), by
+    the family's declared rule (``values``: its keys as :func:`read_keys` read them)."""
+    n = values[fam.layers_key]
+    if n is None:
+        return None
+    rule = fam.moe_layers
+    if rule == SPARSE_STEP:
+        # transformers' Qwen MoE decoder layer: sparse when not in mlp_only_layers and (i + 1) % step == 0
+        step = values["decoder_sparse_step"]
+        return SparseLayers(n, first=step - 1, step=step, skip=frozenset(values["mlp_only_layers"] or ()))
+    if rule == FIRST_K_DENSE:
+        # transformers' DeepSeek decoder layer: sparse when i >= first_k_dense_replace and i % moe_layer_freq == 0
+        k, freq = values["first_k_dense_replace"], values["moe_layer_freq"]
+        return SparseLayers(n, first=-(-k // freq) * freq, step=freq)
+    if rule == MLP_LAYER_TYPES:
+        types = values["mlp_layer_types"]
+        if types is None:  # transformers' default: the first first_k_dense_replace layers dense
+            return SparseLayers(n, first=values["first_k_dense_replace"], step=1)
+        if len(types) != n or any(t not in ("dense", "sparse") for t in types):
+            raise MoeConvertError("invalid value", file=CONFIG_NAME, tensor=f"{section}mlp_layer_types",
+                                  expected=f'{n} entries ({section}num_hidden_layers), each "dense" or "sparse"',
+                                  found=show_value(types))
+        return SparseLayers(n, first=0, step=1, skip=frozenset(i for i, t in enumerate(types) if t != "sparse"))
+    if rule == INTERLEAVE:
+        # vLLM's Llama4DecoderLayer: MoE when (i + 1) % interleave_moe_layer_step == 0; transformers'
+        # moe_layers list, when written, must say the same
+        step = values["interleave_moe_layer_step"]
+        sparse = SparseLayers(n, first=step - 1, step=step)
+        listed = values["moe_layers"]
+        if listed is not None and (len(listed) != len(range(step - 1, n, step)) or any(i not in sparse for i in listed)):
+            raise MoeConvertError("moe_layers disagrees with interleave_moe_layer_step", file=CONFIG_NAME,
+                                  tensor=f"{section}moe_layers", expected=f"every {step}th layer below {n}",
+                                  found=show_value(listed))
+        return sparse
+    if rule == LAYER_RANGE:
+        # transformers' Ernie4_5_MoeDecoderLayer: (i + 1) % interval == 0 and start <= i <= end (-1: the last)
+        start = values["moe_layer_start_index"]
+        end = values["moe_layer_end_index"]
+        end = n - 1 if end == -1 else end
+        step = values["moe_layer_interval"]
+        return SparseLayers(n, first=start + (-(start + 1)) % step, step=step, stop=max(0, min(n, end + 1)))
+    return SparseLayers(n, first=0, step=1)
 
 
 @dataclass(frozen=True)
@@ -84,37 +102,23 @@ class SparseLayers:
     first: int
     step: int
     skip: frozenset = frozenset()
+    stop: int | None = None  # no sparse layer at or after it (ERNIE's moe_layer_end_index + 1); None: n
 
     def __contains__(self, i: int) -> bool:
-        return self.first <= i < self.n and (i - self.first) % self.step == 0 and i not in self.skip
+        stop = self.n if self.stop is None else self.stop
+        return self.first <= i < stop and (i - self.first) % self.step == 0 and i not in self.skip
 
     def __iter__(self) -> Iterator[int]:
         """In order; a caller stopping at the first layer it lacks does O(layers found + skip) steps."""
         i = self.first
-        while i < self.n:
+        while i < (self.n if self.stop is None else self.stop):
             if i not in self.skip:
                 yield i
             i += self.step
 
 
-FAMILIES = [
-    Family("mixtral", MODEL_TYPES["mixtral"], {"w1": "gate", "w3": "up", "w2": "down"},
-           ("num_local_experts",), ("intermediate_size",)),
-    Family("qwen2-moe", MODEL_TYPES["qwen2-moe"], {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
-           ("num_experts", "num_local_experts"), ("moe_intermediate_size",), shared=("shared_expert", "shared_expert_gate")),
-    Family("qwen3-moe", MODEL_TYPES["qwen3-moe"], {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
-           ("num_experts", "num_local_experts"), ("moe_intermediate_size",)),
-    Family("deepseek-v2", MODEL_TYPES["deepseek-v2"], {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
-           ("n_routed_experts", "num_local_experts"), ("moe_intermediate_size",), shared=("shared_experts",)),
-    Family("deepseek-v3", MODEL_TYPES["deepseek-v3"], {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
-           ("n_routed_experts", "num_local_experts"), ("moe_intermediate_size",), shared=("shared_experts",)),
-    Family("glm4-moe", MODEL_TYPES["glm4-moe"], {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
-           ("n_routed_experts", "num_local_experts"), ("moe_intermediate_size",), shared=("shared_experts",)),
-    Family("gpt-oss", MODEL_TYPES["gpt-oss"], {"gate_up_proj": "gate_up", "down_proj": "down"},
-           ("num_local_experts",), ("intermediate_size",), fused=True, activation="swigluoai", router=("router",)),
-]
-_BY_NAME = {f.name: f for f in FAMILIES}
-assert list(_BY_NAME) == list(MODEL_TYPES), "one Family row per format.config.MODEL_TYPES entry, in its order"
+FAMILIES = [f for f in TABLE if not f.refused]
+_BY_NAME = {f.name: f for f in TABLE}
 
 
 def family_for(cfg: dict) -> Family:
@@ -135,6 +139,10 @@ class MoELayerMap:
     has_bias: bool
     bias_dtype: str | None
     fused: bool
+    #: how the source stores the experts (families.py: per-expert, fused, fused-transposed, ...)
+    storage: str = PER_EXPERT
+    #: the router weight scales the expert's input (Llama 4; vLLM's apply_router_weight_on_input)
+    router_on_input: bool = False
     #: per-expert form: experts[e][role][suffix] = tensor name; fused form: fused_names[role][suffix]
     experts: list[dict[str, dict[str, str]]] = field(default_factory=list)
     fused_names: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -176,46 +184,55 @@ def map_model(source: Source) -> ModelMap:
     raw_cfg = source.config
     fam = family_for(raw_cfg)
     cfg, section = _text_config(raw_cfg)
+    values = read_keys(cfg, fam, section)
     qconfig = parse_quantization_config(raw_cfg, CONFIG_NAME)
-    sizes = _sizes(cfg, fam, section)
-    layers = _map_fused(source, fam, cfg, sizes) if fam.fused else _map_per_expert(source, fam, cfg, qconfig, sizes)
+    sizes = _sizes(values, fam, section)
+    fused = any(m and m["block"] == fam.block for m in map(_FUSED.match, source.tensors))
+    if fused and not set(fam.storage) - {PER_EXPERT}:
+        name = next(n for n in source.tensors if _FUSED.match(n))
+        raise MoeConvertError(f"{fam.name} stores its experts per expert, but this tensor is a fused 3-D one",
+                              file=source.tensors[name].file.name, tensor=name, expected=_expected_names(fam))
+    if fused:
+        layers = _map_fused(source, fam, values, sizes)
+    else:
+        layers = _map_per_expert(source, fam, cfg, qconfig, sizes) if PER_EXPERT in fam.storage else []
     if not layers:
         raise MoeConvertError(f"no MoE expert tensors found for family {fam.name}", file=str(source.ident),
                               expected=_expected_names(fam), found=_sample_names(source))
-    _check_sparse_layers(source, fam, cfg, section, {lm.layer for lm in layers})
+    _check_sparse_layers(source, fam, values, section, {lm.layer for lm in layers})
     return ModelMap(family=fam, config=raw_cfg, dtype=model_dtype(cfg, section),
                     layers=sorted(layers, key=lambda x: x.layer))
 
 
-def _check_sparse_layers(source: Source, fam: Family, cfg: dict, section: str, found: set[int]) -> None:
+def _check_sparse_layers(source: Source, fam: Family, values: dict, section: str, found: set[int]) -> None:
     """The layers holding experts are exactly those the config calls sparse (plus DeepSeek's MTP layers
     after the last one). Walks the config's rule only as far as the first layer it lacks."""
-    sparse = fam.sparse_layers(cfg, section)
+    sparse = sparse_layers(fam, values, section)
     if sparse is None:
         return
     last = max((int(m[1]) for m in map(_ANY_LAYER.search, source.tensors) if m and len(m[1]) <= 18), default=-1)
     if sparse.n > last + 1:
         raise MoeConvertError("more layers than the checkpoint has tensors for", file=CONFIG_NAME,
-                              tensor=f"{section}num_hidden_layers",
+                              tensor=f"{section}{fam.layers_key}",
                               expected=f"at most {last + 1} (the highest layer index in tensor names is {last})",
                               found=sparse.n)
     for i in sparse:
         if i not in found:
-            raise MoeConvertError(f"config says layer {i} has routed experts (num_hidden_layers = {sparse.n}), but "
+            raise MoeConvertError(f"config says layer {i} has routed experts ({fam.layers_key} = {sparse.n}), but "
                                   "the checkpoint has no expert tensors for it", file=str(source.ident),
                                   tensor=f"layers.{i}", expected=_expected_names(fam), found="none")
-    nextn = config_int(cfg, "num_nextn_predict_layers", min=0, default=0, section=section)
+    nextn = values[fam.mtp_key] if fam.mtp_key else 0
     for i in sorted(found):
         if i not in sparse and not sparse.n <= i < sparse.n + nextn:
             raise MoeConvertError(f"layer {i} has expert tensors but the config says it is dense"
-                                  + (f" (num_hidden_layers = {sparse.n})" if i >= sparse.n else ""),
+                                  + (f" ({fam.layers_key} = {sparse.n})" if i >= sparse.n else ""),
                                   file=str(source.ident), tensor=f"layers.{i}")
 
 
 def _expected_names(fam: Family) -> str:
-    if fam.fused:
-        return "model.layers.L.mlp.experts.{gate_up_proj,down_proj}"
-    return "…layers.L." + ("block_sparse_moe" if fam.name == "mixtral" else "mlp") + ".experts.E.{" + ",".join(fam.roles) + "}.weight"
+    if PER_EXPERT not in fam.storage:
+        return f"model.layers.L.{fam.block}.experts.{{gate_up_proj,down_proj}}"
+    return f"…layers.L.{fam.block}.experts.E.{{" + ",".join(fam.roles) + "}.weight"
 
 
 def _sample_names(source: Source) -> str:
@@ -236,35 +253,24 @@ class ConfigSizes:
     section: str  # "text_config." when the sizes come from a nested text config
 
 
-def _present_key(cfg: dict, keys: tuple[str, ...]) -> str:
-    """The first of ``keys`` the config sets (not null); the first one when none is set."""
-    return next((k for k in keys if cfg.get(k) is not None), keys[0])
+def _sizes(values: dict, fam: Family, section: str) -> ConfigSizes:
+    E, H, I = values[fam.experts_key], values["hidden_size"], values[fam.intermediate_key]
+    top_k = _routing_top_k(values, fam, E, section)
+    return ConfigSizes(E, section + fam.experts_key, H, I, section + fam.intermediate_key, top_k, section)
 
 
-def _sizes(cfg: dict, fam: Family, section: str) -> ConfigSizes:
-    E_key, I_key = _present_key(cfg, fam.experts_key), _present_key(cfg, fam.intermediate_key)
-    E = config_int(cfg, E_key, section=section)
-    H = config_int(cfg, "hidden_size", section=section)
-    I = config_int(cfg, I_key, section=section)
-    top_k = _routing_top_k(cfg, fam, E, E_key, section)
-    return ConfigSizes(E, section + E_key, H, I, section + I_key, top_k, section)
-
-
-def _routing_top_k(cfg: dict, fam: Family, E: int, E_key: str, section: str) -> int | None:
+def _routing_top_k(values: dict, fam: Family, E: int, section: str) -> int | None:
     """Top-k and the routing parameters the runtime's router reads from the copied config.json, checked
     now so that a config the router cannot follow is refused before converting, not at the first token."""
-    top_k = config_int(cfg, "num_experts_per_tok", default=None, section=section)
+    top_k = values[fam.top_k_key]
+    E_key = fam.experts_key
     if top_k is not None and top_k > E:
         raise MoeConvertError("top-k is larger than the number of routed experts", file=CONFIG_NAME,
-                              tensor=f"{section}num_experts_per_tok", expected=f"at most {E} ({section}{E_key})",
+                              tensor=f"{section}{fam.top_k_key}", expected=f"at most {E} ({section}{E_key})",
                               found=top_k)
-    if fam.name in ("qwen2-moe", "qwen3-moe", "deepseek-v2", "deepseek-v3", "glm4-moe"):
-        config_value(cfg, "norm_topk_prob", bool, default=None, section=section)
-    if fam.name in ("deepseek-v2", "deepseek-v3", "glm4-moe"):
-        config_number(cfg, "routed_scaling_factor", default=None, positive=True, section=section)
-        method = config_value(cfg, "topk_method", str, default="greedy", section=section)
-        n_group = config_int(cfg, "n_group", default=1, section=section)
-        topk_group = config_int(cfg, "topk_group", default=1, section=section)
+    if fam.routing in ("grouped", "softmax_group_limited"):
+        method = values.get("topk_method", "greedy")
+        n_group, topk_group = values.get("n_group") or 1, values.get("topk_group") or 1
         if E % n_group:
             raise MoeConvertError("experts cannot be split into n_group equal groups", file=CONFIG_NAME,
                                   tensor=f"{section}n_group", expected=f"a divisor of {E} ({section}{E_key})",
@@ -272,15 +278,15 @@ def _routing_top_k(cfg: dict, fam: Family, E: int, E_key: str, section: str) -> 
         if topk_group > n_group:
             raise MoeConvertError("topk_group is larger than n_group", file=CONFIG_NAME, tensor=f"{section}topk_group",
                                   expected=f"at most {n_group} (n_group)", found=topk_group)
-        grouped = fam.name != "deepseek-v2" or method == "group_limited_greedy"
-        if fam.name != "deepseek-v2" and E // n_group < 2:
+        grouped = fam.routing == "grouped" or method == "group_limited_greedy"
+        if fam.routing == "grouped" and E // n_group < 2:
             # noaux_tc ranks a group by the sum of its two best scores (transformers' topk(2) per group)
             raise MoeConvertError("grouped routing needs at least 2 experts per group", file=CONFIG_NAME,
                                   tensor=f"{section}n_group", expected=f"at most {E // 2} ({E} experts / 2)",
                                   found=n_group)
         if grouped and top_k is not None and top_k > topk_group * (E // n_group):
             raise MoeConvertError("top-k is larger than the experts the kept groups hold", file=CONFIG_NAME,
-                                  tensor=f"{section}num_experts_per_tok",
+                                  tensor=f"{section}{fam.top_k_key}",
                                   expected=f"at most {topk_group * (E // n_group)} (topk_group x experts per group)",
                                   found=top_k)
     return top_k
@@ -308,7 +314,9 @@ def _with_prefix(names: list[str], prefix: str) -> list[str]:
 def _router_and_shared(source: Source, fam: Family, prefix: str, names: list[str]) -> tuple[list[str], list[str]]:
     """``names``: the source's tensor names, sorted (once per model, not per layer)."""
     block = prefix.rsplit(".", 1)[0]
-    router = sorted(n for r in fam.router for n in _with_prefix(names, f"{block}.{r}."))
+    # a module's tensors, or a tensor held by the block itself (MiniMax-M2's e_score_correction_bias)
+    router = sorted(n for r in fam.router for n in _with_prefix(names, f"{block}.{r}.")
+                    + ([f"{block}.{r}"] if f"{block}.{r}" in source.tensors else []))
     shared = sorted(n for s in fam.shared for n in _with_prefix(names, f"{block}.{s}."))
     return router, shared
 
@@ -490,21 +498,33 @@ def _expect_dtype(source: Source, name: str, allowed: tuple[str, ...]) -> None:
                               expected=" or ".join(allowed), found=got)
 
 
-def _map_fused(source: Source, fam: Family, cfg: dict, sizes: ConfigSizes) -> list[MoELayerMap]:
+def _map_fused(source: Source, fam: Family, values: dict, sizes: ConfigSizes) -> list[MoELayerMap]:
+    """Layers whose experts are 3-D tensors, in the orientation the family declares (families.py)."""
     E_cfg, H_cfg, I_cfg = sizes.E, sizes.H, sizes.I
+    storage = next(st for st in fam.storage if st != PER_EXPERT)
     by_prefix: dict[str, dict[str, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
     layer_of = {}
     for name in source.tensors:
         m = _FUSED.match(name)
-        if m:
+        if m and m["block"] == fam.block:
             by_prefix[m["prefix"]][m["proj"]][m["suffix"] or "weight"] = name
             layer_of[m["prefix"]] = _index(source, name, m["layer"])
     t = source.tensors
     all_names = sorted(t)
+    # [E, N, K] as stored: gate_up's N is 2I (the declared orientation says which axis), down's is H
+    if storage == FUSED:
+        gu_shape, dn_shape = (E_cfg, 2 * I_cfg, H_cfg), (E_cfg, H_cfg, I_cfg)
+    else:  # FUSED_TRANSPOSED and gpt-oss' FUSED_INTERLEAVED: x @ W
+        gu_shape, dn_shape = (E_cfg, H_cfg, 2 * I_cfg), (E_cfg, I_cfg, H_cfg)
     layers = []
     for prefix, names in by_prefix.items():
         gu, dn = names.get("gate_up_proj", {}), names.get("down_proj", {})
         mxfp4 = any(k in by for by in (gu, dn) for k in ("_blocks", "_scales"))
+        if mxfp4 and storage != FUSED_INTERLEAVED:
+            name = next(by[k] for by in (gu, dn) for k in ("_blocks", "_scales") if k in by)
+            raise MoeConvertError(f"{fam.name} experts in an MXFP4 blocks/scales form (only gpt-oss has one)",
+                                  file=t[name].file.name, tensor=name, expected="gate_up_proj and down_proj",
+                                  found=name.rsplit(".", 1)[-1])
         if mxfp4:
             # gpt-oss' own MXFP4 form (docs/quantize.md): N-first, rows of gate_up interleaved
             # gate/up, low nibble = even k, e8m0 scales per 32 along K
@@ -537,27 +557,47 @@ def _map_fused(source: Source, fam: Family, cfg: dict, sizes: ConfigSizes) -> li
                 raise MoeConvertError("fused expert weights must share one float dtype", file=str(source.ident),
                                       tensor=dn["weight"], expected=t[gu["weight"]].dtype,
                                       found=t[dn["weight"]].dtype)
-            # transformers' gpt-oss: gate_up_proj [E, H, 2I] (x @ W, gate/up interleaved on the last dim),
-            # down_proj [E, I, H].
-            _expect(source, gu["weight"], t[gu["weight"]].shape, (E_cfg, H_cfg, 2 * I_cfg))
-            _expect(source, dn["weight"], t[dn["weight"]].shape, (E_cfg, I_cfg, H_cfg))
+            _expect_fused(source, gu["weight"], gu_shape, sizes)
+            _expect_fused(source, dn["weight"], dn_shape, sizes)
             scheme = FloatScheme(dt)
         has_bias = "_bias" in gu
-        if has_bias != ("_bias" in dn):
-            raise MoeConvertError("expert bias on one projection only", file=str(source.ident), tensor=prefix)
+        if has_bias != ("_bias" in dn) or (fam.expert_bias is not None and has_bias != fam.expert_bias):
+            # gpt-oss' experts always have both biases (transformers' GptOssExperts); the other fused
+            # families have none: one bias, or a bias the family does not have, is not a checkpoint of it
+            missing = [f"{prefix}.{p}_bias" for p, by in (("gate_up_proj", gu), ("down_proj", dn))
+                       if ("_bias" in by) != bool(fam.expert_bias if fam.expert_bias is not None else has_bias)]
+            raise MoeConvertError(f"{fam.name} experts " + ("have" if fam.expert_bias else "have no")
+                                  + " gate_up_proj_bias and down_proj_bias", file=str(source.ident),
+                                  tensor=missing[0] if missing else prefix,
+                                  expected="present" if fam.expert_bias else "absent",
+                                  found="missing" if fam.expert_bias else "present")
         if has_bias:
             _expect(source, gu["_bias"], t[gu["_bias"]].shape, (E_cfg, 2 * I_cfg))
             _expect(source, dn["_bias"], t[dn["_bias"]].shape, (E_cfg, H_cfg))
             _expect_dtype(source, gu["_bias"], _FLOAT_CODES)
             _expect_dtype(source, dn["_bias"], _FLOAT_CODES)
         router, shared = _router_and_shared(source, fam, prefix, all_names)
-        params = {"alpha": config_number(cfg, "swiglu_alpha", default=1.702, section=sizes.section),
-                  "limit": config_number(cfg, "swiglu_limit", default=7.0, section=sizes.section)}
+        # the activation's parameters, as the family's declared keys give them (never a null read as a default)
+        params = {k.removeprefix("swiglu_"): values[k] for k in fam.activation_params}
         layers.append(MoELayerMap(
             prefix=prefix, layer=layer_of[prefix], num_experts=E_cfg, top_k=sizes.top_k,
             hidden_size=H_cfg, intermediate_size=I_cfg, scheme=scheme, activation=fam.activation,
             activation_params=params, has_bias=has_bias,
             bias_dtype=float_dtype_name(t[gu["_bias"]].dtype) if has_bias else None, fused=True,
-            fused_names={"gate_up": dict(gu), "down": dict(dn)}, router=router, shared=shared,
+            fused_names={"gate_up": dict(gu), "down": dict(dn)}, router=router, shared=shared, storage=storage,
+            router_on_input=fam.router_on_input,
         ))
     return layers
+
+
+def _expect_fused(source: Source, name: str, want: tuple[int, int, int], sizes: ConfigSizes) -> None:
+    """A fused tensor's shape against the config, naming the config key a disagreeing axis comes from."""
+    got = tuple(source.tensors[name].shape)
+    if got == want:
+        return
+    if len(got) == 3 and got[0] != want[0]:
+        detail = f"{got[0]} experts, config.json {sizes.E_key} = {sizes.E}"
+    else:
+        detail = f"config.json {sizes.I_key} = {sizes.I}, hidden_size = {sizes.H}"
+    raise MoeConvertError(f"fused expert tensor disagrees with the config ({detail})",
+                          file=source.tensors[name].file.name, tensor=name, expected=list(want), found=list(got))

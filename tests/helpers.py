@@ -280,3 +280,43 @@ def kernel_and_reference(layer, M: int, dtype):
     x = (torch.randn(M, layer.hidden_size, device="cuda", generator=gen) * 4).to(dtype)
     w, ids = layer.route(layer.router_logits(x))
     return x, layer(x, w, ids), layer.reference(x, w, ids)
+
+
+# ---------------------------------------------------------------------------------------------------
+# tiny checkpoints of the families moeconvert.example does not make (built by transformers itself)
+
+_TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128)
+#: model_type -> the tiny config's keyword arguments (E = 8 routed experts, top-2 unless the family is top-1)
+FAMILY_CONFIGS: dict[str, dict] = {
+    "qwen3_5_moe_text": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=16, intermediate_size=64,
+                             shared_expert_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                             linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+                             linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"]),
+    "llama4_text": dict(_TINY, num_hidden_layers=2, intermediate_size=16, intermediate_size_mlp=64,
+                        num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=2),
+    "minimax_m2": dict(_TINY, num_hidden_layers=2, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                       bos_token_id=1, eos_token_id=2),
+}
+
+
+def make_family_checkpoint(out: Path, model_type: str, *, fused: bool = False, seed: int = 0) -> Path:
+    """A tiny random checkpoint of ``model_type`` written by transformers: ``save_pretrained``'s own files,
+    or with ``fused`` the model's tensors as it holds them (3-D experts: how published Qwen3.5 checkpoints
+    store them, since save_pretrained splits them per expert) with save_pretrained's config.json."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(model_type, **FAMILY_CONFIGS[model_type])
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():  # some experts are created empty (uninitialised): draw every parameter
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    out.mkdir(parents=True)
+    if fused:
+        model.config.save_pretrained(out)
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" or not cfg.tie_word_embeddings}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        model.save_pretrained(out)
+    return out

@@ -1,0 +1,189 @@
+"""The declared family table (moeconvert/format/families.py), checked against transformers' and vLLM's own
+code, and the new expert storages end to end against transformers' own MoE blocks.
+
+* every family's transformers classes exist, its vLLM classes are in vLLM's registry, and each declared
+  config key accepts null exactly where transformers' config annotation does;
+* every declared key: a null where transformers refuses one, or a value of the wrong type, is refused on
+  one line naming the key (never read as the default);
+* one fixture per new storage (fused ``[E, 2I, H]``, transposed ``[E, H, 2I]`` with the router weight on
+  the input, a new per-expert naming): inspect, repack plain, quantize mxfp4 for marlin, verify, and the
+  runtime's whole MoE block on CPU equal to transformers' block on the same input.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import cli, make_family_checkpoint
+from moeconvert.errors import MoeConvertError
+from moeconvert.format.families import FAMILIES, REQUIRED, Key, read_keys
+
+transformers = pytest.importorskip("transformers")
+
+SERVED = [f for f in FAMILIES if not f.refused]
+
+
+def _annotations(cls) -> dict:
+    ann: dict = {}
+    for c in reversed(cls.__mro__):
+        ann.update(getattr(c, "__annotations__", {}))
+    return ann
+
+
+@pytest.mark.parametrize("fam", [f for f in FAMILIES if f.hf_classes], ids=lambda f: f.name)
+def test_table_facts_match_transformers(fam):
+    import importlib
+
+    config_cls = getattr(transformers, fam.hf_classes[0])
+    modeling = importlib.import_module(config_cls.__module__.replace(".configuration_", ".modeling_"))
+    missing = [n for n in fam.hf_classes[1:] if not hasattr(modeling, n)]
+    assert not missing, f"{fam.name}: transformers {transformers.__version__}'s {modeling.__name__} has no {missing}"
+    ann = _annotations(config_cls)
+    wrong = [k.name for k in fam.keys if k.name in ann and ("None" in str(ann[k.name])) != k.nullable]
+    assert not wrong, f"{fam.name}: nullability disagrees with {fam.hf_classes[0]} for {wrong}"
+
+
+def test_table_vllm_classes_are_registered():
+    from helpers import vllm_reader
+
+    registry = vllm_reader()("model_executor/models/registry.py")
+    missing = [(f.name, c) for f in FAMILIES for c in f.vllm_classes if f'"{c}"' not in registry]
+    assert not missing, missing
+
+
+_WRONG = {"int>=1": "8", "int>=0": 1.5, "int": "x", "number": "7", "number>0": -1.0, "bool": "yes", "str": 3,
+          "list[int>=0]": [-1], "list[str]": [1]}
+_KEYS = [(f, k) for f in SERVED for k in f.keys]
+
+
+@pytest.mark.parametrize("fam,key", _KEYS, ids=[f"{f.name}.{k.name}" for f, k in _KEYS])
+def test_every_declared_key_is_read_with_its_type(fam, key: Key):
+    good = {k.name: _good(k) for k in fam.keys}
+    assert read_keys(good, fam) == good
+    with pytest.raises(MoeConvertError, match=f"config.json: {key.name}") as e:
+        read_keys({**good, key.name: _WRONG[key.kind]}, fam)
+    assert "\n" not in str(e.value)
+    if key.nullable and key.default is not REQUIRED:
+        assert read_keys({**good, key.name: None}, fam)[key.name] == key.default
+    else:  # transformers refuses a null here: it is never read as the default (gpt-oss swiglu_limit was 7.0)
+        with pytest.raises(MoeConvertError, match=f"config.json: {key.name}: must not be null"):
+            read_keys({**good, key.name: None}, fam)
+
+
+def _good(k: Key):
+    return {"int>=1": 2, "int>=0": 0, "int": -1, "number": 1.5, "number>0": 1.5, "bool": True, "str": "greedy",
+            "list[int>=0]": [], "list[str]": ["sparse"]}[k.kind]
+
+
+# -- end to end: one fixture per new storage --------------------------------------------------------
+
+CASES = {  # id -> (model_type, save the model's fused tensors as it holds them, MoE block module path)
+    "qwen3.5-fused": ("qwen3_5_moe_text", True, "mlp"),
+    "llama4-transposed": ("llama4_text", False, "feed_forward"),
+    "minimax-m2": ("minimax_m2", False, "mlp"),  # block_sparse_moe on disk, mlp in memory
+}
+
+
+@pytest.fixture(scope="session")
+def family_ckpts(tmp_path_factory):
+    cache: dict = {}
+
+    def make(case: str) -> tuple[Path, torch.nn.Module]:
+        if case not in cache:
+            mt, fused, _ = CASES[case]
+            path = make_family_checkpoint(tmp_path_factory.mktemp(case) / "ckpt", mt, fused=fused)
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            cache[case] = (path, model)
+        return cache[case]
+
+    return make
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_family_through_every_path(case, family_ckpts, tmp_path):
+    from moeconvert.runtime import load
+
+    src, model = family_ckpts(case)
+    mt, fused, block = CASES[case]
+    r = cli("inspect", str(src), "--json", expect=0)
+    report = json.loads(r.out)
+    assert report["family"] in {f.name for f in FAMILIES if mt in f.model_types}
+    plain, mx = tmp_path / "plain", tmp_path / "mx"
+    cli("repack", str(src), str(plain), "--backend", "plain", expect=0)
+    cli("quantize", str(src), str(mx), "--format", "mxfp4", "--backend", "marlin", expect=0)
+    for out in (plain, mx):
+        cli("verify", str(out), "--against", str(src), expect=0)
+    m = load(plain, device="cpu")
+    assert m.moe_layers, "no MoE layer loaded"
+    torch.manual_seed(1)
+    for prefix, layer in m.moe_layers.items():
+        i = layer.entry.raw["layer"]
+        ours = layer.block(x := torch.randn(5, layer.hidden_size, dtype=torch.bfloat16))
+        mod = getattr(model.model.layers[i], block)
+        theirs = mod(x.float().unsqueeze(0))
+        theirs = (theirs[0] if isinstance(theirs, tuple) else theirs).reshape(ours.shape)
+        err = (ours.float() - theirs).abs().max() / theirs.abs().max()
+        assert err < 0.03, f"{prefix}: runtime block differs from transformers' by {err:.3g}"
+
+
+@pytest.mark.parametrize("case", ["llama4-transposed"])
+def test_router_weight_on_input_is_declared(case, family_ckpts, tmp_path):
+    src, _ = family_ckpts(case)
+    cli("repack", str(src), str(tmp_path / "o"), "--backend", "plain", expect=0)
+    layers = json.loads((tmp_path / "o" / "moeconvert.json").read_text())["moe_layers"]
+    assert [x["apply_router_weight_on_input"] for x in layers] == [True] * len(layers)
+
+
+# -- bad input: known model_type, contradictory MoE fields --------------------------------------------
+
+
+def _copy(src: Path, dst: Path, **config) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("case,edit,needle", [
+    ("qwen3.5-fused", {"num_experts": 4}, "config.json num_experts = 4"),
+    ("qwen3.5-fused", {"moe_intermediate_size": 8}, "config.json moe_intermediate_size = 8"),
+    ("llama4-transposed", {"num_local_experts": 16}, "config.json num_local_experts = 16"),
+    ("llama4-transposed", {"interleave_moe_layer_step": 1, "moe_layers": None}, "layer 0 has routed experts"),
+    ("llama4-transposed", {"moe_layers": [0]}, "moe_layers"),
+])
+def test_contradictory_config_refused_on_one_line(case, edit, needle, family_ckpts, tmp_path):
+    src, _ = family_ckpts(case)
+    bad = _copy(src, tmp_path / "bad", **edit)
+    r = cli("repack", str(bad), str(tmp_path / "out"), "--backend", "plain", expect=2)
+    assert needle in r.err and r.err.strip().count("\n") == 0, r.err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("wrapper,text_type,needle", [
+    ("llama4", "qwen3_moe", "text_config of the wrong type for llama4"),
+    ("kimi_k25", "llama4_text", "text_config of the wrong type for kimi_k25"),
+    ("qwen3_5_moe", None, "text_config"),
+])
+def test_wrapper_with_wrong_text_config_refused(wrapper, text_type, needle, family_ckpts, tmp_path):
+    src, _ = family_ckpts("llama4-transposed")
+    text = json.loads((src / "config.json").read_text())
+    text["model_type"] = text_type
+    cfg = {"model_type": wrapper, "text_config": text if text_type else None}
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = cli("inspect", str(bad), expect=2)
+    assert needle in r.err and r.err.strip().count("\n") == 0, r.err
+
+
+def test_refused_family_says_why_in_one_line(family_ckpts, tmp_path):
+    src, _ = family_ckpts("minimax-m2")
+    bad = _copy(src, tmp_path / "bad", model_type="deepseek_v4")
+    r = cli("inspect", str(bad), expect=2)
+    assert "deepseek-v4 is not supported: DeepSeek-V4's routed experts are FP4" in r.err, r.err
