@@ -186,7 +186,7 @@ def map_model(source: Source) -> ModelMap:
     cfg, section = _text_config(raw_cfg)
     values = read_keys(cfg, fam, section)
     qconfig = parse_quantization_config(raw_cfg, CONFIG_NAME)
-    sizes = _sizes(values, fam, section)
+    sizes = _sizes(cfg, values, fam, section)
     fused = any(m and m["block"] == fam.block for m in map(_FUSED.match, source.tensors))
     if fused and not set(fam.storage) - {PER_EXPERT}:
         name = next(n for n in source.tensors if _FUSED.match(n))
@@ -253,10 +253,11 @@ class ConfigSizes:
     section: str  # "text_config." when the sizes come from a nested text config
 
 
-def _sizes(values: dict, fam: Family, section: str) -> ConfigSizes:
+def _sizes(cfg: dict, values: dict, fam: Family, section: str) -> ConfigSizes:
     E, H, I = values[fam.experts_key], values["hidden_size"], values[fam.intermediate_key]
     top_k = _routing_top_k(values, fam, E, section)
-    return ConfigSizes(E, section + fam.experts_key, H, I, section + fam.intermediate_key, top_k, section)
+    E_key, I_key = (fam.key(k).present(cfg) for k in (fam.experts_key, fam.intermediate_key))
+    return ConfigSizes(E, section + E_key, H, I, section + I_key, top_k, section)
 
 
 def _routing_top_k(values: dict, fam: Family, E: int, section: str) -> int | None:

@@ -320,3 +320,43 @@ def make_family_checkpoint(out: Path, model_type: str, *, fused: bool = False, s
     else:
         model.save_pretrained(out)
     return out
+
+
+def to_gptoss_mxfp4(src: Path, dst: Path) -> None:
+    """Rewrite a bf16 gpt-oss checkpoint in gpt-oss' own MXFP4 form (*_blocks / *_scales, N-first,
+    rows interleaved), quantized with the vLLM rule."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from moeconvert.mxfp4 import quantize_mxfp4
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = {}
+        with safe_open(f, "pt") as h:
+            meta = h.metadata()
+            for k in h.keys():
+                t = h.get_tensor(k)
+                if k.endswith(("gate_up_proj", "down_proj")):
+                    p, s = quantize_mxfp4(t.transpose(1, 2).contiguous())  # [E, N, K]
+                    tensors[k + "_blocks"] = p.view(*p.shape[:2], -1, 16).contiguous()
+                    tensors[k + "_scales"] = s
+                else:
+                    tensors[k] = t
+        save_file(tensors, str(f), metadata=meta)
+    index = dst / "model.safetensors.index.json"
+    if index.exists():
+        idx = json.loads(index.read_text())
+        wm = {}
+        for k, v in idx["weight_map"].items():
+            if k.endswith(("gate_up_proj", "down_proj")):
+                wm[k + "_blocks"] = wm[k + "_scales"] = v
+            else:
+                wm[k] = v
+        idx["weight_map"] = wm
+        index.write_text(json.dumps(idx))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (dst / "config.json").write_text(json.dumps(cfg))

@@ -46,6 +46,9 @@ def test_table_facts_match_transformers(fam):
     ann = _annotations(config_cls)
     wrong = [k.name for k in fam.keys if k.name in ann and ("None" in str(ann[k.name])) != k.nullable]
     assert not wrong, f"{fam.name}: nullability disagrees with {fam.hf_classes[0]} for {wrong}"
+    # a key transformers writes under another name (attribute_map) is read under that name too
+    renamed = {k.name: config_cls.attribute_map[k.name] for k in fam.keys if k.name in config_cls.attribute_map}
+    assert all(v in fam.key(k).aliases for k, v in renamed.items()), f"{fam.name}: {renamed} not declared as aliases"
 
 
 def test_table_vllm_classes_are_registered():
@@ -187,3 +190,81 @@ def test_refused_family_says_why_in_one_line(family_ckpts, tmp_path):
     bad = _copy(src, tmp_path / "bad", model_type="deepseek_v4")
     r = cli("inspect", str(bad), expect=2)
     assert "deepseek-v4 is not supported: DeepSeek-V4's routed experts are FP4" in r.err, r.err
+
+
+# -- gpt-oss: a config or source value is never silently read as another ------------------------------
+
+
+@pytest.fixture(scope="session")
+def gptoss(example_ckpt):
+    return example_ckpt("gpt-oss", "bf16", num_layers=1, num_experts=4, hidden_size=64, intermediate_size=64)
+
+
+def test_gptoss_swiglu_limit_null_is_refused(gptoss, tmp_path):
+    # transformers' GptOssConfig refuses null; it used to be read as 7.0 (config.json null, manifest 7.0)
+    bad = _copy(gptoss, tmp_path / "bad", swiglu_limit=None)
+    r = cli("repack", str(bad), str(tmp_path / "out"), "--backend", "plain", expect=2)
+    assert "config.json: swiglu_limit: must not be null" in r.err and r.err.strip().count("\n") == 0, r.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_gptoss_nan_e8m0_scale_is_refused(gptoss, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from helpers import to_gptoss_mxfp4
+
+    mx = tmp_path / "mx"
+    to_gptoss_mxfp4(gptoss, mx)
+    f = next(mx.glob("*.safetensors"))
+    tensors = load_file(f)
+    name = next(k for k in tensors if k.endswith("down_proj_scales"))
+    tensors[name][2, 5, 1] = 255  # e8m0 NaN
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    r = cli("quantize", str(mx), str(tmp_path / "out"), "--backend", "plain", expect=2)
+    assert f"{name}[2, 5, 1]" in r.err and "non-finite e8m0 scale" in r.err, r.err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("drop", [("gate_up_proj_bias",), ("down_proj_bias",), ("gate_up_proj_bias", "down_proj_bias")])
+def test_gptoss_missing_expert_bias_is_refused(gptoss, tmp_path, drop):
+    # transformers' GptOssExperts always has both biases: one missing or both is not a gpt-oss checkpoint
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(gptoss, bad)
+    f = next(bad.glob("*.safetensors"))
+    tensors = {k: v for k, v in load_file(f).items() if not k.endswith(drop)}
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    r = cli("repack", str(bad), str(tmp_path / "out"), "--backend", "plain", expect=2)
+    assert "gpt-oss experts have gate_up_proj_bias and down_proj_bias" in r.err, r.err
+    assert f"experts.{drop[0]}" in r.err and r.err.strip().count("\n") == 0, r.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_docs_page_is_the_table():
+    from moeconvert.format.families import table_markdown
+
+    page = (Path(__file__).parents[1] / "docs" / "families.md").read_text()
+    generated = page.split("<!-- generated: moeconvert.format.families.table_markdown -->\n")[1]
+    assert generated.split("<!-- end generated -->")[0] == table_markdown()
+
+
+def test_kimi_k25_wrapper_converts_its_deepseek_v3_text_model(example_ckpt, tmp_path):
+    # Kimi-K2.5's checkpoint: the DeepSeek-V3 text model under language_model. (transformers' kimi_k25
+    # conversion mapping), its config in text_config (model_type kimi_k2)
+    from safetensors.torch import load_file, save_file
+
+    src = example_ckpt("deepseek-v3", "bf16", num_experts=4, hidden_size=64, intermediate_size=32)
+    k25 = tmp_path / "k25"
+    k25.mkdir()
+    text = json.loads((src / "config.json").read_text())
+    text["model_type"] = "kimi_k2"
+    (k25 / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text}))
+    f = next(src.glob("*.safetensors"))
+    save_file({f"language_model.{k}": v for k, v in load_file(f).items()}, str(k25 / "model.safetensors"),
+              metadata={"format": "pt"})
+    report = json.loads(cli("inspect", str(k25), "--json", expect=0).out)
+    assert report["family"] == "deepseek-v3"
+    assert [x["prefix"] for x in report["moe_layers"]][:1] == ["language_model.model.layers.1.mlp.experts"]
+    cli("repack", str(k25), str(tmp_path / "out"), "--backend", "plain", expect=0)
+    cli("verify", str(tmp_path / "out"), "--against", str(k25), expect=0)

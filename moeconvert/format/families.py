@@ -69,6 +69,14 @@ class Key:
     kind: str
     default: object = REQUIRED
     nullable: bool = False
+    #: other names a config may give it (transformers' ``attribute_map``: Qwen3-MoE's config writes
+    #: ``num_local_experts`` for ``num_experts``); the first one the config sets is read
+    aliases: tuple[str, ...] = ()
+
+    def present(self, cfg: dict) -> str:
+        """The name this config gives the key (the first of name and aliases it sets, not null)."""
+        return next((n for n in (self.name, *self.aliases) if cfg.get(n) is not None),
+                    next((n for n in (self.name, *self.aliases) if n in cfg), self.name))
 
 
 KINDS = ("int>=1", "int>=0", "int", "number", "number>0", "bool", "str", "list[int>=0]", "list[str]")
@@ -109,8 +117,8 @@ class FamilySpec:
         return next(k for k in self.keys if k.name == name)
 
 
-def _k(name: str, kind: str, default: object = REQUIRED, nullable: bool = False) -> Key:
-    return Key(name, kind, default, nullable)
+def _k(name: str, kind: str, default: object = REQUIRED, nullable: bool = False, aliases: tuple = ()) -> Key:
+    return Key(name, kind, default, nullable, aliases)
 
 
 # Keys shared by several families (names as transformers' configs spell them).
@@ -123,11 +131,11 @@ _DEEPSEEK_ROUTING = (_k("norm_topk_prob", "bool", None), _k("routed_scaling_fact
 def _deepseek_style(name, model_types, hf, vllm, *, rule=FIRST_K_DENSE, extra=(), first_dense=0, nullable=(),
                     **kw) -> FamilySpec:
     """``nullable``: the keys this family's transformers config annotates as accepting None."""
-    keys = (_H, _k("n_routed_experts", "int>=1"), _k("moe_intermediate_size", "int>=1"),
+    keys = (_H, _k("n_routed_experts", "int>=1", aliases=("num_local_experts",)), _k("moe_intermediate_size", "int>=1"),
             _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
             _k("first_k_dense_replace", "int>=0", first_dense), _k("moe_layer_freq", "int>=1", 1),
             _k("num_nextn_predict_layers", "int>=0", 0), *_DEEPSEEK_ROUTING, *extra)
-    keys = tuple(Key(k.name, k.kind, k.default, k.nullable or k.name in nullable) for k in keys)
+    keys = tuple(Key(k.name, k.kind, k.default, k.nullable or k.name in nullable, k.aliases) for k in keys)
     return FamilySpec(name, model_types, hf, vllm, keys=keys, experts_key="n_routed_experts", moe_layers=rule,
                       routing=kw.pop("routing", "grouped"), shared=("shared_experts",), mtp_key="num_nextn_predict_layers",
                       **kw)
@@ -142,14 +150,14 @@ FAMILIES: tuple[FamilySpec, ...] = (
         roles={"w1": "gate", "w3": "up", "w2": "down"}),
     FamilySpec(
         "qwen2-moe", ("qwen2_moe",), ("Qwen2MoeConfig", "Qwen2MoeSparseMoeBlock"), ("Qwen2MoeForCausalLM",),
-        keys=(_H, _k("num_experts", "int>=1"), _k("moe_intermediate_size", "int>=1"),
+        keys=(_H, _k("num_experts", "int>=1", aliases=("num_local_experts",)), _k("moe_intermediate_size", "int>=1"),
               _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
               _k("decoder_sparse_step", "int>=1", 1), _k("mlp_only_layers", "list[int>=0]", [], nullable=True),
               *_QWEN_ROUTING),
         moe_layers=SPARSE_STEP, shared=("shared_expert", "shared_expert_gate")),
     FamilySpec(
         "qwen3-moe", ("qwen3_moe",), ("Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock"), ("Qwen3MoeForCausalLM",),
-        keys=(_H, _k("num_experts", "int>=1"), _k("moe_intermediate_size", "int>=1"),
+        keys=(_H, _k("num_experts", "int>=1", aliases=("num_local_experts",)), _k("moe_intermediate_size", "int>=1"),
               _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
               _k("decoder_sparse_step", "int>=1", 1), _k("mlp_only_layers", "list[int>=0]", [], nullable=True),
               *_QWEN_ROUTING),
@@ -183,7 +191,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
         wrappers=("qwen3_5_moe",)),
     FamilySpec(
         "qwen3-next", ("qwen3_next",), ("Qwen3NextConfig", "Qwen3NextSparseMoeBlock"), ("Qwen3NextForCausalLM",),
-        keys=(_H, _k("num_experts", "int>=1"), _k("moe_intermediate_size", "int>=1"),
+        keys=(_H, _k("num_experts", "int>=1", aliases=("num_local_experts",)), _k("moe_intermediate_size", "int>=1"),
               _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
               _k("decoder_sparse_step", "int>=1", 1), _k("mlp_only_layers", "list[int>=0]", [], nullable=True),
               *_QWEN_ROUTING),
@@ -244,8 +252,8 @@ FAMILIES: tuple[FamilySpec, ...] = (
                 "and stacks two sub-layers per decoder layer"),
     FamilySpec(
         "kimi-k3", ("kimi_k3",), (), ("KimiK3ForConditionalGeneration",),
-        refused="Kimi-K3's experts see a latent projection of the hidden state (no transformers class to "
-                "read its tensor names from); moeconvert estimate plans its full shape"),
+        refused="Kimi-K3's routed experts run SITU (vLLM's SituAndMul: beta * tanh(gate / beta) * sigmoid(gate) * up) "
+                "on a latent projection of the hidden state; no layout or kernel here runs that activation yet"),
 )
 
 #: family name -> the config ``model_type`` values that name it
@@ -305,13 +313,14 @@ def read_key(cfg: dict, key: Key, section: str = ""):
     """``cfg[key.name]`` checked against its declaration: absent gives the default (refused when
     required); null is refused unless the key is nullable (then it gives the default too), so a null is
     never silently read as a number it does not say; a value of another type is refused."""
-    where = section + key.name
+    name = key.present(cfg)
+    where = section + name
     expected = _WORDS[key.kind] + (" or null" if key.nullable else "")
-    if key.name not in cfg:
+    if name not in cfg:
         if key.default is REQUIRED:
             raise MoeConvertError("missing", file=CONFIG_NAME, tensor=where, expected=expected)
         return key.default
-    value = cfg[key.name]
+    value = cfg[name]
     if value is None:
         if key.nullable and key.default is not REQUIRED:
             return key.default
@@ -326,3 +335,24 @@ def read_key(cfg: dict, key: Key, section: str = ""):
 def read_keys(cfg: dict, spec: FamilySpec, section: str = "") -> dict:
     """Every key ``spec`` declares, read with :func:`read_key` (so an error names the first bad key)."""
     return {k.name: read_key(cfg, k, section) for k in spec.keys}
+
+
+def table_markdown() -> str:
+    """The table as docs/families.md shows it (a test keeps the page equal to this)."""
+    rows = ["| family | `model_type` | E / top-k / I keys | MoE layers | experts stored | activation, routing "
+            "| shared experts | transformers | vLLM |", "|---|---|---|---|---|---|---|---|---|"]
+    for f in FAMILIES:
+        types = ", ".join(f"`{t}`" for t in f.model_types) + "".join(f" (in `{w}`'s text_config)" for w in f.wrappers)
+        if f.refused:
+            rows.append(f"| {f.name} | {types} | refused: {f.refused} ||||||{', '.join(f.vllm_classes)} |")
+            continue
+        keys = " / ".join(f"`{k}`" for k in (f.experts_key, f.top_k_key, f.intermediate_key))
+        names = "/".join(f.roles) if PER_EXPERT in f.storage else ""
+        stored = "; ".join(f"{st}" + (f" (`{f.block}.experts.E.{{{names}}}`)" if st == PER_EXPERT
+                                      else f" (`{f.block}.experts.gate_up_proj`)") for st in f.storage)
+        routing = f"{f.activation}, {f.routing or 'caller routes'}" + (", router weight on the input"
+                                                                      if f.router_on_input else "")
+        shared = ", ".join(f"`{s}`" for s in f.shared) or "none"
+        rows.append(f"| {f.name} | {types} | {keys} | {f.moe_layers} | {stored} | {routing} | {shared} | "
+                    f"{', '.join(f.hf_classes)} | {', '.join(f.vllm_classes)} |")
+    return "\n".join(rows) + "\n"
