@@ -52,6 +52,9 @@ def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
     ``report(line)`` hears what the run decided (jobs kept by ``--resume``, retries)."""
     from moeconvert.executors import InProcess, available_cores
 
+    if plan.model.family.plan_only:  # before anything is written (families.py says why)
+        raise MoeConvertError(f"{plan.model.family.name} is planned, not converted: {plan.model.family.plan_only}",
+                              file=CONFIG_NAME, tensor="model_type")
     progress = progress or (lambda n: None)
     report = report or (lambda line: None)
     request = request or Request(plan.source.ident, plan.layout.name, chunk_bytes=chunk_bytes, job_bytes=job_bytes)

@@ -185,6 +185,10 @@ def map_model(source: Source) -> ModelMap:
     fam = family_for(raw_cfg)
     cfg, section = _text_config(raw_cfg)
     values = read_keys(cfg, fam, section)
+    if fam.activation_key and values[fam.activation_key] != fam.activation:
+        raise MoeConvertError(f"{fam.name}'s experts run {fam.activation}", file=CONFIG_NAME,
+                              tensor=section + fam.activation_key, expected=fam.activation,
+                              found=show_value(values[fam.activation_key]))
     qconfig = parse_quantization_config(raw_cfg, CONFIG_NAME)
     sizes = _sizes(cfg, values, fam, section)
     fused = any(m and m["block"] == fam.block for m in map(_FUSED.match, source.tensors))
@@ -195,7 +199,7 @@ def map_model(source: Source) -> ModelMap:
     if fused:
         layers = _map_fused(source, fam, values, sizes)
     else:
-        layers = _map_per_expert(source, fam, cfg, qconfig, sizes) if PER_EXPERT in fam.storage else []
+        layers = _map_per_expert(source, fam, values, qconfig, sizes) if PER_EXPERT in fam.storage else []
     if not layers:
         raise MoeConvertError(f"no MoE expert tensors found for family {fam.name}", file=str(source.ident),
                               expected=_expected_names(fam), found=_sample_names(source))
@@ -247,6 +251,7 @@ class ConfigSizes:
     E: int
     E_key: str
     H: int
+    H_key: str
     I: int
     I_key: str
     top_k: int | None
@@ -254,17 +259,17 @@ class ConfigSizes:
 
 
 def _sizes(cfg: dict, values: dict, fam: Family, section: str) -> ConfigSizes:
-    E, H, I = values[fam.experts_key], values["hidden_size"], values[fam.intermediate_key]
-    top_k = _routing_top_k(values, fam, E, section)
+    E, H, I = values[fam.experts_key], values[fam.hidden_key] or values["hidden_size"], values[fam.intermediate_key]
     E_key, I_key = (fam.key(k).present(cfg) for k in (fam.experts_key, fam.intermediate_key))
-    return ConfigSizes(E, section + E_key, H, I, section + I_key, top_k, section)
+    top_k = _routing_top_k(values, fam, E, E_key, section)
+    H_key = fam.hidden_key if values[fam.hidden_key] is not None else "hidden_size"
+    return ConfigSizes(E, section + E_key, H, section + H_key, I, section + I_key, top_k, section)
 
 
-def _routing_top_k(values: dict, fam: Family, E: int, section: str) -> int | None:
+def _routing_top_k(values: dict, fam: Family, E: int, E_key: str, section: str) -> int | None:
     """Top-k and the routing parameters the runtime's router reads from the copied config.json, checked
     now so that a config the router cannot follow is refused before converting, not at the first token."""
     top_k = values[fam.top_k_key]
-    E_key = fam.experts_key
     if top_k is not None and top_k > E:
         raise MoeConvertError("top-k is larger than the number of routed experts", file=CONFIG_NAME,
                               tensor=f"{section}{fam.top_k_key}", expected=f"at most {E} ({section}{E_key})",
@@ -322,7 +327,13 @@ def _router_and_shared(source: Source, fam: Family, prefix: str, names: list[str
     return router, shared
 
 
-def _map_per_expert(source: Source, fam: Family, cfg: dict, qconfig, sizes: ConfigSizes) -> list[MoELayerMap]:
+def activation_params(fam: Family, values: dict) -> dict:
+    """The activation's parameters, as the family's declared keys give them (never a null read as a
+    default: families.read_key); a parameter the config leaves unset (null where allowed) is omitted."""
+    return {name: values[key] for key, name in fam.activation_params if values[key] is not None}
+
+
+def _map_per_expert(source: Source, fam: Family, values: dict, qconfig, sizes: ConfigSizes) -> list[MoELayerMap]:
     E_cfg, H_cfg, I_cfg = sizes.E, sizes.H, sizes.I
     by_prefix: dict[str, dict[int, dict[str, dict[str, str]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
     layer_of: dict[str, int] = {}
@@ -356,7 +367,7 @@ def _map_per_expert(source: Source, fam: Family, cfg: dict, qconfig, sizes: Conf
         scheme = _layer_scheme(source, prefix, ex_list, qconfig)
         H, I = _check_expert_shapes(source, prefix, ex_list, scheme)
         if H != H_cfg:
-            raise MoeConvertError("expert hidden size disagrees with config.json hidden_size", tensor=prefix,
+            raise MoeConvertError(f"expert hidden size disagrees with config.json {sizes.H_key}", tensor=prefix,
                                   file=str(source.ident), expected=H_cfg, found=H)
         if I != I_cfg:
             raise MoeConvertError(f"expert intermediate size disagrees with config.json {sizes.I_key}",
@@ -365,7 +376,8 @@ def _map_per_expert(source: Source, fam: Family, cfg: dict, qconfig, sizes: Conf
         router, shared = _router_and_shared(source, fam, prefix, names)
         layers.append(MoELayerMap(
             prefix=prefix, layer=layer_of[prefix], num_experts=E_cfg, top_k=sizes.top_k,
-            hidden_size=H, intermediate_size=I, scheme=scheme, activation=fam.activation, activation_params={},
+            hidden_size=H, intermediate_size=I, scheme=scheme, activation=fam.activation,
+            activation_params=activation_params(fam, values),
             has_bias=has_bias,
             bias_dtype=float_dtype_name(source.tensors[first["gate"]["bias"]].dtype) if has_bias else None,
             fused=False, experts=ex_list, router=router, shared=shared,
@@ -579,7 +591,7 @@ def _map_fused(source: Source, fam: Family, values: dict, sizes: ConfigSizes) ->
             _expect_dtype(source, dn["_bias"], _FLOAT_CODES)
         router, shared = _router_and_shared(source, fam, prefix, all_names)
         # the activation's parameters, as the family's declared keys give them (never a null read as a default)
-        params = {k.removeprefix("swiglu_"): values[k] for k in fam.activation_params}
+        params = activation_params(fam, values)
         layers.append(MoELayerMap(
             prefix=prefix, layer=layer_of[prefix], num_experts=E_cfg, top_k=sizes.top_k,
             hidden_size=H_cfg, intermediate_size=I_cfg, scheme=scheme, activation=fam.activation,
@@ -599,6 +611,6 @@ def _expect_fused(source: Source, name: str, want: tuple[int, int, int], sizes: 
     if len(got) == 3 and got[0] != want[0]:
         detail = f"{got[0]} experts, config.json {sizes.E_key} = {sizes.E}"
     else:
-        detail = f"config.json {sizes.I_key} = {sizes.I}, hidden_size = {sizes.H}"
+        detail = f"config.json {sizes.I_key} = {sizes.I}, {sizes.H_key} = {sizes.H}"
     raise MoeConvertError(f"fused expert tensor disagrees with the config ({detail})",
                           file=source.tensors[name].file.name, tensor=name, expected=list(want), found=list(got))

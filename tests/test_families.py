@@ -268,3 +268,25 @@ def test_kimi_k25_wrapper_converts_its_deepseek_v3_text_model(example_ckpt, tmp_
     assert [x["prefix"] for x in report["moe_layers"]][:1] == ["language_model.model.layers.1.mlp.experts"]
     cli("repack", str(k25), str(tmp_path / "out"), "--backend", "plain", expect=0)
     cli("verify", str(tmp_path / "out"), "--against", str(k25), expect=0)
+
+
+def test_kimi_k3_full_shape_is_planned_one_chunk_of_a_layer_per_job(tmp_path):
+    # Kimi-K3 at full size (moeconvert/fullsize.py: 896 experts on a 3584 latent, I 3072, top-16; its keys
+    # and tensor names are those of vLLM 0.33.0's KimiK3Config / KimiLinearConfig and vllm/models/kimi_k3),
+    # two of its 92 MoE layers: the plan is the same per layer, and a 92-layer dry run differs only in count
+    from moeconvert.fullsize import make_header_only
+
+    src = make_header_only(tmp_path / "k3", "kimi-k3", num_layers=2)
+    r = cli("repack", str(src), str(tmp_path / "out"), "--backend", "plain", "--dry-run", "--json", "--no-estimate",
+            expect=0)
+    plan = json.loads(r.out)
+    layer_bytes = 896 * 3 * 3072 * 3584 * 2  # w13 and w2 of every expert, bf16
+    assert plan["moe_layers"] == 2
+    assert [x["tensors"]["w13_weight"]["shape"] for x in plan["layers"]] == [[896, 6144, 3584]] * 2
+    layer_jobs = [j for j in plan["jobs"] if j["kind"] == "layer"]
+    assert sum(j["write_bytes"] for j in layer_jobs) == 2 * layer_bytes
+    assert max(j["peak_bytes"] for j in plan["jobs"]) < layer_bytes // 50  # a chunk of experts, never a layer
+    # nothing runs SITU here yet: a real run is refused before anything is written
+    err = cli("repack", str(src), str(tmp_path / "real"), "--backend", "plain", expect=2).err
+    assert "kimi-k3 is planned, not converted" in err and err.strip().count("\n") == 0, err
+    assert not (tmp_path / "real").exists()

@@ -92,13 +92,17 @@ class FamilySpec:
     experts_key: str = "num_experts"  # E (routed experts)
     intermediate_key: str = "moe_intermediate_size"  # I of one routed expert
     top_k_key: str = "num_experts_per_tok"
+    hidden_key: str = "hidden_size"  # H the experts see (Kimi-K3's latent MoE: routed_expert_hidden_size)
     layers_key: str = "num_hidden_layers"
     moe_layers: str = ALL_LAYERS
     block: str = "mlp"  # the MoE block's module under the decoder layer
     storage: tuple[str, ...] = (PER_EXPERT,)  # the storages a checkpoint of the family may use
     roles: dict = field(default_factory=lambda: {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"})
     activation: str = "silu"
-    activation_params: tuple[str, ...] = ()  # keys giving the activation's parameters (gpt-oss' swiglu_*)
+    #: (config key, the manifest's activation_params name) of each activation parameter (gpt-oss' swiglu_*)
+    activation_params: tuple[tuple[str, str], ...] = ()
+    #: a config key that must name ``activation`` (Kimi-K3's hidden_act), or None
+    activation_key: str | None = None
     routing: str | None = "softmax"
     #: the router weight scales the expert's input, not its output (vLLM: apply_router_weight_on_input)
     router_on_input: bool = False
@@ -112,6 +116,8 @@ class FamilySpec:
     wrappers: tuple[str, ...] = ()
     #: one line: why this family's facts do not fit the table (the family is then refused with it)
     refused: str | None = None
+    #: one line: why conversions of this family are planned (``--dry-run``) but not written
+    plan_only: str | None = None
 
     def key(self, name: str) -> Key:
         return next(k for k in self.keys if k.name == name)
@@ -174,10 +180,10 @@ FAMILIES: tuple[FamilySpec, ...] = (
         keys=(_H, _k("num_local_experts", "int>=1"), _k("intermediate_size", "int>=1"),
               _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
               # transformers' GptOssConfig types both as float (no None): a null is refused, not read as 7.0
-              _k("swiglu_alpha", "number>0", 1.702), _k("swiglu_limit", "number>0", 7.0)),
+              _k("swiglu_alpha", "number", 1.702), _k("swiglu_limit", "number", 7.0)),
         experts_key="num_local_experts", intermediate_key="intermediate_size", storage=(FUSED_INTERLEAVED,),
         roles={"gate_up_proj": "gate_up", "down_proj": "down"}, activation="swigluoai",
-        activation_params=("swiglu_alpha", "swiglu_limit"), routing="topk_softmax", router=("router",),
+        activation_params=(("swiglu_alpha", "alpha"), ("swiglu_limit", "limit")), routing="topk_softmax", router=("router",),
         expert_bias=True),
     # -- added with the declared table ----------------------------------------------------------------
     FamilySpec(
@@ -250,10 +256,24 @@ FAMILIES: tuple[FamilySpec, ...] = (
         "longcat-flash", ("longcat_flash",), ("LongcatFlashConfig",), ("LongcatFlashForCausalLM",),
         refused="LongCat-Flash routes to zero-computation experts (zero_expert_num) that have no tensors, "
                 "and stacks two sub-layers per decoder layer"),
+    # No transformers class: the keys are those of vLLM 0.33.0's KimiK3Config (its text_config is a
+    # KimiLinearConfig, vllm/transformers_utils/configs/kimi_k3.py, kimi_linear.py), the tensor names those
+    # its loader maps (vllm/models/kimi_k3: block_sparse_moe.experts.N.w1/w2/w3, ckpt_gate_proj_name "w1"),
+    # the MoE layer rule its KimiDecoderLayer's is_moe_layer, the activation its SituAndMul.
     FamilySpec(
-        "kimi-k3", ("kimi_k3",), (), ("KimiK3ForConditionalGeneration",),
-        refused="Kimi-K3's routed experts run SITU (vLLM's SituAndMul: beta * tanh(gate / beta) * sigmoid(gate) * up) "
-                "on a latent projection of the hidden state; no layout or kernel here runs that activation yet"),
+        "kimi-k3", ("kimi_linear",), (), ("KimiK3ForConditionalGeneration",),
+        keys=(_H, _k("routed_expert_hidden_size", "int>=1", None, nullable=True), _k("num_experts", "int>=1"),
+              _k("moe_intermediate_size", "int>=1"), _k("num_experts_per_token", "int>=1", None, nullable=True),
+              _k("num_hidden_layers", "int>=1", None), _k("first_k_dense_replace", "int>=0", 0),
+              _k("moe_layer_freq", "int>=1", 1), _k("hidden_act", "str", "silu"),
+              _k("activation_situ_beta", "number>0", 1.0, nullable=True),
+              _k("activation_situ_linear_beta", "number>0", None, nullable=True)),
+        hidden_key="routed_expert_hidden_size", top_k_key="num_experts_per_token", moe_layers=FIRST_K_DENSE,
+        block="block_sparse_moe", roles={"w1": "gate", "w3": "up", "w2": "down"}, activation="situ",
+        activation_params=(("activation_situ_beta", "beta"), ("activation_situ_linear_beta", "linear_beta")),
+        activation_key="hidden_act", routing=None, shared=("shared_experts",), wrappers=("kimi_k3",),
+        plan_only="Kimi-K3's experts run SITU (vLLM's SituAndMul: beta * tanh(gate / beta) * sigmoid(gate) * up), "
+                  "which no kernel here runs yet: --dry-run plans the conversion, nothing is written"),
 )
 
 #: family name -> the config ``model_type`` values that name it
@@ -276,8 +296,9 @@ def _check_table() -> None:
         if f.refused:
             continue
         names = {k.name for k in f.keys}
-        for key in (f.experts_key, f.intermediate_key, f.top_k_key, f.layers_key, "hidden_size",
-                    *f.activation_params, *((f.mtp_key,) if f.mtp_key else ())):
+        for key in (f.experts_key, f.intermediate_key, f.top_k_key, f.layers_key, f.hidden_key,
+                    *(k for k, _ in f.activation_params), *((f.mtp_key,) if f.mtp_key else ()),
+                    *((f.activation_key,) if f.activation_key else ())):
             assert key in names, f"{f.name}: {key} is read but not declared"
         assert all(k.kind in KINDS for k in f.keys), f.name
         assert set(f.storage) <= set(STORAGES) and f.moe_layers in LAYER_RULES and f.routing in ROUTINGS, f.name
@@ -290,7 +311,7 @@ _check_table()
 
 _WORDS = {"int>=1": "a positive integer", "int>=0": "an integer >= 0", "int": "an integer",
           "number": "a finite number", "number>0": "a finite number > 0", "bool": "true or false",
-          "str": "a string", "list[int>=0]": "a list of integers >= 0", "list[str]": "a list of strings"}
+          "str": "a string", "list[int>=0]": "a list of layer indices (integers >= 0)", "list[str]": "a list of strings"}
 
 
 def _fits(kind: str, v) -> bool:
