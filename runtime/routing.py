@@ -13,6 +13,11 @@ Each follows transformers' own router of the family (the model's definition), st
   renormalised when ``norm_topk_prob`` (vLLM's choice; transformers' V2 never renormalises, and
   DeepSeek-V2 configs say False).
 * ``topk_softmax``: gpt-oss: top-k of the logits, softmax over those k.
+* ``topk_sigmoid``: Llama 4: top-k of the logits, sigmoid of those (the weight then scales the expert's
+  input: :class:`MoELayer`).
+
+Which family routes how is declared in moeconvert/format/families.py (``routing``); ``grouped`` with one
+group is MiniMax-M2's router (sigmoid, ``e_score_correction_bias`` for the choice, renormalised).
 
 :func:`router_for` reads the parameters from the converted folder's ``config.json`` (copied from the
 source) and the router tensors the manifest lists for the layer.

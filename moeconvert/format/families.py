@@ -374,6 +374,8 @@ def table_markdown() -> str:
         routing = f"{f.activation}, {f.routing or 'caller routes'}" + (", router weight on the input"
                                                                       if f.router_on_input else "")
         shared = ", ".join(f"`{s}`" for s in f.shared) or "none"
-        rows.append(f"| {f.name} | {types} | {keys} | {f.moe_layers} | {stored} | {routing} | {shared} | "
-                    f"{', '.join(f.hf_classes)} | {', '.join(f.vllm_classes)} |")
+        name = f.name + (f" (planned only: {f.plan_only})" if f.plan_only else "")
+        hf = ", ".join(f.hf_classes) or "none (the keys of vLLM's config class)"
+        rows.append(f"| {name} | {types} | {keys} | {f.moe_layers} | {stored} | {routing} | {shared} | "
+                    f"{hf} | {', '.join(f.vllm_classes)} |")
     return "\n".join(rows) + "\n"
