@@ -51,6 +51,28 @@ def test_table_facts_match_transformers(fam):
     assert all(v in fam.key(k).aliases for k, v in renamed.items()), f"{fam.name}: {renamed} not declared as aliases"
 
 
+#: config values that make each layer rule say something (6 layers), and what some configs need to build
+_RULE_CONFIG = {"sparse-step": dict(decoder_sparse_step=2, mlp_only_layers=[3]), "first-k-dense": dict(first_k_dense_replace=1),
+                "mlp-layer-types": dict(first_k_dense_replace=2), "interleave": dict(interleave_moe_layer_step=2),
+                "range": dict(moe_layer_start_index=1, moe_layer_end_index=4, moe_layer_interval=2), "all": {}}
+_BUILDS_WITH = {"dots1": dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1),
+                "hunyuan-v1-moe": dict(head_dim=128, num_experts=8, moe_topk=2)}
+
+
+@pytest.mark.parametrize("fam", [f for f in SERVED if f.hf_classes], ids=lambda f: f.name)
+def test_moe_layer_rule_is_transformers(fam):
+    # the layers transformers' own decoder builds with routed experts (on the meta device: no weights)
+    from moeconvert.modelmap import sparse_layers
+
+    cfg = transformers.AutoConfig.for_model(fam.model_types[0], num_hidden_layers=6, **_RULE_CONFIG[fam.moe_layers],
+                                            **_BUILDS_WITH.get(fam.name, {}))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    theirs = [i for i, layer in enumerate(model.model.layers)
+              if any(hasattr(getattr(layer, b, None), "experts") for b in ("mlp", "block_sparse_moe", "feed_forward"))]
+    assert list(sparse_layers(fam, read_keys(cfg.to_dict(), fam))) == theirs
+
+
 def test_table_vllm_classes_are_registered():
     from helpers import vllm_reader
 
