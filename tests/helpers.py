@@ -296,6 +296,14 @@ FAMILY_CONFIGS: dict[str, dict] = {
                         num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=2),
     "minimax_m2": dict(_TINY, num_hidden_layers=2, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
                        bos_token_id=1, eos_token_id=2),
+    "glm_moe_dsa": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, n_routed_experts=8,
+                        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
+                        kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, index_head_dim=16,
+                        index_n_heads=2),
+    "qwen3_next": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, num_experts=8,
+                       num_experts_per_tok=2, shared_expert_intermediate_size=32, norm_topk_prob=True,
+                       linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"]),
 }
 
 

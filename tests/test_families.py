@@ -111,6 +111,8 @@ CASES = {  # id -> (model_type, save the model's fused tensors as it holds them,
     "qwen3.5-fused": ("qwen3_5_moe_text", True, "mlp"),
     "llama4-transposed": ("llama4_text", False, "feed_forward"),
     "minimax-m2": ("minimax_m2", False, "mlp"),  # block_sparse_moe on disk, mlp in memory
+    "glm-moe-dsa": ("glm_moe_dsa", False, "mlp"),  # DeepSeek-style grouped routing under a new type
+    "qwen3-next": ("qwen3_next", False, "mlp"),  # a shared expert with its sigmoid gate
 }
 
 
