@@ -314,3 +314,32 @@ def test_kimi_k3_full_shape_is_planned_one_chunk_of_a_layer_per_job(tmp_path):
     err = cli("repack", str(src), str(tmp_path / "real"), "--backend", "plain", expect=2).err
     assert "kimi-k3 is planned, not converted" in err and err.strip().count("\n") == 0, err
     assert not (tmp_path / "real").exists()
+
+
+@pytest.mark.parametrize("case", ["qwen3.5-fused", "llama4-transposed"])
+def test_fused_experts_are_read_one_chunk_at_a_time_and_cut_for_tp(case, family_ckpts, monkeypatch):
+    # each read of a fused tensor covers the chunk's experts only (never the whole 3-D tensor), and the
+    # block equals transformers' own expert weights: gate rows then up rows, down [H, I], cut per TP rank
+    from moeconvert.canonical import Partition
+    from moeconvert.decode import decode_chunk
+    from moeconvert.modelmap import map_model
+    from moeconvert.sources import Source, open_source
+
+    src, model = family_ckpts(case)
+    source = open_source(str(src))
+    layer = map_model(source).layers[-1]
+    reads = []
+    real_read = Source.read
+    monkeypatch.setattr(Source, "read", lambda self, name, rows=None: reads.append(rows) or real_read(self, name, rows))
+    block = decode_chunk(source, layer, Partition(), 2, 5)
+    assert reads and all(r == (2, 5) for r in reads), reads
+    experts = getattr(model.model.layers[layer.layer], CASES[case][2]).experts
+    gate_up, down = experts.gate_up_proj[2:5], experts.down_proj[2:5]
+    if case == "llama4-transposed":  # stored x @ W: [E, H, 2I], [E, I, H]
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    I = layer.intermediate_size
+    assert torch.equal(block.w13.float(), gate_up.float()) and torch.equal(block.w2.float(), down.float())
+    rank1 = decode_chunk(source, layer, Partition(tp_size=2, tp_rank=1), 2, 5)
+    half = slice(I // 2, I)
+    assert torch.equal(rank1.w13, torch.cat([block.w13[:, half], block.w13[:, I:][:, half]], 1))
+    assert torch.equal(rank1.w2, block.w2[:, :, half])
