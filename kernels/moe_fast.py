@@ -2,7 +2,7 @@
 
 :func:`fused_moe_fast` is four launches (align, GEMM1 with the activation, GEMM2, the sum over top-k:
 docs/kernels.md, "fused_moe_fast: one layer call"); this module plans them: the tile configs
-(configs.py, checked by :func:`check_config`), the alignment (align.py, or none for one token), the
+(configs.py, which checks every table before the kernel sees it), the alignment (align.py, or none for one token), the
 buffers that must start as zeros and split-K GEMM1's workspace, and each GEMM's launch
 (:func:`launch_gemm`, which ``bench kernel --tune`` also times alone). The kernels live in align.py,
 gemm.py (with dequant.py) and pdl.py; the runtime's adapter for ``triton-fast`` layers in
@@ -135,24 +135,6 @@ def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, grou
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
         **launch_options(a.device, not pair_blocks),
     )
-
-
-def check_config(cfg: dict, fmt: str) -> None:
-    """The tile constraints the kernel relies on (a config from a table or a user is checked once)."""
-    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
-        v = cfg[key]
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"{key} = {v} must be a power of two >= 16")
-    if fmt != "int8" and cfg["BLOCK_K"] < 64:
-        raise ValueError(f"BLOCK_K = {cfg['BLOCK_K']}: 4-bit weights are read in 64-input fragment atoms; use >= 64")
-    if fmt == "int8" and cfg["BLOCK_K"] < 32:
-        raise ValueError(f"BLOCK_K = {cfg['BLOCK_K']}: int8 weights are read in 32-input fragment atoms; use >= 32")
-    if cfg.get("GROUP_DOTS", 0) not in (0, 1) or (cfg.get("GROUP_DOTS", 0) and cfg["BLOCK_K"] > 128):
-        raise ValueError(f"GROUP_DOTS = {cfg['GROUP_DOTS']} must be 0 or 1, and 1 needs BLOCK_K <= 128")
-    if cfg.get("OPERAND_SCALE", 0) not in (0, 1):
-        raise ValueError(f"OPERAND_SCALE = {cfg['OPERAND_SCALE']} must be 0 or 1")
-    if cfg.get("SPLIT_K", 1) < 1:
-        raise ValueError(f"SPLIT_K = {cfg['SPLIT_K']} must be >= 1")
 
 
 def fused_moe_fast(x: torch.Tensor, w13: FastWeights, w2: FastWeights, topk_weights: torch.Tensor,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeconvert.errors import MoeConvertError
 from moeconvert.kernels import configs
 
 #: the token counts a tune covers; configs.lookup takes the nearest on a log scale
@@ -23,9 +24,26 @@ MS = (1, 16, 64, 256, 4096)
 ENV_TUNE = "MOECONVERT_KERNEL_TUNE"
 
 
-def tune_opted_in() -> bool:
-    """``$MOECONVERT_KERNEL_TUNE`` is set to 1 / true / yes."""
-    return os.environ.get(ENV_TUNE, "").strip().lower() in ("1", "true", "yes")
+#: what ``$MOECONVERT_KERNEL_TUNE`` may say (any case, surrounding blanks ignored): on, off (unset is off)
+TUNE_ON, TUNE_OFF = ("1", "true", "yes"), ("", "0", "false", "no")
+
+
+def tune_wanted(tune=None) -> bool:
+    """The one reading of ``load(..., tune=)`` and ``$MOECONVERT_KERNEL_TUNE``: ``tune`` True or False
+    decides; None defers to the variable (docs/kernels.md, "Tuning on first use"). Anything else, in
+    the argument or the variable, is refused in one line naming it and the values it takes."""
+    if tune is not None:
+        if type(tune) is not bool:  # "false" is a true value to Python: refuse it rather than read it
+            raise MoeConvertError("load's tune is True, False or None", tensor="tune",
+                                  expected=f"True | False | None (None: ${ENV_TUNE})", found=repr(tune))
+        return tune
+    text = os.environ.get(ENV_TUNE, "")
+    value = text.strip().lower()
+    if value in TUNE_ON or value in TUNE_OFF:
+        return value in TUNE_ON
+    raise MoeConvertError("bad environment variable", tensor=ENV_TUNE,
+                          expected=f"{' | '.join(TUNE_ON)} (on) or {' | '.join(TUNE_OFF[1:])} | unset (off)",
+                          found=repr(text))
 
 
 @dataclass(frozen=True)
@@ -187,8 +205,6 @@ class NoConfigRan(RuntimeError):
 def tune_layer(s: LayerShape, w13, w2, device, ms=MS, log=print, dtype=torch.bfloat16) -> dict:
     """``{"entry": {str(M): [GEMM1 config, GEMM2 config]}, "report": {str(M): times}}``: the fastest tiles
     found for the layer ``w13`` / ``w2`` (``moe_fast.FastWeights`` on ``device``)."""
-    from moeconvert.kernels.moe_fast import check_config
-
     sms = num_sms(device)
     entry, report = {}, {}
     for M in ms:
@@ -200,7 +216,7 @@ def tune_layer(s: LayerShape, w13, w2, device, ms=MS, log=print, dtype=torch.bfl
             for which, cands, time_it in (("GEMM1", g1s, timer.gemm1), ("GEMM2", g2s, timer.gemm2)):
                 times = []
                 for c in cands:
-                    check_config(c, s.fmt)
+                    configs.check_config(c, s.fmt, which)
                     try:
                         times.append((time_it(c, aligned), c))
                     except Exception as e:  # a tile the GPU cannot hold (shared memory, registers)
@@ -230,7 +246,9 @@ def ensure_tuned(s: LayerShape, w13, w2, device, *, device_name: str | None = No
     name = device_name or torch.cuda.get_device_name(device)
     if configs.has_entry(s.key, name):
         return None
-    log(f"tuning {s.key} on {name} (first use; written to {table or configs.user_table_path(name)})")
+    table = table or configs.user_table_path(name)
+    configs.check_writable(table)  # a sweep takes minutes: refuse a table it could not write first
+    log(f"tuning {s.key} on {name} (first use; written to {table})")
     r = tune_layer(s, w13, w2, device, ms, log)
-    configs.write_table(table or configs.user_table_path(name), name, {s.key: r["entry"]})
+    configs.write_table(table, name, {s.key: r["entry"]}, log)
     return r

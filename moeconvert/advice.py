@@ -20,7 +20,10 @@ layout for which GPU", says where; tests/test_advice.py reads those places in vL
   nearest), elsewhere Marlin. (Its online MXFP4 of a bf16 source walks gpt-oss's list instead, so on
   Hopper FlashInfer CUTLASS with bf16 activations comes before humming where it is installed.) The humming MXFP4 layout (``quantize --format mxfp4 --backend humming``)
   holds what vLLM's HUMMING path makes on Hopper, and the vLLM plugin serves it (``inspect`` says so
-  from the layout's ``vllm_method``).
+  from the layout's ``vllm_method``). compressed-tensors ``mxfp4-pack-quantized`` checkpoints choose
+  otherwise: their MoE method (``CompressedTensorsW4A4Mxfp4MoEMethod``) runs CUTLASS MXFP4 where vLLM's
+  compiled ops support it (``mxfp4_experts_quant_supported``: SM100 kernels), which no layout here
+  writes, and Marlin everywhere else.
 """
 
 from __future__ import annotations
@@ -48,11 +51,12 @@ class Advice:
 
 
 def advise(kind: str, family: str, bits: int | None = None, group_size: int | None = None,
-           symmetric: bool | None = None, has_bias: bool = False) -> list[Advice]:
+           symmetric: bool | None = None, has_bias: bool = False, source_format: str | None = None) -> list[Advice]:
     """The layout to convert to on each GPU family for experts of scheme ``kind`` ("wna16", "mxfp4";
     anything else: none, the source is not quantized) of a model of ``family``. ``bits``,
     ``group_size`` (-1 channelwise), ``symmetric`` and ``has_bias`` describe WNA16 experts (every layer's:
-    a checkpoint whose layers differ is judged by the caller per layer)."""
+    a checkpoint whose layers differ is judged by the caller per layer). ``source_format``: the reader
+    of the experts as stored (``moeconvert.readers``), where it changes vLLM's choice."""
     if kind == "wna16":
         trtllm = bits == 4 and group_size == 32 and symmetric is True and not has_bias
         humming = symmetric is True and group_size != -1
@@ -70,6 +74,15 @@ def advise(kind: str, family: str, bits: int | None = None, group_size: int | No
                    "FlashInfer TRT-LLM's int4 experts take only symmetric int4, group 32, no biases: "
                    f"these are {_describe(bits, group_size, symmetric, has_bias)}"),
             Advice("older", "marlin", "Marlin (MarlinExperts)", "vLLM's first choice there for WNA16 experts"),
+        ]
+    if kind == "mxfp4" and source_format == "mxfp4-pack-quantized":
+        return [
+            Advice("hopper", "marlin", "Marlin MXFP4 (MarlinExperts)",
+                   "vLLM's compressed-tensors MXFP4 MoE method runs Marlin wherever CUTLASS MXFP4 does not "
+                   "support the GPU"),
+            Advice("blackwell", None, "CUTLASS MXFP4 (CutlassExpertsMxfp4)",
+                   "the compressed-tensors MXFP4 method's choice on SM100; no layout here writes it"),
+            Advice("older", "marlin", "Marlin MXFP4 (MarlinExperts)", "as on Hopper"),
         ]
     if kind == "mxfp4":
         if family == "gpt-oss":

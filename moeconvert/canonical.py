@@ -12,7 +12,15 @@ wna16      unsigned codes ``u = q + 2^(b-1)``,     scales ``[E, N, G]`` (checkpo
            uint8 ``[E, N, K]``                     asym: unsigned zero points uint8 ``[E, N, G]``
 mxfp4      packed e2m1 uint8 ``[E, N, K/2]``       e8m0 scales uint8 ``[E, N, K/32]``
            (low nibble = even k)
+nvfp4      packed e2m1 uint8 ``[E, N, K/2]``       e4m3 scales float8_e4m3fn ``[E, N, K/16]``;
+           (low nibble = even k)                   per-expert fp32 multipliers ``w13_global
+                                                   [E, 2]`` (gate, up), ``w2_global [E]``
 =========  ======================================  ==========================================
+
+NVFP4's value is ``e2m1 * scale * global``: ``global`` is the dequantization multiplier, which
+compressed-tensors stores as its reciprocal (``weight_global_scale``, a divisor); the reader takes
+``1 / weight_global_scale`` in fp32, the division vLLM's ``CompressedTensorsW4A4Nvfp4MoEMethod`` makes
+(docs/sources.md).
 
 w13 holds the gate rows first, then the up rows (vLLM's order), also for models whose checkpoint
 interleaves them (gpt-oss): the layer's ``activation`` says how the engine wants them, and layouts
@@ -28,7 +36,8 @@ import torch
 
 from moeconvert.schemes import Scheme
 
-BLOCK_TENSORS = ("w13", "w2", "w13_scale", "w2_scale", "w13_zero", "w2_zero", "w13_bias", "w2_bias")
+BLOCK_TENSORS = ("w13", "w2", "w13_scale", "w2_scale", "w13_zero", "w2_zero", "w13_bias", "w2_bias",
+                 "w13_global", "w2_global")
 
 
 @dataclass
@@ -42,6 +51,8 @@ class ExpertBlock:
     w2_zero: torch.Tensor | None = None
     w13_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
+    w13_global: torch.Tensor | None = None  # NVFP4: fp32 [E, 2]
+    w2_global: torch.Tensor | None = None  # NVFP4: fp32 [E]
 
     @property
     def num_experts(self) -> int:

@@ -9,7 +9,16 @@
 * the int checkpoints (``w4a16``/``w8a16``) are compressed-tensors ``pack-quantized`` checkpoints
   written by compressed-tensors itself (``apply_quantization_config`` -> qparams from per-group
   min/max with ``calculate_qparams``, as llm-compressor's min/max observer does ->
-  ``ModelCompressor.compress_model`` -> ``ModelCompressor.update_config``).
+  ``ModelCompressor.compress_model`` -> ``ModelCompressor.update_config``);
+* ``mxfp4`` / ``nvfp4`` are compressed-tensors ``mxfp4-pack-quantized`` / ``nvfp4-pack-quantized``
+  checkpoints made the same way from its ``MXFP4`` / ``NVFP4`` presets (NVFP4's per-tensor global scale
+  from ``generate_gparam`` of the weight's min/max, as llm-compressor's observer computes it; the input
+  global scale, which needs calibration data, from an activation range of [-1, 1]);
+* ``fp8-block`` is the DeepSeek-V3 FP8 format (``quant_method: fp8``, e4m3 weights, one fp32
+  ``weight_scale_inv`` per 128x128 block), quantized by transformers' own ``FineGrainedFP8`` quantizer
+  op (``Fp8Quantize``, the one ``save_pretrained`` runs; transformers refuses to quantize a whole model
+  without a GPU, so the op is applied to the saved float tensors): every Linear weight whose sizes are
+  multiples of 128, routers, ``lm_head`` and embeddings left as they are.
 
 Why int checkpoints are quantized from the *saved* float tensors, not from the model in memory:
 transformers >= 5 keeps the routed experts fused in memory (one 3-D parameter per projection,
@@ -43,7 +52,10 @@ from typing import Callable
 from moeconvert.errors import MoeConvertError
 
 FAMILIES = ("qwen3-moe", "qwen2-moe", "mixtral", "deepseek-v2", "deepseek-v3", "glm4-moe", "gpt-oss")
-SCHEMES = ("bf16", "fp16", "w4a16", "w8a16")
+SCHEMES = ("bf16", "fp16", "w4a16", "w8a16", "mxfp4", "nvfp4", "fp8-block")
+#: the compressed-tensors preset and format of each float-4 scheme
+_FP4 = {"mxfp4": ("MXFP4", "mxfp4-pack-quantized"), "nvfp4": ("NVFP4", "nvfp4-pack-quantized")}
+FP8_BLOCK = 128
 
 # transformers >= 5's own default shard size; with it our tiny checkpoints are one file.
 _DEFAULT_SHARD_SIZE = "50GB"
@@ -267,7 +279,15 @@ def make_example(
     model = _build_model(spec, hidden_size, intermediate_size, num_experts, layers, dtype, seed)
 
     out.mkdir(parents=True, exist_ok=True)
-    if bits is None:
+    if scheme in (*_FP4, "fp8-block"):
+        embeddings = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
+        with tempfile.TemporaryDirectory(prefix="moeconvert-example-") as tmp:
+            _save_float(model, Path(tmp), _DEFAULT_SHARD_SIZE)
+            if scheme == "fp8-block":
+                _write_fp8_block(Path(tmp), out, embeddings, shard)
+            else:
+                _write_pack_quantized(Path(tmp), out, 4, -1, True, embeddings, shard, fp4=scheme)
+    elif bits is None:
         _save_float(model, out, shard)
     else:
         embeddings = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
@@ -287,7 +307,7 @@ def _check_args(family, scheme, group_size, num_layers, num_experts, hidden_size
         raise MoeConvertError(f"unknown scheme {scheme!r}", expected=", ".join(SCHEMES), found=scheme)
     spec = _FAMILIES[family]
     bits = {"w4a16": 4, "w8a16": 8}.get(scheme)
-    if bits is not None and not spec.int_schemes:
+    if (bits is not None or scheme in (*_FP4, "fp8-block")) and not spec.int_schemes:
         raise MoeConvertError(
             f"{family} stores its experts fused (3-D gate_up_proj/down_proj with biases), which "
             f"compressed-tensors cannot quantize as Linear layers; {family} examples exist in "
@@ -418,7 +438,38 @@ def quantization_config(bits: int, group_size: int, symmetric: bool):
     )
 
 
-def weight_qparams(weight, args):
+def fp4_quantization_config(scheme: str):
+    """compressed-tensors' ``MXFP4`` / ``NVFP4`` preset on every Linear, the routers and lm_head ignored."""
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    return QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(_FP4[scheme][0], ["Linear"])},
+                              ignore=list(_IGNORE))
+
+
+def fp4_global_scales(tree) -> None:
+    """NVFP4: every module's per-tensor global scales, set as llm-compressor sets them: the weight's from its
+    min/max (``generate_gparam``), then one for each gate/up pair, the smaller of the two (its
+    ``update_fused_layer_weight_global_scales``, which vLLM relies on: it keeps the gate's for both); the
+    input's from an activation range of [-1, 1], for want of calibration data. No-op for other schemes."""
+    import torch
+    from compressed_tensors.quantization.utils import generate_gparam
+
+    modules = dict(tree.named_modules())
+    for module in modules.values():
+        if hasattr(module, "weight_global_scale"):
+            w = module.weight
+            module.weight_global_scale.copy_(generate_gparam(w.min(), w.max()))
+            if hasattr(module, "input_global_scale"):
+                module.input_global_scale.copy_(generate_gparam(torch.tensor(-1.0), torch.tensor(1.0)))
+    for name, module in modules.items():
+        up = modules.get(name.removesuffix("gate_proj") + "up_proj") if name.endswith("gate_proj") else None
+        if up is not None and hasattr(module, "weight_global_scale"):
+            fused = torch.minimum(module.weight_global_scale, up.weight_global_scale)
+            module.weight_global_scale.copy_(fused)
+            up.weight_global_scale.copy_(fused)
+
+
+def weight_qparams(weight, args, global_scale=None):
     """Scale and zero point of one weight [N, K] from its per-group (or per-row) min/max, the
     way llm-compressor's min/max observer calibrates weights: groups are contiguous runs of
     ``group_size`` along K, reduced in the weight's own dtype, then ``calculate_qparams``.
@@ -427,14 +478,14 @@ def weight_qparams(weight, args):
     from compressed_tensors.quantization import QuantizationStrategy
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    if args.strategy == QuantizationStrategy.GROUP:
+    if args.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP):
         grouped = weight.unflatten(-1, (weight.shape[-1] // args.group_size, args.group_size))
         lo, hi = torch.aminmax(grouped, dim=-1)
     elif args.strategy == QuantizationStrategy.CHANNEL:
         lo, hi = torch.aminmax(weight, dim=-1, keepdim=True)
     else:  # pragma: no cover - quantization_config makes only these two
         raise ValueError(f"unsupported strategy {args.strategy}")
-    return calculate_qparams(lo, hi, args)
+    return calculate_qparams(lo, hi, args, global_scale=global_scale)
 
 
 def _read_safetensors_dir(path: Path) -> dict:
@@ -485,7 +536,8 @@ def _without_zero_code(weight, group_size: int):
 
 
 def _write_pack_quantized(float_dir: Path, out: Path, bits: int, group_size: int, symmetric: bool,
-                          embeddings: set, max_shard_size: str, without_zero: set[int] = frozenset()) -> None:
+                          embeddings: set, max_shard_size: str, without_zero: set[int] = frozenset(),
+                          fp4: str | None = None) -> None:
     import torch
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import apply_quantization_config
@@ -508,17 +560,21 @@ def _write_pack_quantized(float_dir: Path, out: Path, bits: int, group_size: int
 
     # 1. Attach schemes and (empty) weight_scale / weight_zero_point params to matching Linears.
     quiet = {"show_progress": False} if "show_progress" in inspect.signature(apply_quantization_config).parameters else {}
-    apply_quantization_config(tree, quantization_config(bits, group_size, symmetric), **quiet)  # (0.17 has no bar)
+    config = quantization_config(bits, group_size, symmetric) if fp4 is None else fp4_quantization_config(fp4)
+    with contextlib.redirect_stderr(io.StringIO()):  # newer releases draw a tqdm bar here
+        apply_quantization_config(tree, config, **quiet)  # (0.17 has no bar)
     # 2. Calibrate: the weight-only equivalent of running llm-compressor's observers.
     with torch.no_grad():
+        fp4_global_scales(tree)
         for module in tree.modules():
             if is_module_quantized(module):
                 args = module.quantization_scheme.weights
-                scale, zero_point = weight_qparams(module.weight, args)
+                scale, zero_point = weight_qparams(module.weight, args, getattr(module, "weight_global_scale", None))
                 module.weight_scale.copy_(scale)
                 module.weight_zero_point.copy_(zero_point)
-    # 3. Compress (quantize + pack to int32, drop symmetric zero points) and describe it.
-    compressor = ModelCompressor.from_pretrained_model(tree, quantization_format="pack-quantized")
+    # 3. Compress (quantize + pack, drop symmetric zero points) and describe it.
+    fmt = "pack-quantized" if fp4 is None else _FP4[fp4][1]
+    compressor = ModelCompressor.from_pretrained_model(tree, quantization_format=fmt)
     with contextlib.redirect_stderr(io.StringIO()):  # compress_model always draws a tqdm bar
         compressor.compress_model(tree)
 
@@ -537,3 +593,34 @@ def _write_pack_quantized(float_dir: Path, out: Path, bits: int, group_size: int
     # Writes config.json's quantization_config (format pack-quantized, status compressed, the
     # scheme, the explicit ignore list of unquantized Linears) exactly as llm-compressor does.
     compressor.update_config(str(out))
+
+
+def _write_fp8_block(float_dir: Path, out: Path, embeddings: set, max_shard_size: str) -> None:
+    """DeepSeek-V3's FP8 checkpoint format, quantized by transformers' ``Fp8Quantize`` (see the module doc)."""
+    import json
+
+    from huggingface_hub import save_torch_state_dict
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    config = FineGrainedFP8Config(weight_block_size=(FP8_BLOCK, FP8_BLOCK))
+    quantize = Fp8Quantize(type("Quantizer", (), {"quantization_config": config})())
+    skip = re.compile("|".join(p.removeprefix("re:") for p in _IGNORE))
+    saved = _read_safetensors_dir(float_dir)
+    tensors = {}
+    for name, t in saved.items():
+        module = name.removesuffix(".weight")
+        if (name.endswith(".weight") and t.ndim == 2 and module not in embeddings and not skip.search(module)
+                and t.shape[0] % FP8_BLOCK == 0 and t.shape[1] % FP8_BLOCK == 0):
+            tensors.update(quantize.convert({name: t}))
+        else:
+            tensors[name] = t
+    save_torch_state_dict({n: t.contiguous() for n, t in tensors.items()}, out, max_shard_size=max_shard_size)
+    for f in ("config.json", "generation_config.json"):
+        if (float_dir / f).exists():
+            shutil.copyfile(float_dir / f, out / f)
+    # what DeepSeek-V3's own config.json says of its weights
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from moeconvert.errors import MoeConvertError
-from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme, WNA16Scheme, float_dtype_name, parse_quantization_config
-from moeconvert.format import CONFIG_NAME, config_int, config_value, family_name, show_value
-from moeconvert.format.families import (FAMILIES as TABLE, FIRST_K_DENSE, FUSED, FUSED_INTERLEAVED, FUSED_TRANSPOSED,
-                                       INTERLEAVE, LAYER_RANGE, MLP_LAYER_TYPES, PER_EXPERT, SPARSE_STEP, FamilySpec,
-                                       read_keys)
+from moeconvert.readers import Reader, SourceFormat, source_format
+from moeconvert.schemes import Scheme, float_dtype_name
+from moeconvert.format import CONFIG_NAME, config_value, family_name, show_value
+from moeconvert.format.families import (FAMILIES as TABLE, FIRST_K_DENSE, INTERLEAVE, LAYER_RANGE, MLP_LAYER_TYPES,
+                                       PER_EXPERT, SPARSE_STEP, FamilySpec, read_keys)
 from moeconvert.sources import Source
 
 # Per-expert tensors: {prefix}.{e}.{proj}.{suffix}; prefix ends in "<layers>.<L>.<block>.experts" (the
@@ -40,9 +40,6 @@ _FUSED = re.compile(
 
 # Any layer's tensors (attention, norms, experts, MTP): bounds what num_hidden_layers may claim.
 _ANY_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-FLOAT_SUFFIXES = {"weight"}
-WNA16_SUFFIXES = {"weight_packed", "weight_scale", "weight_shape", "weight_zero_point"}
 
 #: a family's declared facts (moeconvert/format/families.py)
 Family = FamilySpec
@@ -143,6 +140,10 @@ class MoELayerMap:
     storage: str = PER_EXPERT
     #: the router weight scales the expert's input (Llama 4; vLLM's apply_router_weight_on_input)
     router_on_input: bool = False
+    #: the registry name of the layer's reader (moeconvert.readers): the checkpoint format its experts are in,
+    #: and that format's parsed quantization config, which the reader reads again when it decodes
+    format: str = "float"
+    format_config: object = None
     #: per-expert form: experts[e][role][suffix] = tensor name; fused form: fused_names[role][suffix]
     experts: list[dict[str, dict[str, str]]] = field(default_factory=list)
     fused_names: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -161,6 +162,7 @@ class ModelMap:
     config: dict
     dtype: str  # the model's params dtype
     layers: list[MoELayerMap]
+    source_format: SourceFormat = SourceFormat("none")  # what config.json says the weights are
 
     def moe_tensor_names(self) -> set[str]:
         return {n for layer in self.layers for n in layer.source_tensors()}
@@ -189,7 +191,7 @@ def map_model(source: Source) -> ModelMap:
         raise MoeConvertError(f"{fam.name}'s experts run {fam.activation}", file=CONFIG_NAME,
                               tensor=section + fam.activation_key, expected=fam.activation,
                               found=show_value(values[fam.activation_key]))
-    qconfig = parse_quantization_config(raw_cfg, CONFIG_NAME)
+    fmt = source_format(raw_cfg)
     sizes = _sizes(cfg, values, fam, section)
     fused = any(m and m["block"] == fam.block for m in map(_FUSED.match, source.tensors))
     if fused and not set(fam.storage) - {PER_EXPERT}:
@@ -197,15 +199,15 @@ def map_model(source: Source) -> ModelMap:
         raise MoeConvertError(f"{fam.name} stores its experts per expert, but this tensor is a fused 3-D one",
                               file=source.tensors[name].file.name, tensor=name, expected=_expected_names(fam))
     if fused:
-        layers = _map_fused(source, fam, values, sizes)
+        layers = _map_fused(source, fam, values, fmt, sizes)
     else:
-        layers = _map_per_expert(source, fam, values, qconfig, sizes) if PER_EXPERT in fam.storage else []
+        layers = _map_per_expert(source, fam, values, fmt, sizes) if PER_EXPERT in fam.storage else []
     if not layers:
         raise MoeConvertError(f"no MoE expert tensors found for family {fam.name}", file=str(source.ident),
                               expected=_expected_names(fam), found=_sample_names(source))
     _check_sparse_layers(source, fam, values, section, {lm.layer for lm in layers})
     return ModelMap(family=fam, config=raw_cfg, dtype=model_dtype(cfg, section),
-                    layers=sorted(layers, key=lambda x: x.layer))
+                    layers=sorted(layers, key=lambda x: x.layer), source_format=fmt)
 
 
 def _check_sparse_layers(source: Source, fam: Family, values: dict, section: str, found: set[int]) -> None:
@@ -333,7 +335,7 @@ def activation_params(fam: Family, values: dict) -> dict:
     return {name: values[key] for key, name in fam.activation_params if values[key] is not None}
 
 
-def _map_per_expert(source: Source, fam: Family, values: dict, qconfig, sizes: ConfigSizes) -> list[MoELayerMap]:
+def _map_per_expert(source: Source, fam: Family, values: dict, fmt: SourceFormat, sizes: ConfigSizes) -> list[MoELayerMap]:
     E_cfg, H_cfg, I_cfg = sizes.E, sizes.H, sizes.I
     by_prefix: dict[str, dict[int, dict[str, dict[str, str]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
     layer_of: dict[str, int] = {}
@@ -364,8 +366,9 @@ def _map_per_expert(source: Source, fam: Family, values: dict, qconfig, sizes: C
                 raise MoeConvertError(f"expert 0 has no {role} projection", file=str(source.ident),
                                       tensor=f"{prefix}.0", expected="gate, up and down", found=", ".join(sorted(first)))
         ex_list = [experts[e] for e in ids]
-        scheme = _layer_scheme(source, prefix, ex_list, qconfig)
-        H, I = _check_expert_shapes(source, prefix, ex_list, scheme)
+        reader = fmt.reader_for(prefix, {role: _module(names) for role, names in first.items()})
+        scheme = reader.scheme(source, prefix, first, fmt.config)
+        H, I = reader.check(source, prefix, ex_list, scheme)
         if H != H_cfg:
             raise MoeConvertError(f"expert hidden size disagrees with config.json {sizes.H_key}", tensor=prefix,
                                   file=str(source.ident), expected=H_cfg, found=H)
@@ -380,139 +383,19 @@ def _map_per_expert(source: Source, fam: Family, values: dict, qconfig, sizes: C
             activation_params=activation_params(fam, values),
             has_bias=has_bias,
             bias_dtype=float_dtype_name(source.tensors[first["gate"]["bias"]].dtype) if has_bias else None,
-            fused=False, experts=ex_list, router=router, shared=shared,
+            fused=False, format=reader.name, format_config=fmt.config, experts=ex_list, router=router, shared=shared,
         ))
     return layers
 
 
-def _layer_scheme(source: Source, prefix: str, experts, qconfig) -> Scheme:
-    first = experts[0]
-    suffixes = set(first["gate"])
-    if "weight_packed" in suffixes:
-        if qconfig is None:
-            raise MoeConvertError("experts are packed (weight_packed) but config.json has no compressed-tensors "
-                                  "quantization_config", file="config.json", tensor=prefix)
-        scale_dtype = float_dtype_name(source.tensors[first["gate"]["weight_scale"]].dtype) if "weight_scale" in suffixes else None
-        if scale_dtype is None:
-            raise MoeConvertError("packed experts need a float weight_scale", file=str(source.ident),
-                                  tensor=f"{prefix}.0", expected="weight_scale in BF16, F16 or F32",
-                                  found=", ".join(sorted(suffixes)))
-        names = {role: first[role]["weight_packed"].rsplit(".", 1)[0] for role in ("gate", "up", "down")
-                 if "weight_packed" in first[role]}
-        scheme = qconfig.scheme_for(names, scale_dtype)
-        if scheme is None:
-            raise MoeConvertError("experts are packed but quantization_config's targets/ignore leave them "
-                                  "unquantized", file="config.json", tensor=prefix)
-        return scheme
-    if "weight" in suffixes:
-        dt = float_dtype_name(source.tensors[first["gate"]["weight"]].dtype)
-        if dt is None:
-            raise MoeConvertError("expert weights are not bf16/fp16/fp32 (unsupported quantized format)",
-                                  file=str(source.ident), tensor=first["gate"]["weight"],
-                                  expected="BF16, F16, F32 or compressed-tensors pack-quantized",
-                                  found=source.tensors[first["gate"]["weight"]].dtype)
-        if qconfig is not None:
-            names = {role: first[role]["weight"].rsplit(".", 1)[0] for role in ("gate", "up", "down")}
-            if qconfig.scheme_for(names, dt) is not None:
-                raise MoeConvertError("quantization_config says the experts are quantized, but they are stored "
-                                      "unpacked (weight, not weight_packed)", file="config.json", tensor=prefix)
-        return FloatScheme(dt)
-    raise MoeConvertError("unrecognised expert tensors", file=str(source.ident), tensor=f"{prefix}.0",
-                          expected="weight, or weight_packed + weight_scale", found=", ".join(sorted(suffixes)))
+def _module(names: dict[str, str]) -> str:
+    """The module a projection's tensors belong to (``…experts.0.gate_proj``), from any one of them."""
+    return next(iter(names.values())).rsplit(".", 1)[0]
 
 
-def _check_expert_shapes(source: Source, prefix: str, experts, scheme: Scheme) -> tuple[int, int]:
-    """Every expert has the same tensors with the same shapes and dtypes as expert 0; returns (H, I)."""
-    t = source.tensors
-    first = experts[0]
-    want = {(role, suf): (t[n].shape, t[n].dtype) for role, by in first.items() for suf, n in by.items()}
-    if isinstance(scheme, WNA16Scheme):
-        required = {"weight_packed", "weight_scale", "weight_shape"} | ({"weight_zero_point"} if not scheme.symmetric else set())
-        allowed = required | {"bias"}
-    else:
-        required, allowed = {"weight"}, {"weight", "bias"}
-    for e, ex in enumerate(experts):
-        for role in ("gate", "up", "down"):
-            have = set(ex.get(role, {}))
-            for suf in sorted(required - have):
-                raise MoeConvertError("missing expert tensor", file=str(source.ident),
-                                      tensor=f"{prefix}.{e}.<{role}>.{suf}", expected=", ".join(sorted(required)),
-                                      found=", ".join(sorted(have)) or "nothing")
-            for suf in sorted(have - allowed):
-                raise MoeConvertError(f"unexpected expert tensor for a {scheme.describe()} layer", file=str(source.ident),
-                                      tensor=ex[role][suf], expected=", ".join(sorted(allowed)), found=suf)
-        got = {(role, suf): (t[n].shape, t[n].dtype) for role, by in ex.items() for suf, n in by.items()}
-        if got != want:
-            diff = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))[0]
-            name = ex.get(diff[0], {}).get(diff[1]) or f"{prefix}.{e}.<{diff[0]}>.{diff[1]}"
-            raise MoeConvertError("expert tensors disagree across experts", file=str(source.ident), tensor=name,
-                                  expected=_fmt(want.get(diff)) + " (as expert 0)", found=_fmt(got.get(diff)))
-    g, u, d = (first[r] for r in ("gate", "up", "down"))
-    if isinstance(scheme, WNA16Scheme):
-        for r in ("gate", "up", "down"):
-            # every expert matches expert 0 (above), so expert 0's dtypes speak for the layer
-            _expect_dtype(source, first[r]["weight_packed"], ("I32",))
-            _expect_dtype(source, first[r]["weight_shape"], _INT_DTYPES)
-            _expect(source, first[r]["weight_shape"], t[first[r]["weight_shape"]].shape, (2,))
-            if not scheme.symmetric:
-                _expect_dtype(source, first[r]["weight_zero_point"], ("I32",))
-        pf = scheme.pack_factor
-        shapes = {r: tuple(int(x) for x in source.read(first[r]["weight_shape"]).tolist()) for r in ("gate", "up", "down")}
-        I, H = shapes["gate"]
-        _expect(source, g["weight_packed"], t[g["weight_packed"]].shape, (I, -(-H // pf)))
-        checks = {"up": (I, H), "down": (H, I)}
-        for r, shp in checks.items():
-            if shapes[r] != shp:
-                raise MoeConvertError("weight_shape disagrees with the gate projection", file=str(source.ident),
-                                      tensor=first[r]["weight_shape"], expected=list(shp), found=list(shapes[r]))
-        _expect(source, u["weight_packed"], t[u["weight_packed"]].shape, (I, -(-H // pf)))
-        _expect(source, d["weight_packed"], t[d["weight_packed"]].shape, (H, -(-I // pf)))
-        for r, (n, k) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
-            _expect(source, first[r]["weight_scale"], t[first[r]["weight_scale"]].shape, (n, scheme.groups(k)))
-            if scheme.group_size > 0 and k % scheme.group_size:
-                raise MoeConvertError("input size is not a multiple of the group size", file=str(source.ident),
-                                      tensor=first[r]["weight_packed"], expected=f"multiple of {scheme.group_size}", found=k)
-            if not scheme.symmetric:
-                _expect(source, first[r]["weight_zero_point"], t[first[r]["weight_zero_point"]].shape,
-                        (-(-n // pf), scheme.groups(k)))
-    else:
-        I, H = t[g["weight"]].shape
-        _expect(source, u["weight"], t[u["weight"]].shape, (I, H))
-        _expect(source, d["weight"], t[d["weight"]].shape, (H, I))
-    if "bias" in g:
-        for r, n in (("gate", I), ("up", I), ("down", H)):
-            if "bias" not in first[r]:
-                raise MoeConvertError("expert bias on some projections only", file=str(source.ident),
-                                      tensor=f"{prefix}.0.<{r}>.bias", expected="present", found="missing")
-            _expect(source, first[r]["bias"], t[first[r]["bias"]].shape, (n,))
-            _expect_dtype(source, first[r]["bias"], _FLOAT_CODES)
-    return H, I
-
-
-def _fmt(x) -> str:
-    return "absent" if x is None else f"{list(x[0])} {x[1]}"
-
-
-def _expect(source: Source, name: str, got, want) -> None:
-    if tuple(got) != tuple(want):
-        raise MoeConvertError("unexpected shape", file=source.tensors[name].file.name, tensor=name,
-                              expected=list(want), found=list(got))
-
-
-_INT_DTYPES = ("I8", "I16", "I32", "I64", "U8")
-_FLOAT_CODES = ("BF16", "F16", "F32")
-
-
-def _expect_dtype(source: Source, name: str, allowed: tuple[str, ...]) -> None:
-    """The tensors decode reads as words, sizes or biases must have a dtype it can read them as."""
-    got = source.tensors[name].dtype
-    if got not in allowed:
-        raise MoeConvertError("unexpected dtype", file=source.tensors[name].file.name, tensor=name,
-                              expected=" or ".join(allowed), found=got)
-
-
-def _map_fused(source: Source, fam: Family, values: dict, sizes: ConfigSizes) -> list[MoELayerMap]:
-    """Layers whose experts are 3-D tensors, in the orientation the family declares (families.py)."""
+def _map_fused(source: Source, fam: Family, values: dict, fmt: SourceFormat, sizes: ConfigSizes) -> list[MoELayerMap]:
+    """Layers whose experts are 3-D tensors, in the orientation the family declares (families.py); the
+    reader of the checkpoint's format checks and decodes them in that orientation."""
     E_cfg, H_cfg, I_cfg = sizes.E, sizes.H, sizes.I
     storage = next(st for st in fam.storage if st != PER_EXPERT)
     by_prefix: dict[str, dict[str, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
@@ -524,71 +407,23 @@ def _map_fused(source: Source, fam: Family, values: dict, sizes: ConfigSizes) ->
             layer_of[m["prefix"]] = _index(source, name, m["layer"])
     t = source.tensors
     all_names = sorted(t)
-    # [E, N, K] as stored: gate_up's N is 2I (the declared orientation says which axis), down's is H
-    if storage == FUSED:
-        gu_shape, dn_shape = (E_cfg, 2 * I_cfg, H_cfg), (E_cfg, H_cfg, I_cfg)
-    else:  # FUSED_TRANSPOSED and gpt-oss' FUSED_INTERLEAVED: x @ W
-        gu_shape, dn_shape = (E_cfg, H_cfg, 2 * I_cfg), (E_cfg, I_cfg, H_cfg)
     layers = []
     for prefix, names in by_prefix.items():
-        gu, dn = names.get("gate_up_proj", {}), names.get("down_proj", {})
-        mxfp4 = any(k in by for by in (gu, dn) for k in ("_blocks", "_scales"))
-        if mxfp4 and storage != FUSED_INTERLEAVED:
-            name = next(by[k] for by in (gu, dn) for k in ("_blocks", "_scales") if k in by)
-            raise MoeConvertError(f"{fam.name} experts in an MXFP4 blocks/scales form (only gpt-oss has one)",
-                                  file=t[name].file.name, tensor=name, expected="gate_up_proj and down_proj",
-                                  found=name.rsplit(".", 1)[-1])
-        if mxfp4:
-            # gpt-oss' own MXFP4 form (docs/quantize.md): N-first, rows of gate_up interleaved
-            # gate/up, low nibble = even k, e8m0 scales per 32 along K
-            for proj, by in (("gate_up_proj", gu), ("down_proj", dn)):
-                for suffix in ("_blocks", "_scales"):
-                    if suffix not in by:
-                        raise MoeConvertError("missing expert tensor", file=str(source.ident),
-                                              tensor=f"{prefix}.{proj}{suffix}", expected="present", found="missing")
-                    if t[by[suffix]].dtype != "U8":
-                        raise MoeConvertError("MXFP4 blocks and scales must be uint8", file=t[by[suffix]].file.name,
-                                              tensor=by[suffix], expected="U8", found=t[by[suffix]].dtype)
-                if "weight" in by:
-                    raise MoeConvertError("both MXFP4 blocks and a float weight", file=str(source.ident),
-                                          tensor=by["weight"], expected="one of them", found="both")
-            for n, k, blocks, scales in ((2 * I_cfg, H_cfg, gu["_blocks"], gu["_scales"]),
-                                         (H_cfg, I_cfg, dn["_blocks"], dn["_scales"])):
-                if k % 32:
-                    raise MoeConvertError("MXFP4 experts need K divisible by 32", tensor=blocks,
-                                          expected="a multiple of 32", found=k)
-                _expect(source, blocks, t[blocks].shape, (E_cfg, n, k // 32, 16))
-                _expect(source, scales, t[scales].shape, (E_cfg, n, k // 32))
-            scheme = MXFP4Scheme()
-        else:
-            for proj, by in (("gate_up_proj", gu), ("down_proj", dn)):
-                if "weight" not in by:
-                    raise MoeConvertError("missing expert tensor", file=str(source.ident),
-                                          tensor=f"{prefix}.{proj}", expected="present", found="missing")
-            dt = float_dtype_name(t[gu["weight"]].dtype)
-            if dt is None or t[dn["weight"]].dtype != t[gu["weight"]].dtype:
-                raise MoeConvertError("fused expert weights must share one float dtype", file=str(source.ident),
-                                      tensor=dn["weight"], expected=t[gu["weight"]].dtype,
-                                      found=t[dn["weight"]].dtype)
-            _expect_fused(source, gu["weight"], gu_shape, sizes)
-            _expect_fused(source, dn["weight"], dn_shape, sizes)
-            scheme = FloatScheme(dt)
+        gu, dn = dict(names.get("gate_up_proj", {})), dict(names.get("down_proj", {}))
+        fused_names = {"gate_up": gu, "down": dn}
         has_bias = "_bias" in gu
-        if has_bias != ("_bias" in dn) or (fam.expert_bias is not None and has_bias != fam.expert_bias):
+        if fam.expert_bias is not None and (has_bias != fam.expert_bias or ("_bias" in dn) != fam.expert_bias):
             # gpt-oss' experts always have both biases (transformers' GptOssExperts); the other fused
             # families have none: one bias, or a bias the family does not have, is not a checkpoint of it
             missing = [f"{prefix}.{p}_bias" for p, by in (("gate_up_proj", gu), ("down_proj", dn))
-                       if ("_bias" in by) != bool(fam.expert_bias if fam.expert_bias is not None else has_bias)]
+                       if ("_bias" in by) != fam.expert_bias]
             raise MoeConvertError(f"{fam.name} experts " + ("have" if fam.expert_bias else "have no")
                                   + " gate_up_proj_bias and down_proj_bias", file=str(source.ident),
-                                  tensor=missing[0] if missing else prefix,
-                                  expected="present" if fam.expert_bias else "absent",
+                                  tensor=missing[0], expected="present" if fam.expert_bias else "absent",
                                   found="missing" if fam.expert_bias else "present")
-        if has_bias:
-            _expect(source, gu["_bias"], t[gu["_bias"]].shape, (E_cfg, 2 * I_cfg))
-            _expect(source, dn["_bias"], t[dn["_bias"]].shape, (E_cfg, H_cfg))
-            _expect_dtype(source, gu["_bias"], _FLOAT_CODES)
-            _expect_dtype(source, dn["_bias"], _FLOAT_CODES)
+        reader: Reader = fmt.reader_for(prefix, {role: f"{prefix}.{proj}" for role, proj in
+                                         (("gate_up", "gate_up_proj"), ("down", "down_proj"))})
+        scheme = reader.fused_scheme(source, prefix, fused_names, sizes, storage)
         router, shared = _router_and_shared(source, fam, prefix, all_names)
         # the activation's parameters, as the family's declared keys give them (never a null read as a default)
         params = activation_params(fam, values)
@@ -597,20 +432,8 @@ def _map_fused(source: Source, fam: Family, values: dict, sizes: ConfigSizes) ->
             hidden_size=H_cfg, intermediate_size=I_cfg, scheme=scheme, activation=fam.activation,
             activation_params=params, has_bias=has_bias,
             bias_dtype=float_dtype_name(t[gu["_bias"]].dtype) if has_bias else None, fused=True,
-            fused_names={"gate_up": dict(gu), "down": dict(dn)}, router=router, shared=shared, storage=storage,
-            router_on_input=fam.router_on_input,
+            format=reader.name, format_config=fmt.config, fused_names=fused_names, router=router, shared=shared,
+            storage=storage, router_on_input=fam.router_on_input,
         ))
     return layers
 
-
-def _expect_fused(source: Source, name: str, want: tuple[int, int, int], sizes: ConfigSizes) -> None:
-    """A fused tensor's shape against the config, naming the config key a disagreeing axis comes from."""
-    got = tuple(source.tensors[name].shape)
-    if got == want:
-        return
-    if len(got) == 3 and got[0] != want[0]:
-        detail = f"{got[0]} experts, config.json {sizes.E_key} = {sizes.E}"
-    else:
-        detail = f"config.json {sizes.I_key} = {sizes.I}, {sizes.H_key} = {sizes.H}"
-    raise MoeConvertError(f"fused expert tensor disagrees with the config ({detail})",
-                          file=source.tensors[name].file.name, tensor=name, expected=list(want), found=list(got))

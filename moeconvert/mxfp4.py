@@ -127,6 +127,15 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return bits.view(torch.float32).view(*lead, nb * MXFP4_BLOCK_SIZE).to(dtype)
 
 
+def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor:
+    """NVFP4 (canonical.py): ``E2M1(code) * scale * multiplier`` in fp32, ``packed [..., N, K/2]``, e4m3
+    ``scales [..., N, K/16]``, fp32 ``multiplier`` broadcast over ``[..., N, 1]``. The first product is
+    exact (a 2-bit by a 4-bit significand); the second rounds once."""
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
+    values = torch.tensor(E2M1_VALUES, device=packed.device)[codes]
+    return values * scales.float().repeat_interleave(codes.shape[-1] // scales.shape[-1], -1) * multiplier
+
+
 _DEQUANT_TABLES: dict[torch.device, torch.Tensor] = {}
 
 

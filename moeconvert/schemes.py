@@ -6,6 +6,8 @@ A scheme says what the canonical expert block holds (see ``canonical.py``):
 * :class:`WNA16Scheme`  – integer codes with group (or channel) scales, optional zero points
   (compressed-tensors ``pack-quantized``; docs/format.md).
 * :class:`MXFP4Scheme`  – e2m1 values with one e8m0 scale per 32 along K.
+* :class:`NVFP4Scheme`  – e2m1 values with one e4m3 scale per 16 along K and one fp32 scale per expert
+  and projection (compressed-tensors ``nvfp4-pack-quantized``).
 
 The config is read by our own parser of compressed-tensors' models and target matching (below), which
 refuses all they refuse and never imports compressed-tensors, pydantic or transformers; it is refused
@@ -77,7 +79,19 @@ class MXFP4Scheme:
         return asdict(self)
 
 
-Scheme = Union[FloatScheme, WNA16Scheme, MXFP4Scheme]
+@dataclass(frozen=True)
+class NVFP4Scheme:
+    group_size: int = 16
+    kind: str = "nvfp4"
+
+    def describe(self) -> str:
+        return "nvfp4"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+Scheme = Union[FloatScheme, WNA16Scheme, MXFP4Scheme, NVFP4Scheme]
 
 
 def scheme_from_json(d: dict) -> Scheme:
@@ -89,7 +103,9 @@ def scheme_from_json(d: dict) -> Scheme:
         return WNA16Scheme(**fields)
     if kind == "mxfp4":
         return MXFP4Scheme(**fields)
-    raise MoeConvertError("unknown scheme kind", found=kind, expected="float, wna16 or mxfp4")
+    if kind == "nvfp4":
+        return NVFP4Scheme(**fields)
+    raise MoeConvertError("unknown scheme kind", found=kind, expected="float, wna16, mxfp4 or nvfp4")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -399,8 +415,8 @@ class CompressedTensorsConfig:
                 file=_where(self.config_file))
         return picked
 
-    def scheme_for(self, module_names: dict[str, str], scale_dtype: str) -> WNA16Scheme | None:
-        """Resolve the scheme of one expert's projections (role -> module name). None = not quantized.
+    def expert_group(self, module_names: dict[str, str]) -> QuantGroup | None:
+        """The config group of one expert's projections (role -> module name). None = not quantized.
 
         Mirrors vLLM's ``get_moe_method``: all projections must resolve to the same scheme.
         """
@@ -412,8 +428,18 @@ class CompressedTensorsConfig:
                 + ", ".join(f"{module_names[r]} -> {g.name if g else 'unquantized'}" for r, g in resolved.items()),
                 file=_where(self.config_file),
             )
-        first = next(iter(resolved.values()))
-        return None if first is None else self._wna16(first, scale_dtype)
+        return next(iter(resolved.values()))
+
+    def format_of(self, group: QuantGroup) -> tuple[str, str]:
+        """The group's format (its own, else the config's) and the key that says it."""
+        if group.format:
+            return group.format, f"{_SECTION}config_groups.{group.name}.format"
+        return self.format, _SECTION + "format"
+
+    def scheme_for(self, module_names: dict[str, str], scale_dtype: str) -> WNA16Scheme | None:
+        """The WNA16 scheme of one expert's projections (role -> module name). None = not quantized."""
+        group = self.expert_group(module_names)
+        return None if group is None else self._wna16(group, scale_dtype)
 
     def _wna16(self, group: QuantGroup, scale_dtype: str) -> WNA16Scheme:
         """The group as a WNA16 scheme, refused where vLLM 0.33.0's WNA16 MoE method refuses it."""
@@ -425,7 +451,7 @@ class CompressedTensorsConfig:
 
         if w is None:
             refuse(section + "weights", f"config group '{group.name}' quantizes no weights", "an object")
-        fmt, fmt_key = (group.format, section + "format") if group.format else (self.format, _SECTION + "format")
+        fmt, fmt_key = self.format_of(group)
         if fmt != "pack-quantized":
             refuse(fmt_key, "for Fused MoE layers only format pack-quantized is supported", "pack-quantized", fmt)
         if w.type != "int":

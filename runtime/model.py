@@ -10,7 +10,7 @@ from typing import Iterable
 import torch
 
 from moeconvert.errors import MoeConvertError
-from moeconvert.kernels.tune import tune_opted_in
+from moeconvert.kernels.tune import tune_wanted
 from moeconvert.runtime.layer import MoELayer
 from moeconvert.runtime.loader import make_reader
 from moeconvert.runtime.manifest import CheckedManifest, LayerEntry, read_checked
@@ -133,6 +133,7 @@ def load(path_or_repo: str | Path, device: str | torch.device | None = None, lay
     ``triton-fast`` layer shape that no table holds, once per GPU, into the user's table (default
     ``$MOECONVERT_KERNEL_TUNE``; docs/kernels.md, "Tuning"). Nothing is returned unless every tensor was read.
     """
+    want_tune = tune_wanted(tune)  # a bad value is refused before anything is read
     root = _resolve(path_or_repo, revision)
     dev = torch.device(device or _default_device())
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -168,7 +169,7 @@ def load(path_or_repo: str | Path, device: str | torch.device | None = None, lay
             router = router_from_tensors(rcfg, {n: read[n] for n in entry.router})
         shared = {n: read[n] for n in entry.shared}
         out[entry.prefix] = MoELayer(entry, tensors, dev, router, shared, config, part["tp_size"], kernel)
-    if dev.type == "cuda" and (tune if tune is not None else tune_opted_in()):
+    if dev.type == "cuda" and want_tune:
         from moeconvert.runtime.moeconvert_triton import tune_first_use
 
         tune_first_use(out.values())

@@ -6,7 +6,9 @@ dequantized once, to float32:
 * float: the weights as they are;
 * wna16: ``(u - z) * s`` per group, with ``z`` the zero point or ``2^(b-1)`` when symmetric (exact
   in fp32: a small integer times a 16-bit float);
-* mxfp4: ``E2M1(code) * 2^(S - 127)`` (``dequantize_mxfp4``, exact).
+* mxfp4: ``E2M1(code) * 2^(S - 127)`` (``dequantize_mxfp4``, exact);
+* nvfp4: ``E2M1(code) * scale * global`` (``dequantize_nvfp4``; w13's gate rows take the gate's global
+  multiplier, its up rows the up's).
 
 Then, per expert ``e`` and the tokens routed to it, all in float32::
 
@@ -27,8 +29,8 @@ import torch
 
 from moeconvert.canonical import ExpertBlock
 from moeconvert.errors import MoeConvertError
-from moeconvert.mxfp4 import dequantize_mxfp4
-from moeconvert.schemes import MXFP4Scheme, WNA16Scheme
+from moeconvert.mxfp4 import dequantize_mxfp4, dequantize_nvfp4
+from moeconvert.schemes import MXFP4Scheme, NVFP4Scheme, WNA16Scheme
 
 #: gpt-oss' SwigluOAIAndMul defaults (transformers' GptOssExperts: swiglu_alpha, swiglu_limit)
 SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0
@@ -91,6 +93,10 @@ def dequantize_block(block: ExpertBlock) -> DequantizedExperts:
         as_bytes = lambda t: t.view(torch.uint8) if t.dtype != torch.uint8 else t
         w13 = dequantize_mxfp4(block.w13, as_bytes(block.w13_scale))
         w2 = dequantize_mxfp4(block.w2, as_bytes(block.w2_scale))
+    elif isinstance(s, NVFP4Scheme):
+        half = block.w13.shape[1] // 2
+        w13 = dequantize_nvfp4(block.w13, block.w13_scale, block.w13_global.repeat_interleave(half, 1).unsqueeze(-1))
+        w2 = dequantize_nvfp4(block.w2, block.w2_scale, block.w2_global.view(-1, 1, 1))
     else:
         w13, w2 = block.w13.float(), block.w2.float()
     bias = lambda t: None if t is None else t.float()

@@ -17,9 +17,12 @@ import ast
 import contextlib
 import functools
 import importlib.util
+import inspect
 import io
+import math
 import os
 import re
+import types
 import zipfile
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -71,6 +74,32 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, same shape, same bytes (NaN and -0.0 compare by their bits)."""
     as_bytes = lambda t: t.contiguous().reshape(-1).view(torch.uint8)
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
+
+
+def assert_refused(src, out, *phrases, extra=(), backend: str = "plain") -> str:
+    """``moeconvert repack SRC OUT --backend BACKEND`` refuses: exit 2, one line on stderr holding every phrase,
+    and nothing in OUT nor beside it that looks like an output. Returns the line."""
+    code, _, err = cli("repack", src, out, "--backend", backend, *extra)
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("moeconvert: error: "), err
+    for p in phrases:
+        assert p in lines[0], lines[0]
+    assert not out.exists() or not any(out.iterdir())
+    assert not [p for p in out.parent.iterdir() if "moeconvert-partial" in p.name]
+    return lines[0]
+
+
+def resave(src: Path, drop=(), replace=None) -> None:
+    """Rewrite a one-shard checkpoint's ``model.safetensors`` without ``drop`` and with ``replace``'s tensors."""
+    from safetensors.torch import load_file, save_file
+
+    f = Path(src) / "model.safetensors"
+    tensors = load_file(f)
+    for name in drop:
+        del tensors[name]
+    tensors.update(replace or {})
+    save_file(tensors, f, metadata={"format": "pt"})
 
 
 def assert_lists_exactly(problems: list[str], needles: list[str]) -> None:
@@ -211,6 +240,100 @@ def vllm_reader(version: str = VLLM_VERSION) -> Callable[[str], str]:
     return _reader_at(where, "vllm")
 
 
+_VLLM_MARLIN_FUNCTIONS = {
+    "model_executor/layers/fused_moe/oracle/int_wna16.py":
+        ["_pad_w13_shard_cols", "_pad_rows", "_pad_w13_bias", "_process_weights_marlin", "_process_awq_weights_marlin",
+         "_unpack_and_dequant_int4_gptq", "_unpack_and_dequant_int4_awq"],
+    "model_executor/layers/quantization/utils/marlin_utils.py":
+        ["marlin_moe_padded_intermediate", "get_scale_perms", "marlin_permute_scales", "marlin_permute_bias",
+         "marlin_moe_permute_scales", "marlin_zero_points", "moe_packed_to_marlin_zero_points",
+         "awq_to_marlin_zero_points", "moe_awq_to_marlin_zero_points"],
+    "model_executor/layers/quantization/utils/quant_utils.py": ["get_pack_factor", "pack_cols", "unpack_cols"],
+    "model_executor/layers/quantization/utils/marlin_utils_test.py":
+        ["marlin_permute_weights", "marlin_weights", "get_weight_perm"],
+    "utils/math_utils.py": ["round_up"],
+}
+
+
+@functools.lru_cache(maxsize=None)
+def vllm_marlin_reference(version: str):
+    """vLLM ``version``'s own WNA16 Marlin MoE processing, lifted out of its files with ast and run with
+    numpy/torch only (the compressed-tensors / GPTQ path, the AWQ path, and the Python dequantizations of
+    GPTQ- and AWQ-packed int4 its emulation backend runs).
+
+    Importing the modules would drag in vLLM's CUDA build and config machinery; these functions need
+    none of it. The CUDA repack op is stood in by vLLM's own Python reference (``get_weight_perm`` +
+    ``marlin_weights``), which the spec checked against an emulation of the CUDA kernel. The AWQ repack op
+    is stood in by the same, after undoing AWQ's column order as vLLM's own ``awq_to_marlin_zero_points``
+    undoes it for the zero points (``unpack_cols`` + ``argsort([0, 2, 4, 6, 1, 3, 5, 7])``).
+    """
+    import numpy
+
+    read = vllm_reader(version)
+    ns: dict = {"torch": torch, "numpy": numpy, "np": numpy, "math": math, "GPTQ_MARLIN_TILE": 16,
+                "logger": types.SimpleNamespace(warning_once=lambda *a, **k: None, info_once=lambda *a, **k: None)}
+    for path, names in _VLLM_MARLIN_FUNCTIONS.items():
+        lift(read, path, names, ns)
+
+    def gptq_marlin_moe_repack(b_q_weight, size_k, size_n, num_bits, is_a_8bit=False):
+        # 0.33.0 passes is_a_8bit (False for 16-bit activations, the only path the layout is for); 0.34.0
+        # dropped the 8-bit activation path and the argument with it
+        assert not is_a_8bit
+        perm = ns["get_weight_perm"](num_bits)
+        out = []
+        for e in range(b_q_weight.shape[0]):
+            q = ns["unpack_cols"](b_q_weight[e].T.contiguous(), num_bits, size_n, size_k).T.contiguous()
+            out.append(ns["marlin_weights"](q, size_k, size_n, num_bits, perm))
+        return torch.stack(out)
+
+    def awq_marlin_moe_repack(b_q_weight, size_k, size_n, num_bits, is_a_8bit=False):
+        assert not is_a_8bit
+        perm, undo = ns["get_weight_perm"](num_bits), numpy.argsort(numpy.array([0, 2, 4, 6, 1, 3, 5, 7]))
+        out = []
+        for e in range(b_q_weight.shape[0]):
+            q = ns["unpack_cols"](b_q_weight[e], num_bits, size_k, size_n)
+            q = q.reshape(-1, 8)[:, undo].reshape(size_k, size_n).contiguous()
+            out.append(ns["marlin_weights"](q, size_k, size_n, num_bits, perm))
+        return torch.stack(out)
+
+    ns["ops"] = types.SimpleNamespace(gptq_marlin_moe_repack=gptq_marlin_moe_repack,
+                                      awq_marlin_moe_repack=awq_marlin_moe_repack)
+    return types.SimpleNamespace(**ns)
+
+
+def vllm_process_marlin(ref, bits: int, g: int, I: int, p: dict) -> dict:
+    """``_process_weights_marlin`` of ``ref``'s version on ``p`` for 16-bit activations, its outputs by name.
+
+    0.33.0 takes an ``input_dtype`` (None: 16-bit activations) and returns the 8-bit path's input global
+    scales (None here) between the zero points and the biases; 0.34.0 has neither."""
+    layer = types.SimpleNamespace(intermediate_size_per_partition=I)
+    fn = ref._process_weights_marlin
+    lead = (layer, None) if "input_dtype" in inspect.signature(fn).parameters else (layer,)
+    out = fn(*lead, bits, 32 // bits, g, p["w13"], p["w2"], p["w13_scale"], p["w2_scale"], p["w13_zero"],
+             p["w2_zero"], p["w13_bias"], p["w2_bias"])
+    if len(out) == 10:
+        assert out[6] is None and out[7] is None  # no input global scales for 16-bit activations
+        out = out[:6] + out[8:]
+    return dict(zip(("w13", "w2", "s13", "s2", "z13", "z2", "b13", "b2"), out, strict=True))
+
+
+
+def vllm_process_awq_marlin(ref, g: int, I: int, p: dict) -> dict:
+    """``_process_awq_weights_marlin`` of ``ref``'s version (AWQ int4, 16-bit activations) on the params
+    vLLM's AutoAWQMoEMethod holds after loading (``p``: w13 ``[E, H, 2I/8]``, w2 ``[E, I, H/8]``, scales
+    ``[E, G, N]``, zeros ``[E, G, N/8]``), its outputs by name (0.33.0 takes an ``input_dtype`` and returns
+    input global scales; 0.34.0 has neither)."""
+    layer = types.SimpleNamespace(intermediate_size_per_partition=I, num_groups_w13=None, num_groups_w2=None)
+    fn = ref._process_awq_weights_marlin
+    lead = (layer, 4, 8, g) + ((None,) if "input_dtype" in inspect.signature(fn).parameters else ())
+    out = fn(*lead, p["w13"], p["w2"], p["w13_scale"], p["w2_scale"], p["w13_zero"], p["w2_zero"],
+             p["w13_bias"], p["w2_bias"])
+    if len(out) == 10:  # 0.33.0: the 8-bit activation path's input global scales sit before the biases
+        assert out[6] is None and out[7] is None
+        out = out[:6] + out[8:]
+    return dict(zip(("w13", "w2", "s13", "s2", "z13", "z2", "b13", "b2"), out, strict=True))
+
+
 #: the environment of a child running vLLM on its CPU platform (the plugin and parallel tests). No CUDA device is
 #: visible (``CUDA_VISIBLE_DEVICES`` empty): vLLM 0.34.0's CPU platform refuses an x86 CPU whose Triton has no
 #: active driver (platforms/cpu.py ``check_and_update_config``; the stock triton wheel has none for the CPU), and
@@ -280,6 +403,113 @@ def kernel_and_reference(layer, M: int, dtype):
     x = (torch.randn(M, layer.hidden_size, device="cuda", generator=gen) * 4).to(dtype)
     w, ids = layer.route(layer.router_logits(x))
     return x, layer(x, w, ids), layer.reference(x, w, ids)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPTQ and AWQ checkpoints, written from their formats' specification (docs/sources.md)
+
+#: AWQ's GEMM packing order: nibble i of a word holds column 8j + AWQ_PACK_ORDER[i] (AutoAWQ's pack)
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_EXPERT_WEIGHT = re.compile(r"^(.*\.experts\.\d+\.(?:gate_proj|up_proj|down_proj))\.weight$")
+
+
+def pack_words(fields: torch.Tensor, bits: int, order=None) -> torch.Tensor:
+    """``[..., n]`` unsigned fields -> ``[..., n / pf]`` int32 words, field ``order[i]`` of each run of
+    ``pf`` in bits ``[b*i, b*i + b)`` (plain order when None): shifts and sums, nothing of moeconvert's."""
+    pf = 32 // bits
+    f = fields.to(torch.int64).reshape(*fields.shape[:-1], -1, pf)
+    if order is not None:
+        f = f[..., list(order)]
+    words = (f << (torch.arange(pf, dtype=torch.int64) * bits)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool):
+    """Round-to-nearest codes ``u [N, K]`` (int64), fp16 scales and zero points ``[N, G]`` of ``w [N, K]``."""
+    N, K = w.shape
+    g = K if group_size == -1 else group_size
+    wg = w.float().reshape(N, K // g, g)
+    maxq = (1 << bits) - 1
+    if sym:
+        scale = (wg.abs().amax(-1) * 2 / maxq).clamp(min=1e-6).half()
+        zero = torch.full(scale.shape, 1 << (bits - 1), dtype=torch.int64)
+    else:
+        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / maxq).clamp(min=1e-6).half()
+        zero = torch.round(-lo / scale.float()).clamp(0, maxq).to(torch.int64)
+    u = torch.round(wg / scale.float()[..., None] + zero[..., None]).clamp(0, maxq).to(torch.int64)
+    return u.reshape(N, K), scale, zero
+
+
+def _autoround_packed(method: str, w: torch.Tensor, bits: int, group_size: int, scale, zero) -> dict:
+    """One projection packed by AutoRound's own exporters (its GPTQ ``QuantLinear.pack``, its AWQ
+    ``WQLinear_GEMM.from_linear``) from the same round-to-nearest scales and zero points."""
+    N, K = w.shape
+    linear = torch.nn.Linear(K, N, bias=False)
+    linear.weight.data = w.float()
+    if method == "gptq":
+        from auto_round.export.utils import get_autogptq_packing_qlinear
+
+        ql = get_autogptq_packing_qlinear("auto_gptq", bits, group_size, True)(bits, group_size, K, N, False,
+                                                                              g_idx=True)
+        ql.pack(linear, scale.float(), 1 << (bits - 1), None, "cpu")  # symmetric: one zero, stored minus 1
+        return {"qweight": ql.qweight, "qzeros": ql.qzeros, "scales": ql.scales, "g_idx": ql.g_idx}
+    from auto_round.export.export_to_awq.utils import WQLinear_GEMM
+
+    q = WQLinear_GEMM.from_linear(linear, bits, group_size, scales=scale.float().T.contiguous(),
+                                  zeros=zero.float().T.contiguous(), device="cpu")
+    return {"qweight": q.qweight, "qzeros": q.qzeros, "scales": q.scales}
+
+
+def make_int_checkpoint(bf16_dir: Path, out: Path, method: str, *, bits: int = 4, group_size: int = 32,
+                        config: dict | None = None, g_idx: bool = True, producer: str = "spec") -> Path:
+    """A GPTQ (``method`` "gptq": symmetric, ``checkpoint_format`` gptq, zeros stored minus 1) or AWQ
+    (``method`` "awq": GEMM, asymmetric) copy of a bf16 example: every expert projection quantized by
+    round-to-nearest and packed, as the format specifies (``producer`` "spec") or by AutoRound's own
+    exporters (``producer`` "autoround"), every other tensor copied; ``config`` overrides
+    quantization_config keys."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True)
+    for f in bf16_dir.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, out / f.name)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(bf16_dir.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    written = {}
+    for name, t in tensors.items():
+        m = _EXPERT_WEIGHT.match(name)
+        if m is None:
+            written[name] = t
+            continue
+        module, K = m[1], t.shape[1]
+        u, scale, zero = _rtn(t, bits, group_size, sym=method == "gptq")
+        if producer == "autoround":
+            packed = _autoround_packed(method, t, bits, group_size, scale, zero)
+            written.update({f"{module}.{k}": v.contiguous() for k, v in packed.items() if g_idx or k != "g_idx"})
+        elif method == "gptq":
+            written[f"{module}.qweight"] = pack_words(u, bits).T.contiguous()  # [K/pf, N], packed along K
+            written[f"{module}.qzeros"] = pack_words(zero.T.contiguous() - 1, bits)  # v1: zero - 1
+            written[f"{module}.scales"] = scale.T.contiguous()
+            if g_idx:
+                written[f"{module}.g_idx"] = (torch.arange(K) // (K if group_size == -1 else group_size)).to(torch.int32)
+        else:
+            written[f"{module}.qweight"] = pack_words(u.T.contiguous(), bits, AWQ_PACK_ORDER)
+            written[f"{module}.qzeros"] = pack_words(zero.T.contiguous(), bits, AWQ_PACK_ORDER)
+            written[f"{module}.scales"] = scale.T.contiguous()
+    save_file(written, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    qc = ({"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": False, "sym": True,
+           "checkpoint_format": "gptq", "lm_head": False, "pack_dtype": "int32"} if method == "gptq" else
+          {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True, "version": "gemm",
+           "modules_to_not_convert": None})
+    cfg["quantization_config"] = {**qc, **(config or {})}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -134,3 +134,25 @@ def test_vllm_mxfp4_orders():
     other = _names(text, "_get_priority_backends", "Mxfp4MoeBackend")
     cuda = [n for n in other if n not in ("AITER_MXFP4_BF16", "EMULATION", "XPU", "CPU")]
     assert cuda == ["FLASHINFER_TRTLLM_MXFP4_MXFP8", "DEEPGEMM_MXFP4", "MARLIN", "BATCHED_MARLIN", "HUMMING"]
+
+
+def test_compressed_tensors_mxfp4_goes_to_marlin_off_sm100(example_ckpt):
+    """Its MoE method chooses alone (below), not through the MXFP4 backend list."""
+    (group,) = _advice(example_ckpt("qwen3-moe", "mxfp4", num_layers=2, num_experts=4))
+    assert {gpu: row[0] for gpu, row in _by_gpu(group).items()} == {"hopper": "marlin", "blackwell": None,
+                                                                    "older": "marlin"}
+
+
+def test_vllm_compressed_tensors_mxfp4_method_runs_cutlass_where_supported_else_marlin():
+    text = _read()("model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
+                   "compressed_tensors_moe_w4a4_mxfp4.py")
+    init = text[text.index("def __init__("):text.index("def supports_eplb")]
+    assert "self.mxfp4_backend = Mxfp4MoeBackend.MARLIN" in init
+    assert "self.use_cutlass_mxfp4 = CutlassExpertsMxfp4._supports_current_device()" in init
+    assert re.search(r"else:\s+logger.info_once\(\"Using MarlinExperts for MXFP4 MoE\"\)\s+"
+                     r"self.experts_cls = MarlinExperts", init)
+    cutlass = _read()("model_executor/layers/fused_moe/experts/cutlass_moe.py")
+    body = cutlass[cutlass.index("class CutlassExpertsMxfp4"):]
+    body = body[body.index("def _supports_current_device"):][:400]
+    # which GPUs is a question to vLLM's compiled ops (their CUTLASS MXFP4 experts are SM100 kernels)
+    assert "ops.mxfp4_experts_quant_supported(capability.to_int())" in body

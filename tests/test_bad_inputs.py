@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from moeconvert.example import make_example
 
-from helpers import cli
+from helpers import assert_refused, cli, resave
 
 
 @pytest.fixture(scope="module")
@@ -37,18 +37,6 @@ def ckpt(pristine, tmp_path):
         shutil.copytree(pristine[kind], dst)
         return dst
     return copy
-
-
-def assert_refused(src, out, *phrases, extra=()):
-    code, _, err = cli("repack", src, out, "--backend", "plain", *extra)
-    lines = err.strip().splitlines()
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("moeconvert: error: "), err
-    for p in phrases:
-        assert p in lines[0], lines[0]
-    assert not out.exists() or not any(out.iterdir())
-    assert not [p for p in out.parent.iterdir() if "moeconvert-partial" in p.name]
-    return lines[0]
 
 
 def only_shard(src: Path) -> Path:
@@ -137,25 +125,16 @@ def test_index_path_outside_checkpoint_is_never_read(ckpt, tmp_path, how):
     assert ("link" in line) == (how == "symlink")
 
 
-def _resave_without(src: Path, drop=(), replace=None):
-    f = only_shard(src)
-    tensors = load_file(f)
-    for name in drop:
-        del tensors[name]
-    tensors.update(replace or {})
-    save_file(tensors, f, metadata={"format": "pt"})
-
-
 def test_missing_expert_tensor(ckpt, tmp_path):
     src = ckpt()
-    _resave_without(src, drop=["model.layers.1.mlp.experts.3.up_proj.weight"])
+    resave(src, drop=["model.layers.1.mlp.experts.3.up_proj.weight"])
     assert_refused(src, tmp_path / "out", "missing expert tensor", "model.layers.1.mlp.experts.3")
 
 
 def test_missing_whole_expert(ckpt, tmp_path):
     src = ckpt()
     names = [n for n in load_file(only_shard(src)) if ".experts.3." in n and "layers.0." in n]
-    _resave_without(src, drop=names)
+    resave(src, drop=names)
     assert_refused(src, tmp_path / "out", "does not hold every routed expert", "expert 3 missing")
 
 
@@ -163,7 +142,7 @@ def test_mismatched_shapes_across_experts(ckpt, tmp_path):
     src = ckpt()
     name = "model.layers.0.mlp.experts.2.gate_proj.weight"
     t = load_file(only_shard(src))[name]
-    _resave_without(src, replace={name: torch.zeros(t.shape[0] // 2, t.shape[1], dtype=t.dtype)})
+    resave(src, replace={name: torch.zeros(t.shape[0] // 2, t.shape[1], dtype=t.dtype)})
     assert_refused(src, tmp_path / "out", name, "disagree across experts")
 
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from moeconvert.kernels import configs
-from moeconvert.kernels.moe_fast import check_config
 from moeconvert.layouts import get_layout
 from moeconvert.kernels.configs import write_table
 from moeconvert.kernels.tune import LayerShape, candidates
@@ -70,7 +69,7 @@ _C = lambda **kw: dict(dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), **kw)
     ({"a": [_C(), {"BLOCK_M": 16, "BLOCK_N": 64}]}, "no BLOCK_K"),
     ({"a": [_C(), _C(BLOCK_M=32)]}, "16 and 32"),
     ({"a": [_C(BLOCK_K=32), _C()]}, "64-input fragment atoms"),  # int4 needs whole 64-input atoms
-    ({"a": [_C(OPERAND_SCALE=2), _C()]}, "OPERAND_SCALE = 2"),
+    ({"a": [_C(OPERAND_SCALE=2), _C()]}, "GEMM1.OPERAND_SCALE"),
 ])
 def test_bench_kernel_refuses_bad_config_pairs_before_timing(tmp_path, data, needle):
     path = _pairs_file(tmp_path, data)
@@ -157,7 +156,7 @@ def test_tuning_candidates_are_valid_configs(name, M):
     for bm, g1, g2 in groups:
         assert g1 and g2
         for c in g1 + g2:
-            check_config(c, fmt)
+            configs.check_config(c, fmt)
             assert c["BLOCK_M"] == bm
         for c in g1:  # a split never leaves a K split without steps (GEMM1: K = H, GEMM2: K = I)
             assert math.ceil(p.H / c["BLOCK_K"]) >= c["SPLIT_K"]
@@ -176,8 +175,7 @@ def test_tuning_candidates_are_valid_configs(name, M):
 @pytest.mark.parametrize("M", [1, 7, 64, 300, 8192])
 def test_heuristic_configs_are_valid_and_share_block_m(fmt, E, k, H, I, M):
     c1, c2 = configs.heuristic_configs(fmt, E, k, H, I, M)
-    check_config(c1, fmt)
-    check_config(c2, fmt)
+    configs.check_pair((c1, c2), fmt)
     assert c1["BLOCK_M"] == c2["BLOCK_M"]
     assert math.ceil(H / c1["BLOCK_K"]) >= c1["SPLIT_K"] >= 1 and math.ceil(I / c2["BLOCK_K"]) >= c2["SPLIT_K"] >= 1
     if M == 1 and (E, k, H, I) == (128, 8, 2048, 384):  # 8 blocks x 6 column tiles: 4 splits, 192 programs
@@ -187,19 +185,20 @@ def test_heuristic_configs_are_valid_and_share_block_m(fmt, E, k, H, I, M):
 def test_write_table_merges_and_lookup_reads_it(tmp_path, monkeypatch):
     path = tmp_path / "t.json"
     c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=4)
-    write_table(path, "Test GPU", {"a": {"1": [c, c]}})
-    write_table(path, "Test GPU", {"b": {"64": [dict(c, BLOCK_M=32), dict(c, BLOCK_M=32)]}})
+    a, b = "int4/g128 E=4 k=2 H=256 I=128", "int8/gch E=8 k=1 H=128 I=64"
+    write_table(path, "Test GPU", {a: {"1": [c, c]}})
+    write_table(path, "Test GPU", {b: {"64": [dict(c, BLOCK_M=32), dict(c, BLOCK_M=32)]}})
     data = json.loads(path.read_text())
-    assert set(data["entries"]) == {"a", "b"} and data["device"] == "Test GPU"
+    assert set(data["entries"]) == {a, b} and data["device"] == "Test GPU"
     monkeypatch.setenv(configs.ENV_TABLE, str(path))
-    assert configs.lookup("b", 100, "Test GPU")[0]["BLOCK_M"] == 32
+    assert configs.lookup(b, 100, "Test GPU")[0]["BLOCK_M"] == 32
     assert not list(tmp_path.glob("*.tmp"))
     # lookups are kept for the process; writing the table again makes the next one read it
-    write_table(path, "Test GPU", {"b": {"64": [dict(c, BLOCK_M=64), dict(c, BLOCK_M=64)]}})
-    assert configs.lookup("b", 100, "Test GPU")[0]["BLOCK_M"] == 64
-    got = configs.lookup("b", 100, "Test GPU")
+    write_table(path, "Test GPU", {b: {"64": [dict(c, BLOCK_M=64), dict(c, BLOCK_M=64)]}})
+    assert configs.lookup(b, 100, "Test GPU")[0]["BLOCK_M"] == 64
+    got = configs.lookup(b, 100, "Test GPU")
     got[0]["BLOCK_M"] = 1  # callers get copies
-    assert configs.lookup("b", 100, "Test GPU")[0]["BLOCK_M"] == 64
+    assert configs.lookup(b, 100, "Test GPU")[0]["BLOCK_M"] == 64
 
 
 def test_shipped_h200_table_covers_the_bench_shapes_with_valid_configs():
@@ -211,9 +210,7 @@ def test_shipped_h200_table_covers_the_bench_shapes_with_valid_configs():
         entry = data["entries"][configs.entry_key(fmt, group, p.E, p.top_k, p.H, p.I)]
         assert sorted(int(m) for m in entry) == [1, 16, 64, 256, 4096]
         for c1, c2 in entry.values():
-            check_config(c1, fmt)
-            check_config(c2, fmt)
-            assert c1["BLOCK_M"] == c2["BLOCK_M"]
+            configs.check_pair([c1, c2], fmt)
             assert math.ceil(p.H / c1["BLOCK_K"]) >= c1["SPLIT_K"] and math.ceil(p.I / c2["BLOCK_K"]) >= c2["SPLIT_K"]
 
 

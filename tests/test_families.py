@@ -265,6 +265,27 @@ def test_gptoss_missing_expert_bias_is_refused(gptoss, tmp_path, drop):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("case", ["qwen3.5-fused", "llama4-transposed"])
+def test_gptoss_mxfp4_form_is_refused_for_other_fused_families(case, family_ckpts, tmp_path):
+    # the blocks/scales form (quant_method mxfp4) is gpt-oss' own: its reader takes no other storage
+    from safetensors.torch import load_file, save_file
+
+    src, _ = family_ckpts(case)
+    bad = _copy(src, tmp_path / "bad", quantization_config={"quant_method": "mxfp4"})
+    f = next(bad.glob("*.safetensors"))
+    tensors = load_file(f)
+    for k in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        t = tensors.pop(k)
+        tensors[k + "_blocks"] = torch.zeros(*t.shape[:2], t.shape[2] // 32, 16, dtype=torch.uint8)
+        tensors[k + "_scales"] = torch.full((*t.shape[:2], t.shape[2] // 32), 127, dtype=torch.uint8)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    (bad / "model.safetensors.index.json").unlink(missing_ok=True)
+    r = cli("inspect", str(bad), expect=2)
+    storage = {"qwen3.5-fused": "fused", "llama4-transposed": "fused-transposed"}[case]
+    assert f"gpt-oss' MXFP4 blocks/scales form, but the family stores them {storage}" in r.err, r.err
+    assert r.err.strip().count("\n") == 0, r.err
+
+
 def test_docs_page_is_the_table():
     from moeconvert.format.families import table_markdown
 

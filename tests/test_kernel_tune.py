@@ -114,7 +114,7 @@ def test_a_layer_in_a_named_or_shipped_table_is_not_tuned(cache, stand_in_timer,
 def _write_many(path: str, who: int, n: int) -> None:
     c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=4)
     for i in range(n):
-        configs.write_table(path, GPU, {f"rank{who} layer{i}": {"1": [c, c]}})
+        configs.write_table(path, GPU, {f"int4/g128 E={who + 1} k=1 H=256 I={i + 1}": {"1": [c, c]}})
 
 
 def test_ranks_writing_one_table_at_once_lose_no_entry(tmp_path):
@@ -206,3 +206,51 @@ def test_load_with_tune_times_real_candidates_and_the_layer_runs_them_gpu(padded
         w = torch.rand(M, 2, generator=g).cuda()
         y, want = layer(x, w, ids), layer.reference(x, w, ids)
         assert rel(y, want) < 2e-2  # bf16 activations, as test_kernels_fast's GPU cases
+
+
+# ---------------------------------------------------------------------------------------------------
+# what $MOECONVERT_KERNEL_TUNE and load(tune=) take (docs/kernels.md, "Tuning on first use")
+
+
+@pytest.mark.parametrize("text,on", [("1", True), ("true", True), ("yes", True), ("TRUE", True), (" Yes ", True),
+                                     ("0", False), ("false", False), ("no", False), ("No", False), ("", False),
+                                     (None, False)])
+def test_the_tune_variable_means_what_the_docs_say(monkeypatch, text, on):
+    if text is None:
+        monkeypatch.delenv(kt.ENV_TUNE, raising=False)
+    else:
+        monkeypatch.setenv(kt.ENV_TUNE, text)
+    assert kt.tune_wanted() is on and kt.tune_wanted(None) is on
+    assert kt.tune_wanted(True) is True and kt.tune_wanted(False) is False  # the argument decides
+
+
+@pytest.mark.parametrize("text", ["2", "on", "off", "y", "enable", "true1", "1.0", "-1"])
+def test_any_other_value_of_the_tune_variable_is_refused_at_load(tmp_path, monkeypatch, text):
+    from moeconvert.runtime import load
+
+    monkeypatch.setenv(kt.ENV_TUNE, text)
+    with pytest.raises(MoeConvertError) as e:
+        load(tmp_path, device="cpu")  # refused before the folder is read, on any device
+    line = str(e.value)
+    assert "\n" not in line and kt.ENV_TUNE in line and repr(text) in line
+    assert all(v in line for v in ("1 | true | yes", "0 | false | no | unset")), line
+
+
+@pytest.mark.parametrize("tune", ["false", "true", "", 0, 1, "0"])
+def test_load_tune_takes_only_true_false_or_none(tmp_path, monkeypatch, tune):
+    from moeconvert.runtime import load
+
+    monkeypatch.delenv(kt.ENV_TUNE, raising=False)
+    with pytest.raises(MoeConvertError) as e:
+        load(tmp_path, device="cpu", tune=tune)
+    assert "True | False | None" in str(e.value) and repr(tune) in str(e.value)
+
+
+def test_an_unwritable_table_is_refused_before_the_sweep(cache, stand_in_timer, tmp_path):
+    _, calls = stand_in_timer
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    s = kt.LayerShape("int4", 128, 4, 2, 256, 128)
+    with pytest.raises(MoeConvertError, match="cannot write the tuned table"):
+        kt.ensure_tuned(s, *_weights(), "cpu", device_name=GPU, table=blocker / "t.json", log=lambda *a: None)
+    assert calls == []  # nothing was timed

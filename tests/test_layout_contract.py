@@ -35,11 +35,11 @@ from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import MoeConvertError
 from moeconvert.layouts import get_layout, layout_kinds, layout_names
 from moeconvert.layouts.base import Layout
-from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme, WNA16Scheme
+from moeconvert.schemes import FloatScheme, MXFP4Scheme, NVFP4Scheme, Scheme, WNA16Scheme
 
 from helpers import same_bits
 
-KINDS = ("float", "wna16", "mxfp4")
+KINDS = ("float", "wna16", "mxfp4", "nvfp4")
 SIZES = (32, 64, 96, 128, 192, 256, 384, 512)  # candidate H and I (MXFP4: the padded sizes)
 EXPERTS = 3
 CHUNKS = ((0, 1), (1, 3))  # as convert.py streams a layer of EXPERTS experts
@@ -65,6 +65,8 @@ def schemes(kind: str) -> list[Scheme]:
         return first + [s for s in grid if s not in first] + casts
     if kind == "mxfp4":
         return [MXFP4Scheme()]
+    if kind == "nvfp4":
+        return [NVFP4Scheme()]
     raise AssertionError(f"a scheme kind this test does not know: {kind} (add its canonical blocks here)")
 
 
@@ -135,6 +137,19 @@ def make_block(scheme: Scheme, shape: LayerShape, experts: int, seed: int | None
                   w13_scale=scales(E, 2 * I, G13), w2_scale=scales(E, H, G2))
         if not scheme.symmetric:
             kw.update(w13_zero=ints(codes, E, 2 * I, G13), w2_zero=ints(codes, E, H, G2))
+    elif isinstance(scheme, NVFP4Scheme):
+        # any e2m1 pair; any finite e4m3 scale, negatives included, each expert's largest 448 (its layout's
+        # tests cover layers whose scales stay smaller); per-expert fp32 multipliers, gate's and up's apart
+        def scale(*size):
+            b = ints(256, *size)
+            b[(b & 0x7F) == 0x7F] = 0x7E  # no NaN
+            b[..., 0, 0] = 0x7E
+            return b.view(torch.float8_e4m3fn)
+
+        glob = lambda *s: torch.zeros(s) if gen is None else torch.rand(s, generator=gen) * 1e-3 + 1e-6
+        kw = dict(w13=ints(256, E, 2 * I, H // 2), w2=ints(256, E, H, I // 2),
+                  w13_scale=scale(E, 2 * I, H // 16), w2_scale=scale(E, H, I // 16), w13_global=glob(E, 2),
+                  w2_global=glob(E))
     else:  # every byte: any e2m1 pair, any e8m0 scale (255 is NaN, compared by its bits)
         kw = dict(w13=ints(256, E, 2 * I, H // 2), w2=ints(256, E, H, I // 2),
                   w13_scale=ints(256, E, 2 * I, H // 32), w2_scale=ints(256, E, H, I // 32))

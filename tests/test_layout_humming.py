@@ -286,6 +286,51 @@ def humming_cpu(tmp_path_factory):
         sys.modules.update({k: v for k, v in saved.items() if k.startswith("humming")})
 
 
+@pytest.mark.parametrize("method,bits,g", [("gptq", 4, 64), ("gptq", 8, 128), ("awq", 4, 64)])
+def test_gptq_and_awq_checkpoints_convert_as_compressed_tensors_does(humming_cpu, monkeypatch, method, bits, g):
+    """vLLM hands humming a GPTQ or AWQ checkpoint's own tensors with its own schema (int_wna16.py
+    ``_humming_wna16_weight_schema``); humming's conversion of them gives the very schema and tensors it gives
+    for the compressed-tensors checkpoint of the same codes, scales and zero points, so what the humming layout
+    is proved against for compressed-tensors holds for GPTQ and AWQ sources (docs/sources.md)."""
+    from moeconvert.packing import pack_int32
+
+    from helpers import AWQ_PACK_ORDER, pack_words
+
+    schemas = {n: importlib.import_module(f"humming.schema.{n}") for n in ("compressed_tensors", "gptq", "awq")}
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)  # awq.py moves its words to the GPU
+    gen = torch.Generator().manual_seed(3)
+    E, N, K, sym = 2, 64, 256, method == "gptq"
+    G = K // g
+    u = torch.randint(0, 1 << bits, (E, N, K), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(E, N, G, generator=gen) * 0.02 + 0.004).half()
+    zero = torch.randint(0, 1 << bits, (E, N, G), generator=gen, dtype=torch.uint8)
+    ct = {"weight_packed": pack_int32(u, bits, dim=2), "weight_scale": scale}
+    if not sym:
+        ct["weight_zero_point"] = pack_int32(zero, bits, dim=1)
+    if method == "gptq":
+        theirs = {"qweight": ct["weight_packed"].transpose(1, 2).contiguous(),
+                  "scales": scale.transpose(1, 2).contiguous(),
+                  "qzeros": pack_words(torch.full((E, G, N), (1 << (bits - 1)) - 1), bits)}
+        schema = schemas["gptq"].GPTQWeightSchema(bits=bits, group_size=g, sym=True)
+    else:
+        theirs = {"qweight": pack_words(u.transpose(1, 2), bits, AWQ_PACK_ORDER),
+                  "qzeros": pack_words(zero.transpose(1, 2), bits, AWQ_PACK_ORDER),
+                  "scales": scale.transpose(1, 2).contiguous()}
+        schema = schemas["awq"].AWQWeightSchema(bits=bits, group_size=g, zero_point=True)
+    ct_schema = schemas["compressed_tensors"].CompressedTensorsWeightSchema(
+        format="pack-quantized", type="int", num_bits=bits, strategy="group", group_size=g, symmetric=sym)
+    want_schema, want = ct_schema._convert_humming(ct, [N], [K], torch.bfloat16, E)
+    got_schema, got = schema._convert_humming(theirs, [N], [K], torch.bfloat16, E)
+    # the compressed-tensors schema leaves the scale dtype unset, which humming reads as the params dtype
+    # (humming/schema/humming.py: ``bs_dtype or ... param_dtype``)
+    bf16 = humming_cpu["dtypes"].DataType.from_torch_dtype(torch.bfloat16)
+    fill = lambda sch: dataclasses.replace(sch, bs_dtype=sch.bs_dtype or bf16)  # noqa: E731
+    assert fill(got_schema) == fill(want_schema)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+
+
 @pytest.mark.parametrize("g", [128, 32, -1])
 def test_scales_and_bias_equal_hummings_transform(humming_cpu, g):
     t = humming_cpu["transform"]

@@ -9,11 +9,7 @@ fp16), plan == what encode writes, streaming by chunks and the refusals are test
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import inspect
-import math
-import types
 
 import pytest
 import torch
@@ -32,7 +28,7 @@ from moeconvert.layouts.marlin import (
 )
 from moeconvert.schemes import WNA16Scheme
 
-from helpers import lift, rel, same_bits, vllm_moe_ops, vllm_reader
+from helpers import rel, same_bits, vllm_marlin_reference as vllm_reference, vllm_moe_ops, vllm_process_marlin
 
 LAYOUT = get_layout("marlin")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -431,66 +427,6 @@ def test_padding_is_recorded_and_noted():
 
 # ---------------------------------------------------------------------------------------------------
 # Oracle: each vLLM version's own Python (``_process_weights_marlin`` with its reference repack)
-
-_VLLM_FUNCTIONS = {
-    "model_executor/layers/fused_moe/oracle/int_wna16.py":
-        ["_pad_w13_shard_cols", "_pad_rows", "_pad_w13_bias", "_process_weights_marlin"],
-    "model_executor/layers/quantization/utils/marlin_utils.py":
-        ["marlin_moe_padded_intermediate", "get_scale_perms", "marlin_permute_scales", "marlin_permute_bias",
-         "marlin_moe_permute_scales", "marlin_zero_points", "moe_packed_to_marlin_zero_points"],
-    "model_executor/layers/quantization/utils/quant_utils.py": ["get_pack_factor", "pack_cols", "unpack_cols"],
-    "model_executor/layers/quantization/utils/marlin_utils_test.py":
-        ["marlin_permute_weights", "marlin_weights", "get_weight_perm"],
-    "utils/math_utils.py": ["round_up"],
-}
-
-
-@functools.lru_cache(maxsize=None)
-def vllm_reference(version: str):
-    """vLLM ``version``'s own functions, lifted out of its files with ast and run with numpy/torch only.
-
-    Importing the modules would drag in vLLM's CUDA build and config machinery; these functions need
-    none of it. The CUDA repack op is stood in by vLLM's own Python reference (``get_weight_perm`` +
-    ``marlin_weights``), which the spec checked against an emulation of the CUDA kernel.
-    """
-    import numpy
-
-    read = vllm_reader(version)
-    ns: dict = {"torch": torch, "numpy": numpy, "np": numpy, "math": math, "GPTQ_MARLIN_TILE": 16,
-                "logger": types.SimpleNamespace(warning_once=lambda *a, **k: None, info_once=lambda *a, **k: None)}
-    for path, names in _VLLM_FUNCTIONS.items():
-        lift(read, path, names, ns)
-
-    def gptq_marlin_moe_repack(b_q_weight, size_k, size_n, num_bits, is_a_8bit=False):
-        # 0.33.0 passes is_a_8bit (False for 16-bit activations, the only path the layout is for); 0.34.0
-        # dropped the 8-bit activation path and the argument with it
-        assert not is_a_8bit
-        perm = ns["get_weight_perm"](num_bits)
-        out = []
-        for e in range(b_q_weight.shape[0]):
-            q = ns["unpack_cols"](b_q_weight[e].T.contiguous(), num_bits, size_n, size_k).T.contiguous()
-            out.append(ns["marlin_weights"](q, size_k, size_n, num_bits, perm))
-        return torch.stack(out)
-
-    ns["ops"] = types.SimpleNamespace(gptq_marlin_moe_repack=gptq_marlin_moe_repack)
-    return types.SimpleNamespace(**ns)
-
-
-def vllm_process_marlin(ref, bits: int, g: int, I: int, p: dict) -> dict:
-    """``_process_weights_marlin`` of ``ref``'s version on ``p`` for 16-bit activations, its outputs by name.
-
-    0.33.0 takes an ``input_dtype`` (None: 16-bit activations) and returns the 8-bit path's input global
-    scales (None here) between the zero points and the biases; 0.34.0 has neither."""
-    layer = types.SimpleNamespace(intermediate_size_per_partition=I)
-    fn = ref._process_weights_marlin
-    lead = (layer, None) if "input_dtype" in inspect.signature(fn).parameters else (layer,)
-    out = fn(*lead, bits, 32 // bits, g, p["w13"], p["w2"], p["w13_scale"], p["w2_scale"], p["w13_zero"],
-             p["w2_zero"], p["w13_bias"], p["w2_bias"])
-    if len(out) == 10:
-        assert out[6] is None and out[7] is None  # no input global scales for 16-bit activations
-        out = out[:6] + out[8:]
-    return dict(zip(("w13", "w2", "s13", "s2", "z13", "z2", "b13", "b2"), out, strict=True))
-
 
 def ct_params(block: ExpertBlock, params_dtype: torch.dtype):
     """The params vLLM holds after loading the CT checkpoint of ``block`` (spec §2), packed by CT itself."""

@@ -269,7 +269,8 @@ def test_metadata_names_the_w13_row_order():
 
 _VLLM_DEFS = {
     "model_executor/layers/quantization/utils/marlin_utils_fp4.py":
-        ["_repack_marlin_experts", "mxfp4_marlin_process_scales", "prepare_moe_mxfp4_layer_for_marlin"],
+        ["_repack_marlin_experts", "mxfp4_marlin_process_scales", "prepare_moe_mxfp4_layer_for_marlin",
+         "prepare_moe_fp4_layer_for_marlin"],
     "model_executor/layers/quantization/utils/marlin_utils.py":
         ["get_scale_perms", "marlin_permute_scales", "marlin_permute_bias"],
     "model_executor/layers/quantization/utils/quant_utils.py": ["get_pack_factor", "unpack_cols"],
@@ -316,6 +317,7 @@ def vllm_reference(version: str):
         return ns["marlin_weights"](q, size_k, size_n, num_bits, ns["get_weight_perm"](num_bits))
 
     ns["ops"] = types.SimpleNamespace(gptq_marlin_repack=gptq_marlin_repack)
+    ns["replace_parameter"] = lambda layer, name, t: setattr(layer, name, t)  # vllm/model_executor/utils.py's
     return types.SimpleNamespace(read=read, **ns)
 
 
@@ -386,6 +388,23 @@ def test_bytes_equal_vllm_gpt_oss_checkpoint_marlin_path(E, H, I, bias, vllm_ver
         kw.update(w13_bias=gate_up(ck["w13_bias"]), w2_bias=pad(ck["w2_bias"], Hp))
     block = ExpertBlock(scheme=SCHEME, **kw)
     _assert_equal_to_vllm(LAYOUT.encode(block, layer(E, Hp, Ip, bias, activation="swigluoai")), theirs)
+
+
+@pytest.mark.parametrize("E,H,I", [(2, 256, 128), (3, 512, 384)])
+def test_bytes_equal_vllm_compressed_tensors_mxfp4_marlin_path(E, H, I, vllm_version):
+    """compressed-tensors ``mxfp4-pack-quantized`` (``CompressedTensorsW4A4Mxfp4MoEMethod`` on Hopper): the
+    loaded ``weight_packed`` / ``weight_scale`` go through ``prepare_moe_fp4_layer_for_marlin`` unpadded,
+    [gate; up] rows, no bias. Where H and I are multiples of 256 and 128 the layout pads nothing, and its
+    bytes are vLLM's."""
+    ref = vllm_reference(vllm_version)
+    block = make_block(E, H, I, seed=E + H + I)
+    stub = types.SimpleNamespace(
+        moe_config=types.SimpleNamespace(num_local_experts=E, hidden_dim=H, intermediate_size_per_partition=I),
+        params_dtype=torch.bfloat16, w13_weight=block.w13, w2_weight=block.w2, w13_weight_scale=block.w13_scale,
+        w2_weight_scale=block.w2_scale)
+    ref.prepare_moe_fp4_layer_for_marlin(stub)
+    theirs = {n: getattr(stub, n) for n in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")}
+    _assert_equal_to_vllm(LAYOUT.encode(block, layer(E, H, I)), theirs)
 
 
 def test_vllm_marlin_branches_pass_the_loaded_tensors_through(vllm_version):

@@ -282,7 +282,7 @@ def test_edited_dtype(copy, capsys):
 def test_unknown_scheme_kind(copy, capsys):
     out = copy("A")
     edit_manifest(out, lambda m: m["moe_layers"][0]["scheme"].update(kind="int3"))
-    refused_by_both(out, capsys, "moe_layers[0].scheme.kind: expected float | wna16 | mxfp4, found \"int3\"")
+    refused_by_both(out, capsys, "moe_layers[0].scheme.kind: expected float | wna16 | mxfp4 | nvfp4, found \"int3\"")
 
 
 def test_router_naming_an_unlisted_tensor(copy, capsys):

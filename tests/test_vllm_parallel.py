@@ -419,8 +419,10 @@ def test_gpt_oss_each_rank_holds_its_conversion_with_the_moeconvert_load_format(
 
 REFUSED = {  # case: (folder, shape, the one line's telling part)
     "eplb-on-marlin": (("deepseek-v3", "marlin-w4a16-g128"), dict(tp=2, ep=True, redundant=2),
-                       "its Marlin WNA16 method does not (CompressedTensorsWNA16MoEMethod.supports_eplb is TRITON "
-                       "only): serve without --enable-eplb, or convert with --backend triton (moeconvert repack "),
+                       "MarlinWNA16Method (vLLM's Marlin MoE kernel) cannot follow it: vLLM 0.33.0 moves experts "
+                       "between ranks only for kernels whose own MoE method supports it, and its Marlin WNA16 method "
+                       "does not (CompressedTensorsWNA16MoEMethod.supports_eplb is TRITON only): serve without "
+                       "--enable-eplb, or convert with --backend triton (moeconvert repack "),
     "tp-not-a-slice": (("qwen3-moe", "marlin-w4a16-g128", dict(intermediate_size=256)), dict(tp=2),
                        "a marlin TP rank of 2 is not a slice of them (a TP rank holds one w2 scale group"),
     "tp-stored-default-loader": (("qwen3-moe", "marlin-w4a16-g128", dict(intermediate_size=256), "--tp-sizes", "1,2"),
@@ -429,8 +431,9 @@ REFUSED = {  # case: (folder, shape, the one line's telling part)
     "one-rank-folder": (("qwen3-moe", "marlin-w4a16-g128", "--ep-size", "2", "--ep-rank", "0"), dict(tp=2),
                         "this folder was converted for TP 1 rank 0, EP 2 rank 0; this vLLM builds the layer for TP 2"),
     "fast-eplb": (("deepseek-v3", "fast-w4a16-g128"), dict(tp=2, ep=True, redundant=2),
-                  "moeconvert's triton-fast experts have not been run with vLLM's expert rebalancing: serve without "
-                  "--enable-eplb"),
+                  "TritonFastMethod (moeconvert's Triton kernel) cannot follow it: moeconvert's triton-fast experts "
+                  "have not been run with vLLM's expert rebalancing: serve without --enable-eplb, or convert with "
+                  "--backend triton (moeconvert repack "),
     # I 192 in groups of 32: a TP rank's I 96 is not whole 64-input fragment atoms
     "fast-tp-no-rank-holds": (("qwen3-moe", "fast-w4a16-g32-asym", dict(intermediate_size=192)), dict(tp=2),
                               "a triton-fast TP rank of 2 is not a slice of them (a TP rank of 2 cannot hold this "

@@ -244,7 +244,8 @@ def test_a_triton_fast_folder_is_refused_in_one_line_where_the_kernel_cannot_run
     assert "\n" not in got["error"], got["error"]
     assert got["error"].startswith("ValueError: moeconvert: model.layers.0.mlp.experts: moeconvert's Triton kernel "
                                    "needs a CUDA GPU (vLLM runs on its cpu platform"), got["error"]
-    assert got["error"].endswith("serve a --backend marlin folder on this machine"), got["error"]
+    # off GPUs no other method's folder runs either (the old line sent the user to Marlin, CUDA only too)
+    assert got["error"].endswith("serve on a CUDA GPU (vLLM runs on its cpu platform)"), got["error"]
 
 
 @needs_vllm
@@ -410,8 +411,9 @@ def test_a_folder_the_plugin_would_refuse_keeps_the_sources_config_and_says_why(
     run = cli("quantize", src, tmp_path / "out", "--format", "mxfp4", "--backend", "triton", expect=0)
     assert (tmp_path / "out" / "config.json").read_bytes() == (src / "config.json").read_bytes()
     line = next(w for w in run.err.splitlines() if "config.json: copied as it is" in w)
-    assert ("moeconvert's vLLM plugin does not serve this folder: the vLLM plugin serves triton mxfp4 experts with the "
-            "swigluoai activation only (vLLM's kernel for them), this folder's are silu") in line, run.err
+    assert ("moeconvert's vLLM plugin does not serve this folder: its triton mxfp4 experts are TritonMXFP4Method's, "
+            "and TritonMXFP4Method (triton_kernels' matmul_ogs) runs the swigluoai activation only, these experts' is "
+            "silu") in line, run.err
 
 
 def test_the_plugin_is_a_vllm_entry_point():
@@ -593,6 +595,10 @@ def test_hostile_quantization_configs_are_refused_in_one_line(folders, tmp_path)
 
     no_groups = changed()
     del no_groups["source_quantization_config"]["config_groups"]
+    group = next(iter(good["source_quantization_config"]["config_groups"]))
+    bad_bits, no_targets = changed(), changed()
+    bad_bits["source_quantization_config"]["config_groups"][group]["weights"]["num_bits"] = "four"
+    del no_targets["source_quantization_config"]["config_groups"][group]["targets"]
     other_layout = _edited_copy(out, tmp_path / "other-layout",
                                 lambda qc: qc.update(layout={"name": "triton", "version": qc["layout"]["version"]}))
     cases = {  # name: (quantization_config, the folder vLLM was given), what the line must say
@@ -607,6 +613,11 @@ def test_hostile_quantization_configs_are_refused_in_one_line(folders, tmp_path)
                              "quantization_config.format_version: expected 2 (this moeconvert's output format), found 1"),
         "no config_groups": ((no_groups, out), "quantization_config.source_quantization_config.config_groups: "
                                                "expected the source's compressed-tensors groups"),
+        # compressed-tensors' pydantic models refuse it in many lines naming neither file nor group
+        "num_bits a word": ((bad_bits, out), f"config.json: quantization_config.source_quantization_config."
+                                             f"config_groups.{group}.weights.num_bits: expected what compressed-tensors'"),
+        "no targets": ((no_targets, out), f"quantization_config.source_quantization_config.config_groups.{group}."
+                                          "targets: expected a list of module names"),
         "layout of another name": ((json.loads(other_layout.joinpath("config.json").read_text())["quantization_config"],
                                     other_layout), 'quantization_config.layout: expected {"name": "marlin"'),
         "a folder no longer there": ((good, tmp_path / "gone"), f"{tmp_path / 'gone'}: no such folder"),
@@ -791,7 +802,8 @@ def test_the_plugin_refuses_what_its_humming_folder_was_not_made_for(humming_fol
     r = {k: _one_line(v) for k, v in got["refusals"].items()}
     assert "this folder holds humming-kernels 0.1.19's bytes; this Python has humming-kernels 0.1.20" in r["version"]
     assert "this folder holds humming's SM90 bytes (H100 / H200) and vLLM runs on an SM80 GPU" in r["sm80"]
-    assert "vLLM runs on its cpu platform" in r["no-gpu"] and "--backend marlin" in r["no-gpu"]
+    assert r["sm80"].endswith("serve a --backend marlin folder on this machine"), r["sm80"]
+    assert "vLLM runs on its cpu platform" in r["no-gpu"] and "--backend" not in r["no-gpu"]
     assert "VLLM_HUMMING_INPUT_QUANT_CONFIG makes humming quantize this layer's activations to int8" in r["int8-input"]
 
 

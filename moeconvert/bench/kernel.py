@@ -33,6 +33,7 @@ import triton
 
 from moeconvert.errors import MoeConvertError
 from moeconvert.bench.contenders import Problem, Unavailable, parse_format, random_layout_tensors
+from moeconvert.kernels.configs import check_pair
 from moeconvert.kernels.tune import LayerShape, NoConfigRan, StepTimer, graph_us, tune_layer
 from moeconvert.kernels.tune import routing_inputs as tune_routing_inputs
 
@@ -140,31 +141,20 @@ def read_configs(path: str) -> dict[str, tuple[dict, dict]]:
                               expected='{"name": [{GEMM1}, {GEMM2}]}', found=type(data).__name__)
     out = {}
     for name, pair in data.items():
-        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(c, dict) for c in pair)):
-            raise MoeConvertError("a config pair is a list of two objects (GEMM1, GEMM2)", file=path, tensor=name,
-                                  expected="[{...}, {...}]", found=json.dumps(pair)[:80])
-        missing = [k for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") for c in pair if k not in c]
-        if missing:
-            raise MoeConvertError("a config needs its tile sizes", file=path, tensor=name,
-                                  expected="BLOCK_M, BLOCK_N, BLOCK_K", found=f"no {missing[0]}")
-        if pair[0]["BLOCK_M"] != pair[1]["BLOCK_M"]:
-            raise MoeConvertError("the two GEMMs share one alignment", file=path, tensor=name,
-                                  expected="one BLOCK_M", found=f"{pair[0]['BLOCK_M']} and {pair[1]['BLOCK_M']}")
+        check_pair(pair, None, str(name), path)  # the format's own constraints: check_configs_for
         out[str(name)] = (dict(pair[0]), dict(pair[1]))
     return out
 
 
 def check_configs_for(probs: list[Problem], pairs: dict[str, tuple[dict, dict]], path: str = "--configs") -> None:
-    """Every pair is one the kernel takes for every problem's format (kernels/moe_fast.check_config)."""
-    from moeconvert.kernels.moe_fast import check_config
-
+    """Every pair is one the kernel takes for every problem's format (kernels/configs.check_pair)."""
     for p in probs:
         for name, pair in pairs.items():
-            for c in pair:
-                try:
-                    check_config(c, _fmt(p)[0])
-                except ValueError as e:
-                    raise MoeConvertError(f"{e} ({p.name}, {p.fmt})", file=path, tensor=name) from None
+            try:
+                check_pair(pair, _fmt(p)[0], name, path)
+            except MoeConvertError as e:
+                raise MoeConvertError(f"{e.message} ({p.name}, {p.fmt})", file=e.file, tensor=e.tensor,
+                                      expected=e.expected, found=e.found) from None
 
 
 def pinned(built, pair: tuple[dict, dict]):
@@ -237,11 +227,12 @@ def bench_kernel(shapes: list[str], ms: list[int], contenders: list[str], *, cus
               "contender_notes": {}}
     if do_tune:
         path = table or str(configs.user_table_path(name))
+        configs.check_writable(path)  # before the sweep, not after it
         t0 = time.time()
         for p in probs:
             log(f"tuning {p.name} ({p.fmt})")
             r = tune(p, device, ms, log)
-            configs.write_table(path, name, {r["key"]: r["entry"]})
+            configs.write_table(path, name, {r["key"]: r["entry"]}, log)
             result["tuned"][p.name] = r["report"]
             torch.cuda.empty_cache()
         result["tune_seconds"] = round(time.time() - t0, 1)

@@ -25,7 +25,7 @@ EXAMPLE_INTERMEDIATE_SIZE = 256
 def example(
     out_dir: Path = typer.Argument(..., help="Where to write the example checkpoint."),
     family: str = typer.Option("qwen3-moe", "--family", help="qwen3-moe | qwen2-moe | mixtral | deepseek-v2 | deepseek-v3 | glm4-moe | gpt-oss; with --header-only: deepseek-v3 | kimi-k2 | kimi-k3"),
-    scheme: str = typer.Option("w4a16", "--scheme", help="bf16 | fp16 | w4a16 | w8a16 (int schemes made by compressed-tensors)"),
+    scheme: str = typer.Option("w4a16", "--scheme", help="bf16 | fp16 | w4a16 | w8a16 | mxfp4 | nvfp4 (made by compressed-tensors) | fp8-block (DeepSeek-V3 FP8, made by transformers)"),
     group_size: int = typer.Option(128, "--group-size", help="Quantization group size; -1 = channelwise."),
     asym: bool = typer.Option(False, "--asym", help="Asymmetric quantization (zero points)."),
     layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Number of decoder layers."),

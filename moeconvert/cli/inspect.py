@@ -43,7 +43,8 @@ def inspect(
         nbytes = sum(source.info(n).nbytes for n in lm.source_tensors())
         layers.append({"prefix": lm.prefix, "layer": lm.layer, "num_experts": lm.num_experts, "top_k": lm.top_k,
                        "hidden_size": lm.hidden_size, "intermediate_size": lm.intermediate_size,
-                       "scheme": lm.scheme.describe(), "activation": lm.activation, "has_bias": lm.has_bias,
+                       "format": lm.format, "scheme": lm.scheme.describe(), "activation": lm.activation,
+                       "has_bias": lm.has_bias,
                        "bytes": nbytes, "shared_experts": bool(lm.shared)})
     backends = {}
     for name in layout_names():
@@ -60,13 +61,15 @@ def inspect(
                           "kernel": layout.kernel, "layout_version": layout.version}
     other = sum(i.nbytes for n, i in source.tensors.items() if n not in moe_names)
     advice = _advice(model, quant, backends)
-    report = {"source": src, "revision": source.revision, "family": model.family.name, "dtype": model.dtype,
+    report = {"source": src, "revision": source.revision, "family": model.family.name,
+              "format": model.source_format.describe(), "dtype": model.dtype,
               "moe_layers": layers, "moe_bytes": sum(x["bytes"] for x in layers), "other_bytes": other,
               "partition": part.to_json(), "backends": backends, "advice": advice}
     if json_out:
         print(json.dumps(report, indent=1))
         return
-    out.print(f"[bold]{src}[/bold]  family [cyan]{model.family.name}[/cyan]  dtype {model.dtype}  "
+    out.print(f"[bold]{src}[/bold]  family [cyan]{model.family.name}[/cyan]  format {escape(report['format'])}  "
+              f"dtype {model.dtype}  "
               f"{len(layers)} MoE layers  experts {_human(report['moe_bytes'])}  other {_human(other)}")
     t = Table(title="MoE layers")
     for col in ("layer", "prefix", "E", "top-k", "H", "I", "scheme", "bias", "bytes"):
@@ -120,7 +123,8 @@ def _advice(model, quant, backends: dict) -> list[dict]:
         rows = []
         for a in advise(scheme.kind, model.family.name, bits=scheme.bits if wna16 else None,
                         group_size=scheme.group_size if wna16 else None,
-                        symmetric=scheme.symmetric if wna16 else None, has_bias=lm.has_bias):
+                        symmetric=scheme.symmetric if wna16 else None, has_bias=lm.has_bias,
+                        source_format=None if quant else lm.format):
             row = a.to_json()
             fits = a.backend is not None and backends.get(a.backend, {}).get("ok", False)
             row["fits"] = fits

@@ -51,7 +51,7 @@ def _registry() -> dict[str, list[type[Layout]]]:
 
 
 def get_layout(name: str, kind: str | None = None) -> Layout:
-    """The layout ``--backend name`` writes for experts of scheme kind ``kind`` ("float", "wna16", "mxfp4").
+    """The layout ``--backend name`` writes for experts of scheme kind ``kind`` ("float", "wna16", "mxfp4", "nvfp4").
 
     Without a kind, or when no layout of that name takes the kind, the first one registered is given:
     its ``check`` then says which schemes it takes.
@@ -98,6 +98,7 @@ from moeconvert.layouts import triton_mxfp4  # noqa: E402,F401
 from moeconvert.layouts import triton_fast  # noqa: E402,F401
 from moeconvert.layouts import humming  # noqa: E402,F401
 from moeconvert.layouts import humming_mxfp4  # noqa: E402,F401
+from moeconvert.layouts import marlin_nvfp4  # noqa: E402,F401
 
 __all__ = ["Layout", "TensorSpec", "ProjectionNames", "W13", "W2", "PROJECTIONS", "register", "get_layout",
            "layout_names", "layout_kinds", "layout_classes"]

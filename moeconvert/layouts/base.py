@@ -151,7 +151,7 @@ class Layout(ABC):
     name: ClassVar[str]
     #: bumped whenever the bytes a layout writes change; the runtime refuses versions it does not know
     version: ClassVar[int]
-    #: canonical scheme kinds this layout takes ("float", "wna16", "mxfp4")
+    #: canonical scheme kinds this layout takes ("float", "wna16", "mxfp4", "nvfp4")
     schemes: ClassVar[tuple[str, ...]]
     #: the runtime kernels that read these bytes, by their registered names (runtime/dispatch.py), in
     #: order of preference: ``("reference",)`` when the PyTorch reference is the layout's own kernel, ``()``

@@ -27,7 +27,7 @@ from moeconvert.format.manifest import (MANIFEST_NAME, check_shards, made_for_ve
 from moeconvert.layouts import Layout, get_layout
 from moeconvert.layouts.base import CHOICES, padded_sizes
 from moeconvert.mxfp4 import ROUNDINGS
-from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme, WNA16Scheme
+from moeconvert.schemes import FloatScheme, MXFP4Scheme, NVFP4Scheme, Scheme, WNA16Scheme
 
 _MISSING = object()
 
@@ -38,7 +38,7 @@ def parse_scheme(obj: object, path: str) -> Scheme:
     """A scheme object (``{"kind": ...}``), every field checked, no unknown field."""
     if not isinstance(obj, dict):
         raise field_error(path, f"expected an object, found {show_field(obj)}")
-    kind = one_of(obj, "kind", path, ("float", "wna16", "mxfp4"))
+    kind = one_of(obj, "kind", path, ("float", "wna16", "mxfp4", "nvfp4"))
     if kind == "float":
         exact_keys(obj, path, {"kind", "dtype"})
         return FloatScheme(dtype=get_field(obj, "dtype", path, "float_dtype"))
@@ -52,6 +52,9 @@ def parse_scheme(obj: object, path: str) -> Scheme:
             raise field_error(f"{path}.group_size", f"expected -1 or a positive int, found {show_field(group)}")
         return WNA16Scheme(bits=bits, group_size=group, symmetric=get_field(obj, "symmetric", path, "bool"),
                            scale_dtype=get_field(obj, "scale_dtype", path, "float_dtype"))
+    if kind == "nvfp4":
+        exact_keys(obj, path, {"kind", "group_size"})
+        return NVFP4Scheme(group_size=one_of(obj, "group_size", path, (16,)))
     exact_keys(obj, path, {"kind", "block_size"})
     return MXFP4Scheme(block_size=one_of(obj, "block_size", path, (32,)))
 

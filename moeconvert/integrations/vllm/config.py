@@ -17,6 +17,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from moeconvert.errors import MoeConvertError
 from moeconvert.format.manifest import made_for_versions
 from moeconvert.integrations.vllm import SUPPORTED_VLLM
+from moeconvert.integrations.vllm.methods.spec import alternatives, convert_again, eplb_refusal, layout_fits
 from moeconvert.integrations.vllm.scope import load_format, load_format_refusal, method_name, refusal
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,11 +27,6 @@ _STACKED = re.compile(r"\.experts\.((?:w13|w2)_(?:weight|weight_scale|weight_zer
 #: a stored TP size's rank tensors (``--tp-sizes``): read only by ``--load-format moeconvert``, which takes
 #: every stacked tensor itself; any other loader never hands them to the model
 _STORED_TP = re.compile(r"\.experts\.tp\d+\.((?:w13|w2)_(?:weight|weight_scale|weight_zero_point|zero_point|bias))$")
-
-
-#: what ends every refusal of a folder's own files: they are made by the conversion, never by hand
-_CONVERT_AGAIN = ("convert the source again with this moeconvert (moeconvert repack SRC OUT --backend marlin, or "
-                  "moeconvert quantize SRC OUT --format mxfp4 --backend marlin) rather than edit the file")
 
 
 def _versions(versions) -> str:
@@ -45,10 +41,44 @@ def _show(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _refuse(key: str, expected: str, found: object, file: str = "config.json") -> ValueError:
-    """One line, as vLLM shows a config it cannot take: the file, the key, expected vs found, the fix."""
+def _layout_named(raw: dict) -> str | None:
+    """The layout config.json names, where it names one (a refusal's fix converts to it again)."""
+    layout = raw.get("layout")
+    return layout["name"] if isinstance(layout, dict) and isinstance(layout.get("name"), str) else None
+
+
+def _refuse(key: str, expected: str, found: object, layout: str | None, file: str = "config.json") -> ValueError:
+    """One line, as vLLM shows a config it cannot take: the file, the key, expected vs found, and the fix
+    (the folder's files are made by the conversion, never by hand: convert again, to ``layout``)."""
     return ValueError(f"moeconvert: {file}: quantization_config.{key}: expected {expected}, found {_show(found)}; "
-                      f"{_CONVERT_AGAIN}")
+                      f"{convert_again(layout)}")
+
+
+def _check_groups(groups: dict, layout: str | None) -> None:
+    """The source's compressed-tensors groups as vLLM's ``CompressedTensorsConfig.from_config`` reads them
+    (``_quantization_scheme_map_from_config``: each group's ``targets`` iterated, its ``weights`` and any
+    ``input_activations`` through compressed-tensors' ``QuantizationArgs``), checked first so that a refusal
+    is one line naming the key, not pydantic's many lines naming neither file nor group."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from pydantic import ValidationError
+
+    base = "source_quantization_config.config_groups"
+    for name, group in groups.items():
+        targets = group.get("targets")
+        if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
+            raise _refuse(f"{base}.{name}.targets", "a list of module names or patterns", targets, layout)
+        for part in ("weights", "input_activations"):
+            if part == "input_activations" and group.get(part) is None:
+                continue
+            try:
+                QuantizationArgs.model_validate(group.get(part))
+            except ValidationError as e:
+                first = e.errors()[0]
+                where = ".".join(str(p) for p in first.get("loc", ()))
+                why = " ".join(str(first.get("msg")).split())
+                raise _refuse(f"{base}.{name}.{part}" + (f".{where}" if where else ""),
+                              f"what compressed-tensors' QuantizationArgs takes ({why})", first.get("input"),
+                              layout) from None
 
 
 class MoeconvertConfig(QuantizationConfig):
@@ -63,29 +93,30 @@ class MoeconvertConfig(QuantizationConfig):
         from moeconvert.format import FORMAT_VERSION
 
         self.raw = raw
+        named = _layout_named(raw)
         # the keys moeconvert writes (convert.served_config), each of its JSON type before it is read
         if raw.get("format_version") != FORMAT_VERSION or isinstance(raw.get("format_version"), bool):
             raise _refuse("format_version", f"{FORMAT_VERSION} (this moeconvert's output format)",
-                          raw.get("format_version"))
+                          raw.get("format_version"), named)
         layout = raw.get("layout")
         if not (isinstance(layout, dict) and isinstance(layout.get("name"), str) and
                 type(layout.get("version")) is int):
-            raise _refuse("layout", 'an object {"name": ..., "version": ...}', layout)
+            raise _refuse("layout", 'an object {"name": ..., "version": ...}', layout, named)
         if not (isinstance(raw.get("made_for"), dict) and all(
                 isinstance(v, str) or isinstance(v, list) and v and all(isinstance(x, str) for x in v)
                 for v in raw["made_for"].values())):
             raise _refuse("made_for", 'an object of versions or lists of them, e.g. {"vllm": ["0.33.0", "0.34.0"]}',
-                          raw.get("made_for"))
+                          raw.get("made_for"), named)
         made_for = made_for_versions(raw["made_for"].get("vllm"))
         if not set(made_for) & set(SUPPORTED_VLLM):
             raise ValueError(f"moeconvert: this folder's layout was made for vLLM {_versions(made_for) or 'none'}; the "
-                             f"plugin serves {_versions(SUPPORTED_VLLM)}: {_CONVERT_AGAIN}")
+                             f"plugin serves {_versions(SUPPORTED_VLLM)}: {convert_again(named)}")
         if not isinstance(raw.get("partition"), dict):
-            raise _refuse("partition", "an object (tp_size, tp_rank, ep_size, ep_rank)", raw.get("partition"))
+            raise _refuse("partition", "an object (tp_size, tp_rank, ep_size, ep_rank)", raw.get("partition"), named)
         self.partition = raw["partition"]
         if raw.get("load_format") is not None and not isinstance(raw["load_format"], str):
             raise _refuse("load_format", 'the name of a vLLM load format, e.g. "moeconvert", or absent',
-                          raw["load_format"])
+                          raw["load_format"], named)
         dtype = raw.get("dtype")
         if dtype not in _DTYPES:
             raise ValueError(f"moeconvert: quantization_config.dtype must be one of {sorted(_DTYPES)}, found {dtype!r}")
@@ -95,7 +126,8 @@ class MoeconvertConfig(QuantizationConfig):
         self.inner = None
         source = raw.get("source_quantization_config")
         if source is not None and not isinstance(source, dict):
-            raise _refuse("source_quantization_config", "an object (the source's quantization_config) or null", source)
+            raise _refuse("source_quantization_config", "an object (the source's quantization_config) or null", source,
+                          named)
         if source and source.get("quant_method") == "mxfp4":
             # an MXFP4 checkpoint (gpt-oss's own) quantizes its MoE experts only, which are the folder's now:
             # vLLM's Mxfp4Config gives every linear layer UnquantizedLinearMethod (quantization/mxfp4.py)
@@ -109,11 +141,17 @@ class MoeconvertConfig(QuantizationConfig):
             groups = source.get("config_groups")
             if not (isinstance(groups, dict) and groups and all(isinstance(g, dict) for g in groups.values())):
                 raise _refuse("source_quantization_config.config_groups",
-                              "the source's compressed-tensors groups (an object of objects)", groups)
+                              "the source's compressed-tensors groups (an object of objects)", groups, named)
             from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
                 CompressedTensorsConfig)
 
-            self.inner = CompressedTensorsConfig.from_config(source)
+            _check_groups(groups, named)
+            try:
+                self.inner = CompressedTensorsConfig.from_config(source)
+            except Exception as e:  # noqa: BLE001 - whatever else vLLM refuses in it (one line, the key named)
+                text = " ".join(str(e).split()) or type(e).__name__
+                raise ValueError(f"moeconvert: config.json: quantization_config.source_quantization_config: vLLM's "
+                                 f"compressed-tensors config refuses it ({text}); {convert_again(named)}") from None
             self.inner.packed_modules_mapping = self.packed_modules_mapping  # one mapping, updated by the model
 
     # -- what vLLM asks of every quantization config ---------------------------------------------------
@@ -179,7 +217,7 @@ class MoeconvertConfig(QuantizationConfig):
                                   ("made_for", self.raw["made_for"], manifest["layout"]["made_for"]),
                                   ("partition", self.partition, manifest["partition"])):
             if mine != theirs:
-                raise _refuse(key, f"{_show(theirs)}, what moeconvert.json says", mine)
+                raise _refuse(key, f"{_show(theirs)}, what moeconvert.json says", mine, layout["name"])
         kind = (manifest["scheme"] or {}).get("kind")
         why = refusal(manifest["layout"]["name"], kind, manifest["family"],
                       [(m["activation"], m.get("activation_params") or {}) for m in manifest["moe_layers"]])
@@ -188,7 +226,7 @@ class MoeconvertConfig(QuantizationConfig):
         self._check_served(manifest, kind or manifest["moe_layers"][0]["scheme"]["kind"])
         if self.raw.get("load_format") != load_format(manifest["family"]):
             raise _refuse("load_format", f"{_show(load_format(manifest['family']))} (what a {manifest['family']} "
-                          "folder is served with)", self.raw.get("load_format"))
+                          "folder is served with)", self.raw.get("load_format"), layout["name"])
         if manifest["dtype"] != self.raw["dtype"]:
             raise ValueError(f"moeconvert: config.json says dtype {self.raw['dtype']}, the manifest {manifest['dtype']}")
         self.manifest = manifest
@@ -224,7 +262,7 @@ class MoeconvertConfig(QuantizationConfig):
         vLLM's own expert map gives the layer; and the TP sizes whose cuts the layout declares exact
         (``Layout.tp_cuts``; DP without EP is TP across DP there)."""
         from moeconvert.layouts.output import layer_shape_from_manifest, parse_scheme
-        from moeconvert.integrations.vllm.method import RankShare
+        from moeconvert.integrations.vllm.methods.base import RankShare
         from moeconvert.layouts import get_layout
 
         from vllm.config import get_current_vllm_config_or_none
@@ -248,17 +286,11 @@ class MoeconvertConfig(QuantizationConfig):
                     f"the checkpoint without --tp-rank/--ep-rank ({self._command()}) and one folder serves every EP "
                     "shape, or for this rank (--tp-size / --ep-size)")
             return RankShare()
-        if pc.enable_eplb and not method_cls.supports_eplb and method_cls.__name__ == "TritonFastMethod":
-            raise ValueError(
-                f"moeconvert: {prefix}: this vLLM builds the layer with EPLB ({shape}); moeconvert's triton-fast "
-                f"experts have not been run with vLLM's expert rebalancing: serve without --enable-eplb, or convert "
-                f"with --backend triton ({self._command('triton')})")
-        if pc.enable_eplb and not method_cls.supports_eplb:
-            raise ValueError(
-                f"moeconvert: {prefix}: this vLLM builds the layer with EPLB ({shape}); vLLM 0.33.0 moves experts "
-                f"between ranks only for kernels whose own MoE method supports it, and its Marlin WNA16 method "
-                f"does not (CompressedTensorsWNA16MoEMethod.supports_eplb is TRITON only): serve without "
-                f"--enable-eplb, or convert with --backend triton ({self._command('triton')})")
+        if pc.enable_eplb and not method_cls.spec.supports_eplb()[0]:
+            alts = alternatives(entry["scheme"]["kind"], entry["activation"], entry.get("activation_params"),
+                                layout_fits(entry, self.manifest["dtype"]), exclude=method_cls.spec, eplb=True)
+            raise ValueError("moeconvert: " + eplb_refusal(method_cls.spec, prefix, shape, alts,
+                                                           lambda spec: self._command(spec.layout)))
         if layer.moe_config.num_logical_experts != entry["num_experts_global"]:
             raise ValueError(
                 f"moeconvert: {prefix}: this vLLM builds the layer over {layer.moe_config.num_logical_experts} "
@@ -267,7 +299,7 @@ class MoeconvertConfig(QuantizationConfig):
         layout = get_layout(layout_name, kind)
         if have["ep_size"] > 1:
             # a choice vLLM makes over a rank's own experts (humming's sign-magnitude) must be the folder's
-            from moeconvert.integrations.vllm.method import local_experts
+            from moeconvert.integrations.vllm.methods.base import local_experts
 
             stored = entry.get("tp_sizes", {}).get(str(have["tp_size"])) or {}
             metadata = (stored["rank_layout_metadata"][have["tp_rank"]] if "rank_layout_metadata" in stored
@@ -313,7 +345,7 @@ class MoeconvertConfig(QuantizationConfig):
         from vllm.model_executor.layers.fused_moe import RoutedExperts
 
         if isinstance(layer, RoutedExperts):
-            from moeconvert.integrations.vllm import method as methods
+            from moeconvert.integrations.vllm.methods import method_class
 
             owner = prefix.removesuffix(".routed_experts")
             if self.manifest is None:
@@ -321,7 +353,7 @@ class MoeconvertConfig(QuantizationConfig):
             entry = self.layers.get(owner)
             if entry is None:
                 raise ValueError(f"moeconvert: {owner} is an MoE layer the folder's manifest does not hold")
-            method = getattr(methods, method_name(self.manifest["layout"]["name"], entry["scheme"]["kind"]))
+            method = method_class(method_name(self.manifest["layout"]["name"], entry["scheme"]["kind"]))
             share = self._check_parallel(owner, layer, entry, method)
             return method(layer.moe_config, entry, self.manifest, share)
         if self.inner is not None:

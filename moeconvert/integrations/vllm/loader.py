@@ -91,10 +91,10 @@ class MoeconvertModelLoader(DefaultModelLoader):
     def load_weights(self, model: torch.nn.Module, model_config) -> None:
         from vllm.model_executor.layers.fused_moe import RoutedExperts
 
-        from moeconvert.integrations.vllm.method import _FinalLayoutMethod, local_experts
+        from moeconvert.integrations.vllm.methods.base import FinalLayoutMethod, local_experts
 
         ours = {name.removesuffix(".routed_experts"): m for name, m in model.named_modules()
-                if isinstance(m, RoutedExperts) and isinstance(m.quant_method, _FinalLayoutMethod)}
+                if isinstance(m, RoutedExperts) and isinstance(m.quant_method, FinalLayoutMethod)}
         config = next((m.quant_config for m in ours.values()), None)
         if config is None or config.manifest is None:  # not a converted folder: vLLM's own loader
             return super().load_weights(model, model_config)
