@@ -164,9 +164,9 @@ def load(path_or_repo: str | Path, device: str | torch.device | None = None, lay
     for entry in selected:
         tensors = {suffix: read[info.name] for suffix, info in entry.tensors.items()}
         router = None
-        if entry.router:
-            rt = {n: read[n] for n in entry.router}
-            router = router_from_tensors(router_config(family, config, entry.top_k), rt)
+        rcfg = router_config(family, config, entry.top_k) if entry.router else None
+        if rcfg is not None:
+            router = router_from_tensors(rcfg, {n: read[n] for n in entry.router})
         shared = {n: read[n] for n in entry.shared}
         out[entry.prefix] = MoELayer(entry, tensors, dev, router, shared, config, part["tp_size"], kernel)
     if dev.type == "cuda" and want_tune:

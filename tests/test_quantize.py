@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from moeconvert.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from moeconvert.verify import verify_output
 
-from helpers import cli, int_loaded, make_int_checkpoint, st_tensors, vllm_marlin_reference
+from helpers import cli, int_loaded, make_int_checkpoint, st_tensors, to_gptoss_mxfp4, vllm_marlin_reference
 
 H, I, E = 256, 80, 4  # I = 80 is padded to 96 by the plain layout's 32-multiples
 
@@ -307,39 +307,6 @@ def test_corrupt_int_sources_are_refused_in_one_line_writing_nothing(ints, tmp_p
         assert p in lines[0], lines[0]
     assert not out.exists() or not any(out.iterdir())
     assert not [p for p in tmp_path.iterdir() if "moeconvert-partial" in p.name]
-
-
-def to_gptoss_mxfp4(src: Path, dst: Path) -> None:
-    """Rewrite a bf16 gpt-oss checkpoint in gpt-oss' own MXFP4 form (*_blocks / *_scales, N-first,
-    rows interleaved), quantized with the vLLM rule."""
-    shutil.copytree(src, dst)
-    for f in dst.glob("*.safetensors"):
-        tensors = {}
-        with safe_open(f, "pt") as h:
-            meta = h.metadata()
-            for k in h.keys():
-                t = h.get_tensor(k)
-                if k.endswith(("gate_up_proj", "down_proj")):
-                    p, s = quantize_mxfp4(t.transpose(1, 2).contiguous())  # [E, N, K]
-                    tensors[k + "_blocks"] = p.view(*p.shape[:2], -1, 16).contiguous()
-                    tensors[k + "_scales"] = s
-                else:
-                    tensors[k] = t
-        save_file(tensors, str(f), metadata=meta)
-    index = dst / "model.safetensors.index.json"
-    if index.exists():
-        idx = json.loads(index.read_text())
-        wm = {}
-        for k, v in idx["weight_map"].items():
-            if k.endswith(("gate_up_proj", "down_proj")):
-                wm[k + "_blocks"] = wm[k + "_scales"] = v
-            else:
-                wm[k] = v
-        idx["weight_map"] = wm
-        index.write_text(json.dumps(idx))
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4"}
-    (dst / "config.json").write_text(json.dumps(cfg))
 
 
 def test_gptoss_mxfp4_checkpoint_is_relaid_out_without_requantizing(gptoss, tmp_path):

@@ -364,6 +364,7 @@ def validate_fields(m: dict) -> None:
             if not _is_num(v):
                 raise field_error(f"{p}.activation_params.{k}", f"expected a number, found {show_field(v)}")
         get_field(raw, "has_bias", p, "bool")
+        get_field(raw, "apply_router_weight_on_input", p, "bool", default=False)
         get_field(raw, "bias_dtype", p, "float_dtype|null")
         for key in ("scheme", "source_scheme"):
             get_field(raw, key, p, "dict")  # its fields: layouts/output.py (parse_scheme)
