@@ -25,29 +25,9 @@ from moeconvert.layouts import get_layout
 from moeconvert.layouts import humming as hl
 from moeconvert.schemes import WNA16Scheme
 
+from factories import block_of
+
 HUMMING_SRC = "MOECONVERT_HUMMING_SRC"
-
-
-def block_of(scheme: WNA16Scheme, E: int, H: int, I: int, seed: int = 0, no_zero: tuple[str, ...] = (),
-             bias: bool = False) -> ExpertBlock:
-    gen = torch.Generator().manual_seed(seed)
-    n = 1 << scheme.bits
-
-    def codes(*size, low=0):
-        return torch.randint(low, n, size, generator=gen, dtype=torch.uint8)
-
-    def scales(*size):
-        return (torch.rand(size, generator=gen) * 0.02 + 0.004).to(torch.bfloat16)
-
-    kw = dict(w13=codes(E, 2 * I, H, low=1 if "w13" in no_zero else 0),
-              w2=codes(E, H, I, low=1 if "w2" in no_zero else 0),
-              w13_scale=scales(E, 2 * I, scheme.groups(H)), w2_scale=scales(E, H, scheme.groups(I)))
-    if not scheme.symmetric:
-        kw.update(w13_zero=codes(E, 2 * I, scheme.groups(H)), w2_zero=codes(E, H, scheme.groups(I)))
-    if bias:
-        kw.update(w13_bias=torch.randn(E, 2 * I, generator=gen).to(torch.bfloat16),
-                  w2_bias=torch.randn(E, H, generator=gen).to(torch.bfloat16))
-    return ExpertBlock(scheme=scheme, **kw)
 
 
 def sizes(g: int) -> tuple[int, int]:
