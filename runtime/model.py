@@ -11,6 +11,7 @@ import torch
 
 from moeconvert.errors import MoeConvertError
 from moeconvert.kernels.tune import tune_wanted
+from moeconvert.layouts.output import check_layer_bytes
 from moeconvert.runtime.layer import MoELayer
 from moeconvert.runtime.loader import make_reader
 from moeconvert.runtime.manifest import CheckedManifest, LayerEntry, read_checked
@@ -163,6 +164,8 @@ def load(path_or_repo: str | Path, device: str | torch.device | None = None, lay
         reader_name = r.name
     for entry in selected:
         tensors = {suffix: read[info.name] for suffix, info in entry.tensors.items()}
+        if verify:  # the digests say the bytes are the ones written; this, that they are bytes the layout writes
+            check_layer_bytes(entry.layout, entry.shape, entry.scheme, tensors, entry.prefix)
         router = None
         if entry.router:
             rt = {n: read[n] for n in entry.router}

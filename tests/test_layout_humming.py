@@ -567,3 +567,28 @@ def test_verify_rescans_the_decoded_codes(no_zero_ckpts, tmp_path):
     r = cli("verify", str(out), "--json", expect=1)
     layer = json.loads(r.out)["layers"][0]
     assert any("layout facts: the manifest records" in d and "[4, 5, 6, 7]" in d for d in layer["differences"])
+
+
+def test_verify_refuses_words_no_sign_magnitude_encoding_writes(no_zero_ckpts, tmp_path):
+    """Choice and facts edited together from unsigned to sign-magnitude pass the manifest's check, and the
+    words decode (a 0 code decodes as sign-magnitude -0, i.e. code 8): but they hold -0, which no
+    sign-magnitude encoding writes. Plain verify and load(verify=True) refuse them, without the source."""
+    import json
+
+    from helpers import cli
+    from moeconvert.runtime import load
+
+    out = tmp_path / "full"
+    _humming(no_zero_ckpts["half"], out)
+    path = out / "moeconvert.json"
+    m = json.loads(path.read_text())
+    for layer in m["moe_layers"]:
+        layer["layout_metadata"]["w13"].update(b_dtype="float4e0m3", **{hl.NO_ZERO: list(range(8))})
+    path.write_text(json.dumps(m))
+    r = cli("verify", str(out), "--json", expect=1)
+    errors = json.loads(r.out)["layers"][0]["decode_errors"]
+    assert errors and all("w13_weight:" in e and "never writes for the values they decode to" in e for e in errors), errors
+    with pytest.raises(MoeConvertError, match=r"w13_weight: \d+ of \d+ elements hold bytes layout humming never "
+                                              r"writes") as exc:
+        load(out, device="cpu", verify=True)
+    assert "\n" not in str(exc.value)

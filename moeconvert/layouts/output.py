@@ -346,3 +346,31 @@ def check_output(root: Path, *, hash_headers: bool = True, made_for: bool = True
     sha.update({e["name"]: e["sha256"] for i, raw in enumerate(manifest["moe_layers"])
                 for _, e in layer_tensor_entries(raw, i)})
     return CheckedOutput(root, manifest, layers, infos, sha, config)
+
+
+# -- the bytes ------------------------------------------------------------------------------------
+
+#: experts' bytes checked at a time by :func:`check_layer_bytes` (decoded and encoded again: about 4x in memory)
+CHECK_CHUNK_BYTES = 256 << 20
+
+
+def check_layer_bytes(layout: Layout, shape: LayerShape, scheme: Scheme, tensors: dict, prefix: str) -> None:
+    """Refuse, in one line, a layer's stored ``tensors`` (suffix -> ``[E, ...]``, on any device) that hold bytes
+    its layout never writes (``Layout.byte_problems``): what ``load(verify=True)`` checks beyond the digests,
+    as ``verify`` does (docs/format.md, "What verify guarantees")."""
+    n = shape.num_experts
+    per_expert = sum(t.numel() * t.element_size() for t in tensors.values()) // max(n, 1)
+    step = max(1, min(n, CHECK_CHUNK_BYTES // max(per_expert, 1)))
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        chunk = {suffix: t[a:b].cpu() for suffix, t in tensors.items()}
+        try:
+            block = layout.decode(chunk, shape, scheme)
+        except (RuntimeError, ValueError, KeyError, IndexError) as e:
+            raise MoeConvertError(f"experts {a}..{b - 1} do not decode as layout {layout.name}: {e}",
+                                  tensor=prefix) from None
+        problems = layout.byte_problems(chunk, block, shape)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise MoeConvertError(f"experts {a}..{b - 1}: {problems[0]}{more}: not what moeconvert wrote; convert "
+                                  "the source again", tensor=prefix)
