@@ -27,6 +27,10 @@ NOT_A_SLICE = {
     "marlin-g128-one-w2-group": (dict(scheme="w4a16", intermediate_size=256), ["repack", "--backend", "marlin"]),
     "marlin-mxfp4-rank-padded": (dict(scheme="bf16", intermediate_size=128),
                                  ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    # I = 160 pads to 192 for humming (a multiple of 64), which does not halve into whole 64s: a rank's I = 80
+    # is padded on its own, to 128, as the per-rank conversion and vLLM pad it
+    "humming-mxfp4-rank-padded": (dict(scheme="bf16", intermediate_size=160, num_layers=1, num_experts=4),
+                                  ["quantize", "--format", "mxfp4", "--backend", "humming"]),
 }
 EXACT = (dict(scheme="w4a16", intermediate_size=512), ["repack", "--backend", "marlin"])
 

@@ -283,11 +283,18 @@ class Layout(ABC):
         return NotASlice(f"layout '{self.name}' does not declare how a TP rank is cut from its full tensors")
 
     def _rank_shape(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> LayerShape | NotASlice:
-        """The layer as one TP rank holds it, or why no rank can hold it (for ``tp_cuts``)."""
-        I = shape.intermediate_size
+        """The layer as one TP rank holds it, or why no rank can hold it (for ``tp_cuts``). A layer padded
+        for the engine (``extra`` holds the real sizes) is split at its real I, and each rank's I padded on
+        its own, as the engine pads it and as a conversion for that rank does (``plan.layer_shape``): the
+        padded full I need not split at all."""
+        I = shape.extra.get("intermediate_size_unpadded", shape.intermediate_size)
         if tp_size < 1 or I % tp_size:
             return NotASlice(f"intermediate_size I = {I} does not split into {tp_size} equal TP parts", False)
-        rank = dataclasses.replace(shape, intermediate_size=I // tp_size)
+        rank = dataclasses.replace(shape, intermediate_size=I // tp_size, extra={})  # a rank's choices are its own
+        if "intermediate_size_unpadded" in shape.extra:
+            H = shape.extra.get("hidden_size_unpadded", shape.hidden_size)
+            rank.extra = {"hidden_size_unpadded": H, "intermediate_size_unpadded": I // tp_size}
+            rank.hidden_size, rank.intermediate_size = padded_sizes(H, I // tp_size, self.pad_multiples)
         problems = self.check(rank, scheme)
         return NotASlice(f"a TP rank of {tp_size} cannot hold this layer: {problems[0]}", False) if problems else rank
 
