@@ -321,7 +321,7 @@ def padding_problems(block: ExpertBlock, shape: LayerShape) -> list[str]:
     but zeros in its padding: vLLM creates the padded parameters with ``torch.zeros`` and loads (or quantizes)
     the real values into them, so every padding code, scale byte and bias there is 0 (docs/quantize.md)."""
     H, I = shape.extra.get("hidden_size_unpadded"), shape.extra.get("intermediate_size_unpadded")
-    if H is None or I is None:
+    if H is None or I is None or block.scheme.kind != "mxfp4":  # only MXFP4 layers are padded for the engine
         return []
     Ip = shape.intermediate_size
     per = {"w13": 2, "w2": 2, "w13_scale": 32, "w2_scale": 32, "w13_bias": 1, "w2_bias": 1}  # elements a column
