@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from moeconvert.canonical import ExpertBlock, LayerShape, Partition
+from moeconvert.canonical import BLOCK_TENSORS, ExpertBlock, LayerShape, Partition
 from moeconvert.decode import decode_chunk
 from moeconvert.layouts.output import check_output, rank_shape
 from moeconvert.modelmap import map_model
@@ -278,7 +278,11 @@ def rank_block(full: ExpertBlock, full_shape: LayerShape, rank: LayerShape, tp_s
     kw = dict(w13=rows(full.w13), w13_scale=rows(full.w13_scale), w13_zero=rows(full.w13_zero),
               w13_bias=rows(full.w13_bias))
     skip: tuple[str, ...] = ()
-    if isinstance(s, MXFP4Scheme):
+    if s.kind not in ("float", "wna16", "mxfp4"):
+        # NVFP4: each rank rescales over its own experts' scales (a layer-wide factor), so a rank's values
+        # need not be the full ones cut: left to --against
+        skip = BLOCK_TENSORS
+    elif isinstance(s, MXFP4Scheme):
         if Ir % s.block_size:
             skip = ("w2", "w2_scale")
         else:
@@ -293,8 +297,7 @@ def rank_block(full: ExpertBlock, full_shape: LayerShape, rank: LayerShape, tp_s
         # w2's bias is added after TP's all-reduce: gpt-oss's loader keeps it on rank 0 only (decode.py)
         kw["w2_bias"] = torch.zeros_like(full.w2_bias) if full_shape.activation == "swigluoai" and tp_rank else \
             full.w2_bias
-    for name in skip:
-        kw[name] = None
+    kw = {"w2": None, **{name: None if name in skip else t for name, t in kw.items()}}
     predicted = lambda block: dataclasses.replace(block, **{name: None for name in skip})
     return predicted(ExpertBlock(scheme=s, **kw)), predicted
 

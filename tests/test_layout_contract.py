@@ -425,7 +425,8 @@ def _rows_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
     """Per expert of ``a``, whether its bits equal ``b``'s one expert."""
     if a is None or b is None:
         return torch.tensor(a is None and b is None)
-    return (a.contiguous().view(INTS[a.element_size()]) == b.contiguous().view(INTS[b.element_size()])).flatten(1).all(1)
+    same = a.contiguous().view(INTS[a.element_size()]) == b.contiguous().view(INTS[b.element_size()])
+    return same.reshape(a.shape[0], -1).all(1)
 
 
 def hidden_flips(case: Case) -> list[dict[str, torch.Tensor]]:
