@@ -30,7 +30,7 @@ import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.layouts import register
-from moeconvert.layouts.base import TensorSpec
+from moeconvert.layouts.base import TensorSpec, unwritten_problems
 from moeconvert.layouts.plain import PlainLayout, torch_dtype
 from moeconvert.layouts.triton_wna16 import expert_count_problems
 from moeconvert.schemes import FloatScheme, Scheme, WNA16Scheme
@@ -125,6 +125,12 @@ class EmulationLayout(PlainLayout):
 
     def expected_block(self, block: ExpertBlock, shape: LayerShape) -> ExpertBlock:
         return dequantize(block, shape)
+
+    def byte_problems(self, tensors: dict[str, torch.Tensor], block: ExpertBlock, shape: LayerShape) -> list[str]:
+        """The bytes are ``plain``'s bfloat16 form of the dequantized block (``decode`` gives it back, not codes,
+        so it cannot be encoded again): checked as that form. Which codes and scales made them is gone with
+        the dequantization; only ``verify --against`` compares them with the source's."""
+        return unwritten_problems(self.name, tensors, self.lay_out(block))
 
     def warnings(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         return ["weights are stored dequantized in bfloat16 (4x the int4 bytes), as vLLM's EMULATION backend "
