@@ -167,7 +167,7 @@ class Layout(ABC):
     #: keys of ``made_for`` a folder of this layout version may lack: they name where the bytes are served
     #: (our own layout's vLLM versions), not a library whose processing made them
     made_for_optional: ClassVar[tuple[str, ...]] = ()
-    #: the plugin's MoE method (``moeconvert/integrations/vllm/method.py``) that serves these bytes in vLLM,
+    #: the plugin's MoE method (``moeconvert/integrations/vllm/methods/``) that serves these bytes in vLLM,
     #: or None: the converter then writes a config.json whose ``quantization_config`` names the plugin
     #: (``moeconvert[vllm]``, docs/vllm.md), and the plugin builds this method for the layer
     vllm_method: ClassVar[str | None] = None
