@@ -52,6 +52,9 @@ def run_conversion(plan: ConversionPlan, out: Path, *, overwrite: bool = False,
     ``report(line)`` hears what the run decided (jobs kept by ``--resume``, retries)."""
     from moeconvert.executors import InProcess, available_cores
 
+    if plan.model.family.plan_only:  # before anything is written (families.py says why)
+        raise MoeConvertError(f"{plan.model.family.name} is planned, not converted: {plan.model.family.plan_only}",
+                              file=CONFIG_NAME, tensor="model_type")
     progress = progress or (lambda n: None)
     report = report or (lambda line: None)
     request = request or Request(plan.source.ident, plan.layout.name, chunk_bytes=chunk_bytes, job_bytes=job_bytes)
@@ -239,6 +242,8 @@ def build_manifest(plan: ConversionPlan, digests: dict[str, str], quality: dict[
             "activation_params": m.activation_params,
             "has_bias": m.has_bias,
             "bias_dtype": lp.shape.bias_dtype,
+            # written only where true, so that every other family's manifest reads as before
+            **({"apply_router_weight_on_input": True} if m.router_on_input else {}),
             "scheme": lp.scheme.to_json(),
             "source_scheme": m.scheme.to_json(),
             "router": m.router,

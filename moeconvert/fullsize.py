@@ -34,7 +34,21 @@ _KIMI_K2 = {**_DEEPSEEK_V3, "vocab_size": 163840, "num_attention_heads": 64, "nu
             "n_routed_experts": 384, "routed_scaling_factor": 2.827, "n_group": 1, "topk_group": 1,
             "first_k_dense_replace": 1, "num_nextn_predict_layers": 0, "max_position_embeddings": 131072,
             "rope_theta": 50000.0, "bos_token_id": 163584, "eos_token_id": 163585}
-MODELS = {"deepseek-v3": _DEEPSEEK_V3, "kimi-k2": _KIMI_K2}
+# Kimi-K3 at the shape its announcement gives (896 routed experts, top-16, experts on a 3584-wide latent of
+# the 7168-wide hidden state, expert intermediate 3072, 92 MoE layers, 2 shared experts), under the keys of
+# vLLM 0.33.0's KimiK3Config / KimiLinearConfig (vllm/transformers_utils/configs/kimi_k3.py, kimi_linear.py)
+# and the tensor names its loader maps (vllm/models/kimi_k3). Its attention and latent projections have
+# no published names here, so the description holds the MoE blocks, norms, embeddings and head only:
+# what the conversion plans (every byte it writes is an expert's).
+_KIMI_K3_TEXT = {
+    "model_type": "kimi_linear", "torch_dtype": "bfloat16", "vocab_size": 163840, "hidden_size": 7168,
+    "routed_expert_hidden_size": 3584, "moe_intermediate_size": 3072, "num_experts": 896,
+    "num_experts_per_token": 16, "num_shared_experts": 2, "num_hidden_layers": 92, "first_k_dense_replace": 0,
+    "moe_layer_freq": 1, "hidden_act": "situ", "activation_situ_beta": 1.0, "moe_router_activation_func": "sigmoid",
+    "moe_renormalize": True, "tie_word_embeddings": False,
+}
+_KIMI_K3 = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": _KIMI_K3_TEXT}
+MODELS = {"deepseek-v3": _DEEPSEEK_V3, "kimi-k2": _KIMI_K2, "kimi-k3": _KIMI_K3}
 
 
 def _decoder_layer(c: dict, i: int) -> list[tuple[str, list[int], str]]:
@@ -65,8 +79,30 @@ def _decoder_layer(c: dict, i: int) -> list[tuple[str, list[int], str]]:
     return out + mlp(p + "mlp.shared_experts.", I * c["n_shared_experts"])
 
 
+def _kimi_k3_tensors(c: dict) -> list[tuple[str, list[int], str]]:
+    t = c["text_config"]
+    H, L, V = t["hidden_size"], t["routed_expert_hidden_size"], t["vocab_size"]
+    E, I, S = t["num_experts"], t["moe_intermediate_size"], t["num_shared_experts"]
+    out = [("language_model.model.embed_tokens.weight", [V, H], "BF16")]
+    for i in range(t["num_hidden_layers"]):
+        p = f"language_model.model.layers.{i}."
+        out += [(p + "input_layernorm.weight", [H], "BF16"), (p + "post_attention_layernorm.weight", [H], "BF16"),
+                (p + "block_sparse_moe.gate.weight", [E, H], "BF16"),
+                (p + "block_sparse_moe.gate.e_score_correction_bias", [E], "F32")]
+        for e in range(E):
+            q = f"{p}block_sparse_moe.experts.{e}."
+            out += [(q + "w1.weight", [I, L], "BF16"), (q + "w3.weight", [I, L], "BF16"),
+                    (q + "w2.weight", [L, I], "BF16")]
+        q = p + "block_sparse_moe.shared_experts."
+        out += [(q + "gate_proj.weight", [I * S, H], "BF16"), (q + "up_proj.weight", [I * S, H], "BF16"),
+                (q + "down_proj.weight", [H, I * S], "BF16")]
+    return out + [("language_model.model.norm.weight", [H], "BF16"), ("language_model.lm_head.weight", [V, H], "BF16")]
+
+
 def tensors(c: dict) -> list[tuple[str, list[int], str]]:
     """Every tensor of the checkpoint, in the order its shards hold them."""
+    if c.get("model_type") == "kimi_k3":
+        return _kimi_k3_tensors(c)
     H, V, n = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
     out = [("model.embed_tokens.weight", [V, H], "BF16")]
     for i in range(n):
@@ -83,12 +119,15 @@ def tensors(c: dict) -> list[tuple[str, list[int], str]]:
 _ITEMSIZE = {"BF16": 2, "F32": 4}
 
 
-def make_header_only(out_dir: str | Path, model: str = "deepseek-v3") -> Path:
-    """Write ``model``'s full-size checkpoint as sparse safetensors shards (headers, no data) to ``out_dir``."""
+def make_header_only(out_dir: str | Path, model: str = "deepseek-v3", num_layers: int | None = None) -> Path:
+    """Write ``model``'s full-size checkpoint as sparse safetensors shards (headers, no data) to ``out_dir``;
+    ``num_layers`` keeps only the first decoder layers (every layer at full size)."""
     if model not in MODELS:
         raise MoeConvertError("no full-size description of this model", tensor="--family",
                               expected=" | ".join(MODELS), found=model)
-    c = MODELS[model]
+    c = json.loads(json.dumps(MODELS[model]))
+    if num_layers is not None:
+        (c.get("text_config") or c)["num_hidden_layers"] = num_layers
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     groups: list[list] = [[]]

@@ -21,56 +21,73 @@ from typing import Iterator
 from moeconvert.errors import MoeConvertError
 from moeconvert.readers import Reader, SourceFormat, source_format
 from moeconvert.schemes import Scheme, float_dtype_name
-from moeconvert.format import CONFIG_NAME, MODEL_TYPES, config_int, config_number, config_value, family_name, show_value
+from moeconvert.format import CONFIG_NAME, config_value, family_name, show_value
+from moeconvert.format.families import (FAMILIES as TABLE, FIRST_K_DENSE, INTERLEAVE, LAYER_RANGE, MLP_LAYER_TYPES,
+                                       PER_EXPERT, SPARSE_STEP, FamilySpec, read_keys)
 from moeconvert.sources import Source
 
-# Per-expert tensors: {prefix}.{e}.{proj}.{suffix}; prefix ends in "<layers>.<L>.<mlp>.experts".
+# Per-expert tensors: {prefix}.{e}.{proj}.{suffix}; prefix ends in "<layers>.<L>.<block>.experts" (the
+# block names of the family table: mlp, block_sparse_moe, feed_forward).
 _PER_EXPERT = re.compile(
-    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts)"
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe|feed_forward)\.experts)"
     r"\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.(?P<suffix>[A-Za-z0-9_]+)$"
 )
-# Fused tensors (gpt-oss): {prefix}.gate_up_proj[_bias|_blocks|_scales], {prefix}.down_proj[...]
+# Fused tensors: {prefix}.gate_up_proj[_bias|_blocks|_scales], {prefix}.down_proj[...]
 _FUSED = re.compile(
-    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)"
-    r"(?P<suffix>|_bias|_blocks|_scales)$"
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe|feed_forward)\.experts)"
+    r"\.(?P<proj>gate_up_proj|down_proj)(?P<suffix>|_bias|_blocks|_scales)$"
 )
 
 # Any layer's tensors (attention, norms, experts, MTP): bounds what num_hidden_layers may claim.
 _ANY_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
+#: a family's declared facts (moeconvert/format/families.py)
+Family = FamilySpec
 
-@dataclass(frozen=True)
-class Family:
-    name: str
-    model_types: tuple[str, ...]
-    roles: dict[str, str]  # checkpoint projection name -> gate / up / down
-    experts_key: tuple[str, ...]  # config keys for the routed expert count (first present wins)
-    intermediate_key: tuple[str, ...]  # config keys for the per-expert intermediate size
-    fused: bool = False  # experts stored as 3-D tensors (gpt-oss)
-    activation: str = "silu"
-    router: tuple[str, ...] = ("gate",)  # module names under the MoE block, for inspect
-    shared: tuple[str, ...] = ()
 
-    def sparse_layers(self, cfg: dict, section: str = "") -> "SparseLayers | None":
-        """The layers the config says have routed experts (None when it does not say how many layers)."""
-        n = config_int(cfg, "num_hidden_layers", default=None, section=section)
-        if n is None:
-            return None
-        if self.name in ("qwen2-moe", "qwen3-moe"):
-            # transformers: sparse when not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
-            step = config_int(cfg, "decoder_sparse_step", default=1, section=section)
-            only = config_value(cfg, "mlp_only_layers", list, default=[], section=section)
-            for i in only:
-                if type(i) is not int or i < 0:
-                    raise MoeConvertError("invalid value", file=CONFIG_NAME, tensor=f"{section}mlp_only_layers",
-                                          expected="a list of layer indices (integers >= 0)", found=show_value(i))
-            return SparseLayers(n, first=step - 1, step=step, skip=frozenset(only))
-        if self.name in ("deepseek-v2", "deepseek-v3", "glm4-moe"):
-            # transformers: sparse when i >= first_k_dense_replace and i % moe_layer_freq == 0
-            k = config_int(cfg, "first_k_dense_replace", min=0, default=0, section=section)
-            freq = config_int(cfg, "moe_layer_freq", default=1, section=section)
-            return SparseLayers(n, first=-(-k // freq) * freq, step=freq)
-        return SparseLayers(n, first=0, step=1)
+def sparse_layers(fam: Family, values: dict, section: str = "") -> "SparseLayers | None":
+    """The layers the config says have routed experts (None when it does not say how many layers), by
+    the family's declared rule (``values``: its keys as :func:`read_keys` read them)."""
+    n = values[fam.layers_key]
+    if n is None:
+        return None
+    rule = fam.moe_layers
+    if rule == SPARSE_STEP:
+        # transformers' Qwen MoE decoder layer: sparse when not in mlp_only_layers and (i + 1) % step == 0
+        step = values["decoder_sparse_step"]
+        return SparseLayers(n, first=step - 1, step=step, skip=frozenset(values["mlp_only_layers"] or ()))
+    if rule == FIRST_K_DENSE:
+        # transformers' DeepSeek decoder layer: sparse when i >= first_k_dense_replace and i % moe_layer_freq == 0
+        k, freq = values["first_k_dense_replace"], values["moe_layer_freq"]
+        return SparseLayers(n, first=-(-k // freq) * freq, step=freq)
+    if rule == MLP_LAYER_TYPES:
+        types = values["mlp_layer_types"]
+        if types is None:  # transformers' default: the first first_k_dense_replace layers dense
+            return SparseLayers(n, first=values["first_k_dense_replace"], step=1)
+        if len(types) != n or any(t not in ("dense", "sparse") for t in types):
+            raise MoeConvertError("invalid value", file=CONFIG_NAME, tensor=f"{section}mlp_layer_types",
+                                  expected=f'{n} entries ({section}num_hidden_layers), each "dense" or "sparse"',
+                                  found=show_value(types))
+        return SparseLayers(n, first=0, step=1, skip=frozenset(i for i, t in enumerate(types) if t != "sparse"))
+    if rule == INTERLEAVE:
+        # vLLM's Llama4DecoderLayer: MoE when (i + 1) % interleave_moe_layer_step == 0; transformers'
+        # moe_layers list, when written, must say the same
+        step = values["interleave_moe_layer_step"]
+        sparse = SparseLayers(n, first=step - 1, step=step)
+        listed = values["moe_layers"]
+        if listed is not None and (len(listed) != len(range(step - 1, n, step)) or any(i not in sparse for i in listed)):
+            raise MoeConvertError("moe_layers disagrees with interleave_moe_layer_step", file=CONFIG_NAME,
+                                  tensor=f"{section}moe_layers", expected=f"every {step}th layer below {n}",
+                                  found=show_value(listed))
+        return sparse
+    if rule == LAYER_RANGE:
+        # transformers' Ernie4_5_MoeDecoderLayer: (i + 1) % interval == 0 and start <= i <= end (-1: the last)
+        start = values["moe_layer_start_index"]
+        end = values["moe_layer_end_index"]
+        end = n - 1 if end == -1 else end
+        step = values["moe_layer_interval"]
+        return SparseLayers(n, first=start + (-(start + 1)) % step, step=step, stop=max(0, min(n, end + 1)))
+    return SparseLayers(n, first=0, step=1)
 
 
 @dataclass(frozen=True)
@@ -82,37 +99,23 @@ class SparseLayers:
     first: int
     step: int
     skip: frozenset = frozenset()
+    stop: int | None = None  # no sparse layer at or after it (ERNIE's moe_layer_end_index + 1); None: n
 
     def __contains__(self, i: int) -> bool:
-        return self.first <= i < self.n and (i - self.first) % self.step == 0 and i not in self.skip
+        stop = self.n if self.stop is None else self.stop
+        return self.first <= i < stop and (i - self.first) % self.step == 0 and i not in self.skip
 
     def __iter__(self) -> Iterator[int]:
         """In order; a caller stopping at the first layer it lacks does O(layers found + skip) steps."""
         i = self.first
-        while i < self.n:
+        while i < (self.n if self.stop is None else self.stop):
             if i not in self.skip:
                 yield i
             i += self.step
 
 
-FAMILIES = [
-    Family("mixtral", MODEL_TYPES["mixtral"], {"w1": "gate", "w3": "up", "w2": "down"},
-           ("num_local_experts",), ("intermediate_size",)),
-    Family("qwen2-moe", MODEL_TYPES["qwen2-moe"], {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
-           ("num_experts", "num_local_experts"), ("moe_intermediate_size",), shared=("shared_expert", "shared_expert_gate")),
-    Family("qwen3-moe", MODEL_TYPES["qwen3-moe"], {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
-           ("num_experts", "num_local_experts"), ("moe_intermediate_size",)),
-    Family("deepseek-v2", MODEL_TYPES["deepseek-v2"], {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
-           ("n_routed_experts", "num_local_experts"), ("moe_intermediate_size",), shared=("shared_experts",)),
-    Family("deepseek-v3", MODEL_TYPES["deepseek-v3"], {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
-           ("n_routed_experts", "num_local_experts"), ("moe_intermediate_size",), shared=("shared_experts",)),
-    Family("glm4-moe", MODEL_TYPES["glm4-moe"], {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
-           ("n_routed_experts", "num_local_experts"), ("moe_intermediate_size",), shared=("shared_experts",)),
-    Family("gpt-oss", MODEL_TYPES["gpt-oss"], {"gate_up_proj": "gate_up", "down_proj": "down"},
-           ("num_local_experts",), ("intermediate_size",), fused=True, activation="swigluoai", router=("router",)),
-]
-_BY_NAME = {f.name: f for f in FAMILIES}
-assert list(_BY_NAME) == list(MODEL_TYPES), "one Family row per format.config.MODEL_TYPES entry, in its order"
+FAMILIES = [f for f in TABLE if not f.refused]
+_BY_NAME = {f.name: f for f in TABLE}
 
 
 def family_for(cfg: dict) -> Family:
@@ -133,6 +136,10 @@ class MoELayerMap:
     has_bias: bool
     bias_dtype: str | None
     fused: bool
+    #: how the source stores the experts (families.py: per-expert, fused, fused-transposed, ...)
+    storage: str = PER_EXPERT
+    #: the router weight scales the expert's input (Llama 4; vLLM's apply_router_weight_on_input)
+    router_on_input: bool = False
     #: the registry name of the layer's reader (moeconvert.readers): the checkpoint format its experts are in,
     #: and that format's parsed quantization config, which the reader reads again when it decodes
     format: str = "float"
@@ -179,46 +186,59 @@ def map_model(source: Source) -> ModelMap:
     raw_cfg = source.config
     fam = family_for(raw_cfg)
     cfg, section = _text_config(raw_cfg)
+    values = read_keys(cfg, fam, section)
+    if fam.activation_key and values[fam.activation_key] != fam.activation:
+        raise MoeConvertError(f"{fam.name}'s experts run {fam.activation}", file=CONFIG_NAME,
+                              tensor=section + fam.activation_key, expected=fam.activation,
+                              found=show_value(values[fam.activation_key]))
     fmt = source_format(raw_cfg)
-    sizes = _sizes(cfg, fam, section)
-    layers = _map_fused(source, fam, cfg, fmt, sizes) if fam.fused else _map_per_expert(source, fam, cfg, fmt, sizes)
+    sizes = _sizes(cfg, values, fam, section)
+    fused = any(m and m["block"] == fam.block for m in map(_FUSED.match, source.tensors))
+    if fused and not set(fam.storage) - {PER_EXPERT}:
+        name = next(n for n in source.tensors if _FUSED.match(n))
+        raise MoeConvertError(f"{fam.name} stores its experts per expert, but this tensor is a fused 3-D one",
+                              file=source.tensors[name].file.name, tensor=name, expected=_expected_names(fam))
+    if fused:
+        layers = _map_fused(source, fam, values, fmt, sizes)
+    else:
+        layers = _map_per_expert(source, fam, values, fmt, sizes) if PER_EXPERT in fam.storage else []
     if not layers:
         raise MoeConvertError(f"no MoE expert tensors found for family {fam.name}", file=str(source.ident),
                               expected=_expected_names(fam), found=_sample_names(source))
-    _check_sparse_layers(source, fam, cfg, section, {lm.layer for lm in layers})
+    _check_sparse_layers(source, fam, values, section, {lm.layer for lm in layers})
     return ModelMap(family=fam, config=raw_cfg, dtype=model_dtype(cfg, section),
                     layers=sorted(layers, key=lambda x: x.layer), source_format=fmt)
 
 
-def _check_sparse_layers(source: Source, fam: Family, cfg: dict, section: str, found: set[int]) -> None:
+def _check_sparse_layers(source: Source, fam: Family, values: dict, section: str, found: set[int]) -> None:
     """The layers holding experts are exactly those the config calls sparse (plus DeepSeek's MTP layers
     after the last one). Walks the config's rule only as far as the first layer it lacks."""
-    sparse = fam.sparse_layers(cfg, section)
+    sparse = sparse_layers(fam, values, section)
     if sparse is None:
         return
     last = max((int(m[1]) for m in map(_ANY_LAYER.search, source.tensors) if m and len(m[1]) <= 18), default=-1)
     if sparse.n > last + 1:
         raise MoeConvertError("more layers than the checkpoint has tensors for", file=CONFIG_NAME,
-                              tensor=f"{section}num_hidden_layers",
+                              tensor=f"{section}{fam.layers_key}",
                               expected=f"at most {last + 1} (the highest layer index in tensor names is {last})",
                               found=sparse.n)
     for i in sparse:
         if i not in found:
-            raise MoeConvertError(f"config says layer {i} has routed experts (num_hidden_layers = {sparse.n}), but "
+            raise MoeConvertError(f"config says layer {i} has routed experts ({fam.layers_key} = {sparse.n}), but "
                                   "the checkpoint has no expert tensors for it", file=str(source.ident),
                                   tensor=f"layers.{i}", expected=_expected_names(fam), found="none")
-    nextn = config_int(cfg, "num_nextn_predict_layers", min=0, default=0, section=section)
+    nextn = values[fam.mtp_key] if fam.mtp_key else 0
     for i in sorted(found):
         if i not in sparse and not sparse.n <= i < sparse.n + nextn:
             raise MoeConvertError(f"layer {i} has expert tensors but the config says it is dense"
-                                  + (f" (num_hidden_layers = {sparse.n})" if i >= sparse.n else ""),
+                                  + (f" ({fam.layers_key} = {sparse.n})" if i >= sparse.n else ""),
                                   file=str(source.ident), tensor=f"layers.{i}")
 
 
 def _expected_names(fam: Family) -> str:
-    if fam.fused:
-        return "model.layers.L.mlp.experts.{gate_up_proj,down_proj}"
-    return "…layers.L." + ("block_sparse_moe" if fam.name == "mixtral" else "mlp") + ".experts.E.{" + ",".join(fam.roles) + "}.weight"
+    if PER_EXPERT not in fam.storage:
+        return f"model.layers.L.{fam.block}.experts.{{gate_up_proj,down_proj}}"
+    return f"…layers.L.{fam.block}.experts.E.{{" + ",".join(fam.roles) + "}.weight"
 
 
 def _sample_names(source: Source) -> str:
@@ -233,41 +253,32 @@ class ConfigSizes:
     E: int
     E_key: str
     H: int
+    H_key: str
     I: int
     I_key: str
     top_k: int | None
     section: str  # "text_config." when the sizes come from a nested text config
 
 
-def _present_key(cfg: dict, keys: tuple[str, ...]) -> str:
-    """The first of ``keys`` the config sets (not null); the first one when none is set."""
-    return next((k for k in keys if cfg.get(k) is not None), keys[0])
+def _sizes(cfg: dict, values: dict, fam: Family, section: str) -> ConfigSizes:
+    E, H, I = values[fam.experts_key], values[fam.hidden_key] or values["hidden_size"], values[fam.intermediate_key]
+    E_key, I_key = (fam.key(k).present(cfg) for k in (fam.experts_key, fam.intermediate_key))
+    top_k = _routing_top_k(values, fam, E, E_key, section)
+    H_key = fam.hidden_key if values[fam.hidden_key] is not None else "hidden_size"
+    return ConfigSizes(E, section + E_key, H, section + H_key, I, section + I_key, top_k, section)
 
 
-def _sizes(cfg: dict, fam: Family, section: str) -> ConfigSizes:
-    E_key, I_key = _present_key(cfg, fam.experts_key), _present_key(cfg, fam.intermediate_key)
-    E = config_int(cfg, E_key, section=section)
-    H = config_int(cfg, "hidden_size", section=section)
-    I = config_int(cfg, I_key, section=section)
-    top_k = _routing_top_k(cfg, fam, E, E_key, section)
-    return ConfigSizes(E, section + E_key, H, I, section + I_key, top_k, section)
-
-
-def _routing_top_k(cfg: dict, fam: Family, E: int, E_key: str, section: str) -> int | None:
+def _routing_top_k(values: dict, fam: Family, E: int, E_key: str, section: str) -> int | None:
     """Top-k and the routing parameters the runtime's router reads from the copied config.json, checked
     now so that a config the router cannot follow is refused before converting, not at the first token."""
-    top_k = config_int(cfg, "num_experts_per_tok", default=None, section=section)
+    top_k = values[fam.top_k_key]
     if top_k is not None and top_k > E:
         raise MoeConvertError("top-k is larger than the number of routed experts", file=CONFIG_NAME,
-                              tensor=f"{section}num_experts_per_tok", expected=f"at most {E} ({section}{E_key})",
+                              tensor=f"{section}{fam.top_k_key}", expected=f"at most {E} ({section}{E_key})",
                               found=top_k)
-    if fam.name in ("qwen2-moe", "qwen3-moe", "deepseek-v2", "deepseek-v3", "glm4-moe"):
-        config_value(cfg, "norm_topk_prob", bool, default=None, section=section)
-    if fam.name in ("deepseek-v2", "deepseek-v3", "glm4-moe"):
-        config_number(cfg, "routed_scaling_factor", default=None, positive=True, section=section)
-        method = config_value(cfg, "topk_method", str, default="greedy", section=section)
-        n_group = config_int(cfg, "n_group", default=1, section=section)
-        topk_group = config_int(cfg, "topk_group", default=1, section=section)
+    if fam.routing in ("grouped", "softmax_group_limited"):
+        method = values.get("topk_method", "greedy")
+        n_group, topk_group = values.get("n_group") or 1, values.get("topk_group") or 1
         if E % n_group:
             raise MoeConvertError("experts cannot be split into n_group equal groups", file=CONFIG_NAME,
                                   tensor=f"{section}n_group", expected=f"a divisor of {E} ({section}{E_key})",
@@ -275,15 +286,15 @@ def _routing_top_k(cfg: dict, fam: Family, E: int, E_key: str, section: str) -> 
         if topk_group > n_group:
             raise MoeConvertError("topk_group is larger than n_group", file=CONFIG_NAME, tensor=f"{section}topk_group",
                                   expected=f"at most {n_group} (n_group)", found=topk_group)
-        grouped = fam.name != "deepseek-v2" or method == "group_limited_greedy"
-        if fam.name != "deepseek-v2" and E // n_group < 2:
+        grouped = fam.routing == "grouped" or method == "group_limited_greedy"
+        if fam.routing == "grouped" and E // n_group < 2:
             # noaux_tc ranks a group by the sum of its two best scores (transformers' topk(2) per group)
             raise MoeConvertError("grouped routing needs at least 2 experts per group", file=CONFIG_NAME,
                                   tensor=f"{section}n_group", expected=f"at most {E // 2} ({E} experts / 2)",
                                   found=n_group)
         if grouped and top_k is not None and top_k > topk_group * (E // n_group):
             raise MoeConvertError("top-k is larger than the experts the kept groups hold", file=CONFIG_NAME,
-                                  tensor=f"{section}num_experts_per_tok",
+                                  tensor=f"{section}{fam.top_k_key}",
                                   expected=f"at most {topk_group * (E // n_group)} (topk_group x experts per group)",
                                   found=top_k)
     return top_k
@@ -311,12 +322,20 @@ def _with_prefix(names: list[str], prefix: str) -> list[str]:
 def _router_and_shared(source: Source, fam: Family, prefix: str, names: list[str]) -> tuple[list[str], list[str]]:
     """``names``: the source's tensor names, sorted (once per model, not per layer)."""
     block = prefix.rsplit(".", 1)[0]
-    router = sorted(n for r in fam.router for n in _with_prefix(names, f"{block}.{r}."))
+    # a module's tensors, or a tensor held by the block itself (MiniMax-M2's e_score_correction_bias)
+    router = sorted(n for r in fam.router for n in _with_prefix(names, f"{block}.{r}.")
+                    + ([f"{block}.{r}"] if f"{block}.{r}" in source.tensors else []))
     shared = sorted(n for s in fam.shared for n in _with_prefix(names, f"{block}.{s}."))
     return router, shared
 
 
-def _map_per_expert(source: Source, fam: Family, cfg: dict, fmt: SourceFormat, sizes: ConfigSizes) -> list[MoELayerMap]:
+def activation_params(fam: Family, values: dict) -> dict:
+    """The activation's parameters, as the family's declared keys give them (never a null read as a
+    default: families.read_key); a parameter the config leaves unset (null where allowed) is omitted."""
+    return {name: values[key] for key, name in fam.activation_params if values[key] is not None}
+
+
+def _map_per_expert(source: Source, fam: Family, values: dict, fmt: SourceFormat, sizes: ConfigSizes) -> list[MoELayerMap]:
     E_cfg, H_cfg, I_cfg = sizes.E, sizes.H, sizes.I
     by_prefix: dict[str, dict[int, dict[str, dict[str, str]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
     layer_of: dict[str, int] = {}
@@ -351,7 +370,7 @@ def _map_per_expert(source: Source, fam: Family, cfg: dict, fmt: SourceFormat, s
         scheme = reader.scheme(source, prefix, first, fmt.config)
         H, I = reader.check(source, prefix, ex_list, scheme)
         if H != H_cfg:
-            raise MoeConvertError("expert hidden size disagrees with config.json hidden_size", tensor=prefix,
+            raise MoeConvertError(f"expert hidden size disagrees with config.json {sizes.H_key}", tensor=prefix,
                                   file=str(source.ident), expected=H_cfg, found=H)
         if I != I_cfg:
             raise MoeConvertError(f"expert intermediate size disagrees with config.json {sizes.I_key}",
@@ -360,7 +379,8 @@ def _map_per_expert(source: Source, fam: Family, cfg: dict, fmt: SourceFormat, s
         router, shared = _router_and_shared(source, fam, prefix, names)
         layers.append(MoELayerMap(
             prefix=prefix, layer=layer_of[prefix], num_experts=E_cfg, top_k=sizes.top_k,
-            hidden_size=H, intermediate_size=I, scheme=scheme, activation=fam.activation, activation_params={},
+            hidden_size=H, intermediate_size=I, scheme=scheme, activation=fam.activation,
+            activation_params=activation_params(fam, values),
             has_bias=has_bias,
             bias_dtype=float_dtype_name(source.tensors[first["gate"]["bias"]].dtype) if has_bias else None,
             fused=False, format=reader.name, format_config=fmt.config, experts=ex_list, router=router, shared=shared,
@@ -373,13 +393,16 @@ def _module(names: dict[str, str]) -> str:
     return next(iter(names.values())).rsplit(".", 1)[0]
 
 
-def _map_fused(source: Source, fam: Family, cfg: dict, fmt: SourceFormat, sizes: ConfigSizes) -> list[MoELayerMap]:
+def _map_fused(source: Source, fam: Family, values: dict, fmt: SourceFormat, sizes: ConfigSizes) -> list[MoELayerMap]:
+    """Layers whose experts are 3-D tensors, in the orientation the family declares (families.py); the
+    reader of the checkpoint's format checks and decodes them in that orientation."""
     E_cfg, H_cfg, I_cfg = sizes.E, sizes.H, sizes.I
+    storage = next(st for st in fam.storage if st != PER_EXPERT)
     by_prefix: dict[str, dict[str, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
     layer_of = {}
     for name in source.tensors:
         m = _FUSED.match(name)
-        if m:
+        if m and m["block"] == fam.block:
             by_prefix[m["prefix"]][m["proj"]][m["suffix"] or "weight"] = name
             layer_of[m["prefix"]] = _index(source, name, m["layer"])
     t = source.tensors
@@ -388,18 +411,29 @@ def _map_fused(source: Source, fam: Family, cfg: dict, fmt: SourceFormat, sizes:
     for prefix, names in by_prefix.items():
         gu, dn = dict(names.get("gate_up_proj", {})), dict(names.get("down_proj", {}))
         fused_names = {"gate_up": gu, "down": dn}
+        has_bias = "_bias" in gu
+        if fam.expert_bias is not None and (has_bias != fam.expert_bias or ("_bias" in dn) != fam.expert_bias):
+            # gpt-oss' experts always have both biases (transformers' GptOssExperts); the other fused
+            # families have none: one bias, or a bias the family does not have, is not a checkpoint of it
+            missing = [f"{prefix}.{p}_bias" for p, by in (("gate_up_proj", gu), ("down_proj", dn))
+                       if ("_bias" in by) != fam.expert_bias]
+            raise MoeConvertError(f"{fam.name} experts " + ("have" if fam.expert_bias else "have no")
+                                  + " gate_up_proj_bias and down_proj_bias", file=str(source.ident),
+                                  tensor=missing[0], expected="present" if fam.expert_bias else "absent",
+                                  found="missing" if fam.expert_bias else "present")
         reader: Reader = fmt.reader_for(prefix, {role: f"{prefix}.{proj}" for role, proj in
                                          (("gate_up", "gate_up_proj"), ("down", "down_proj"))})
-        scheme = reader.fused_scheme(source, prefix, fused_names, E_cfg, H_cfg, I_cfg)
-        has_bias = "_bias" in gu
+        scheme = reader.fused_scheme(source, prefix, fused_names, sizes, storage)
         router, shared = _router_and_shared(source, fam, prefix, all_names)
-        params = {"alpha": config_number(cfg, "swiglu_alpha", default=1.702, section=sizes.section),
-                  "limit": config_number(cfg, "swiglu_limit", default=7.0, section=sizes.section)}
+        # the activation's parameters, as the family's declared keys give them (never a null read as a default)
+        params = activation_params(fam, values)
         layers.append(MoELayerMap(
             prefix=prefix, layer=layer_of[prefix], num_experts=E_cfg, top_k=sizes.top_k,
             hidden_size=H_cfg, intermediate_size=I_cfg, scheme=scheme, activation=fam.activation,
             activation_params=params, has_bias=has_bias,
             bias_dtype=float_dtype_name(t[gu["_bias"]].dtype) if has_bias else None, fused=True,
             format=reader.name, format_config=fmt.config, fused_names=fused_names, router=router, shared=shared,
+            storage=storage, router_on_input=fam.router_on_input,
         ))
     return layers
+

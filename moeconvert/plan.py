@@ -114,7 +114,7 @@ class LayerPlan:
     tensors: dict[str, PlannedTensor]  # suffix -> planned output tensor
     scheme: Scheme  # of the output (MXFP4 for quantize), the source's otherwise
     unpadded: tuple[int, int]  # this rank's real (H, I); shape holds the padded ones for MXFP4 output
-    quantized: bool = False  # float experts quantized here (the manifest gets a quality report)
+    quantized: bool = False  # float or int experts quantized here (the manifest gets a quality report)
     #: ``--tp-sizes``: each TP size > 1 asked for -> None (a rank's tensors are the layout's cut of the full
     #: ones) or what is stored for it
     tp_sizes: dict[int, StoredTP | None] = field(default_factory=dict)
@@ -295,7 +295,7 @@ def plan_conversion(source: Source, backend: str, part: Partition = Partition(),
                 stored[T] = st
             layers.append(LayerPlan(layer, shape, e0, specs, layout.layer_metadata(shape, scheme),
                                     layout.warnings(shape, scheme), planned, scheme, unpadded,
-                                    quant is not None and isinstance(layer.scheme, FloatScheme), stored))
+                                    quant is not None and isinstance(layer.scheme, (FloatScheme, WNA16Scheme)), stored))
         elif name not in moe_names:
             tensors.append(PlannedTensor(name, info.dtype, info.shape, info.nbytes, source=name))
     taken = {}

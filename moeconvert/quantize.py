@@ -11,6 +11,10 @@ every start (docs/quantize.md):
    padding is zero: w13 rows ``[gate | 0 | up | 0]``, zero K columns, zero bias entries (§5.2-5.3);
 3. w13 and w2 are quantized row by row along K (:func:`moeconvert.mxfp4.quantize_mxfp4`).
 
+Integer experts (GPTQ, AWQ, compressed-tensors ``pack-quantized``: a WNA16 block) are first
+dequantized to the model dtype by vLLM's own rule (:func:`moeconvert.layouts.emulation.dequantize`),
+then quantized as above (docs/quantize.md, "From GPTQ, AWQ and int checkpoints").
+
 A checkpoint whose experts are MXFP4 already (gpt-oss' ``*_blocks``/``*_scales``) is only padded:
 zero codes with scale byte 0, which is what quantizing the zero padding gives (§5.3, vector B).
 
@@ -30,7 +34,8 @@ from moeconvert.errors import InternalError, MoeConvertError
 from moeconvert.layouts.base import padded_sizes, round_up
 from moeconvert.mxfp4 import (MXFP4_BLOCK_SIZE, ROUNDINGS, dequantize_mxfp4, mxfp4_error_sums, quantize_mxfp4,
                               require_finite)
-from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme
+from moeconvert.layouts.emulation import dequantize
+from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme, WNA16Scheme
 
 FORMATS = ("mxfp4",)
 MODEL_DTYPES = ("bfloat16", "float16")
@@ -69,10 +74,17 @@ def resolve_model_dtype(checkpoint_dtype: str, requested: str | None) -> str:
 def output_problems(source_scheme: Scheme, shape: LayerShape, quant: Quantization | None) -> list[str]:
     """Limits of quantizing / padding itself, whatever the layout (the layout's own come from ``check``)."""
     problems = []
-    if quant is not None and not isinstance(source_scheme, (FloatScheme, MXFP4Scheme)):
-        problems.append(f"experts are {source_scheme.describe()} already; `quantize` takes bf16/fp16/fp32 (or "
-                        "MXFP4, relaid out without requantizing) experts; use `moeconvert repack` for these")
+    if quant is not None and not isinstance(source_scheme, (FloatScheme, MXFP4Scheme, WNA16Scheme)):
+        problems.append(f"experts are {source_scheme.describe()} already; `quantize` takes bf16/fp16/fp32, integer "
+                        "(GPTQ, AWQ, pack-quantized; dequantized first) or MXFP4 (relaid out without requantizing) "
+                        "experts; use `moeconvert repack` for these")
     Hp, Ip = shape.hidden_size, shape.intermediate_size
+    I = shape.extra.get("intermediate_size_unpadded", Ip)
+    if quant is not None and isinstance(source_scheme, WNA16Scheme) and source_scheme.group_size > 0 \
+            and I % source_scheme.group_size:
+        # the TP cut of down_proj's K must fall on group boundaries for its scales to be cut with it
+        problems.append(f"intermediate_size per TP rank = {I} is not a multiple of the source's group size "
+                        f"{source_scheme.group_size}: down_proj's groups would be split across ranks")
     for name, k in (("hidden_size", Hp), ("intermediate_size per TP rank", Ip)):
         if k % MXFP4_BLOCK_SIZE:
             problems.append(f"{name} after padding = {k} must be divisible by 32 (vLLM: \"Online MXFP4 MoE "
@@ -141,6 +153,8 @@ def output_block(block: ExpertBlock, shape: LayerShape, unpadded: tuple[int, int
             w2_scale=_pad_k(_pad_n(block.w2_scale, Hp), Ip // 32),
             **kw,
         )
+    if isinstance(block.scheme, WNA16Scheme) and quant is not None:
+        block = dequantized(block, shape, prefix=prefix, expert_offset=expert_offset)
     if not isinstance(block.scheme, FloatScheme) or quant is None:
         raise MoeConvertError(f"cannot quantize {block.scheme.describe()} experts", tensor=prefix)
     out = {}
@@ -159,6 +173,29 @@ def output_block(block: ExpertBlock, shape: LayerShape, unpadded: tuple[int, int
         del w
         out[name], out[name + "_scale"] = packed.cpu(), scales.cpu()
     return ExpertBlock(scheme=MXFP4Scheme(), **out, **kw)
+
+
+def dequantized(block: ExpertBlock, shape: LayerShape, *, prefix: str, expert_offset: int) -> ExpertBlock:
+    """A WNA16 chunk dequantized to the model dtype as vLLM dequantizes GPTQ / AWQ int4
+    (``_unpack_and_dequant_int4_gptq`` / ``_awq`` with ``output_dtype`` the model dtype: the code minus the
+    zero point, exact, times the scale cast to the model dtype, rounded once).
+
+    vLLM 0.34.0 has no requantization of its own from these formats (its GPTQ, AWQ and compressed-tensors
+    WNA16 MoE methods do not implement ``dequantize_weight``), so this is the documented
+    dequantize-then-quantize. A product beyond the model dtype's range (float16: 65504) is refused where
+    the engine would carry an inf into the quantizer.
+    """
+    out = dequantize(block, shape, _TORCH[shape.dtype])
+    for what, w in (("w13", out.w13), ("w2", out.w2)):
+        blown = torch.isinf(w)
+        if bool(blown.any()):
+            per_expert = blown.reshape(w.shape[0], -1).sum(1)
+            e = int(torch.nonzero(per_expert)[0])
+            advice = "; use --dtype bfloat16" if shape.dtype == "float16" else ""
+            raise MoeConvertError(
+                f"expert {e + expert_offset} ({what}): {int(per_expert[e])} dequantized values (code - zero) * scale "
+                f"exceed {shape.dtype}'s range{advice}", tensor=prefix)
+    return out
 
 
 def refuse_infinite_blocks(w: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *, rounding: str,

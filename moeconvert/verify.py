@@ -6,24 +6,30 @@
    files, shapes and dtypes, config.json's sha256. A failure there is an error (the folder cannot be
    read as what it claims to be), not a line of the report.
 2. Every tensor's data is read once: its sha256 is computed from the same reads that 3. decodes.
-3. Every MoE layer is decoded back to the canonical block through its layout's ``decode``; with
-   ``--against SRC`` it is compared, bit for bit, with the canonical block decoded from the source
-   (same TP/EP cut), and every pass-through tensor's bytes with the source's.
+3. Every MoE layer is decoded back to the canonical block through its layout's ``decode``, and the bytes
+   are held to the invariants of the layout's encoding (``Layout.byte_problems``), the facts it recorded,
+   and, for each stored TP rank, to the full tensors' values cut for that rank: what a folder alone shows
+   (docs/format.md, "What verify guarantees"). With ``--against SRC`` the block is compared, bit for bit,
+   with the canonical block decoded from the source (same TP/EP cut), and every pass-through tensor's bytes
+   with the source's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from moeconvert.canonical import Partition
+from moeconvert.canonical import BLOCK_TENSORS, ExpertBlock, LayerShape, Partition
 from moeconvert.decode import decode_chunk
 from moeconvert.layouts.output import check_output, rank_shape
 from moeconvert.modelmap import map_model
 from moeconvert.quantize import Quality, Quantization, output_block
+from moeconvert.schemes import MXFP4Scheme, WNA16Scheme
 from moeconvert.sources import Source, open_source
 
 CHUNK_EXPERTS_BYTES = 256 << 20
@@ -166,6 +172,7 @@ def verify_output(out: Path, against: str | None = None, revision: str | None = 
                 rep.decode_errors.append(f"experts {a}..{b - 1}: {exc}")
                 decoding = False
                 continue
+            rep.decode_errors += [f"experts {a}..{b - 1}: {p}" for p in layout.byte_problems(tensors, block, shape)]
             if scan is not None:
                 scan.add(block, entry["expert_offset"] + a)
             if source is not None:
@@ -215,12 +222,22 @@ def _verify_tp_size(rep: LayerReport, produced: Source, entry: dict, T: int, sto
         step = max(1, min(n, CHUNK_EXPERTS_BYTES // max(4 * per_expert, 1)))
         for a in range(0, n, step) if decoding else ():
             b = min(n, a + step)
+            where = f"TP {T} rank {r}, experts {a}..{b - 1}"
             try:
-                block = layout.decode({suffix: t[a:b] for suffix, t in blocks.items()}, shape, scheme)
+                tensors = {suffix: t[a:b] for suffix, t in blocks.items()}
+                block = layout.decode(tensors, shape, scheme)
+                full = layout.decode({suffix: produced.read(e["name"], rows=(a, b))
+                                      for suffix, e in entry["tensors"].items()}, cl.shape, scheme)
             except (RuntimeError, ValueError, KeyError, IndexError) as exc:
-                rep.decode_errors.append(f"TP {T} rank {r}, experts {a}..{b - 1}: {exc}")
+                rep.decode_errors.append(f"{where}: {exc}")
                 decoding = False
                 break
+            rep.decode_errors += [f"{where}: {p}" for p in layout.byte_problems(tensors, block, shape)]
+            # the rank's values are the full tensors' values cut for it: a folder's ranks cannot be swapped,
+            # or one rank's bytes replaced, without verify seeing it (a source is not needed for that)
+            cut, exact = rank_block(full, cl.shape, shape, T, r)
+            rep.differences += [f"{where}: not rank {r} of {T} of the layer's full tensors: {d}"
+                                for d in cut.differences(exact(block))]
             if scan is not None:
                 scan.add(block, e0 + a)
             if source is None:
@@ -236,6 +253,53 @@ def _verify_tp_size(rep: LayerReport, produced: Source, entry: dict, T: int, sto
                                                   f"TP {T} rank {r}, ")
     rep.checksum_errors += [f"tp{T}.{suffix}: sha256 mismatch" for suffix, h in hashes.items()
                             if h.hexdigest() != stored["tensors"][suffix]["sha256"]]
+
+
+def rank_block(full: ExpertBlock, full_shape: LayerShape, rank: LayerShape, tp_size: int,
+               tp_rank: int) -> tuple[ExpertBlock, Callable[[ExpertBlock], ExpertBlock]]:
+    """TP rank ``tp_rank`` of ``tp_size``'s canonical block, cut out of the full layer's ``full`` as the
+    decoder cuts a source (moeconvert/decode.py) and padded to the rank's sizes as the planner pads it, and
+    what of a rank's block it predicts: all of it, but w2 and its scales where an MXFP4 32-block of w2's K
+    straddles a rank boundary (float experts quantized per rank then group other values)."""
+    s = full.scheme
+    I = full_shape.extra.get("intermediate_size_unpadded", full_shape.intermediate_size)
+    Ip, Ir, Irp = full_shape.intermediate_size, I // tp_size, rank.intermediate_size
+    lo, hi = tp_rank * Ir, (tp_rank + 1) * Ir
+
+    def pad(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1 - dim) + (0, n))
+
+    def rows(t):  # the rank's rows of each of [gate; up], each padded to the rank's Ip
+        return None if t is None else torch.cat([pad(t[:, lo:hi], Irp - Ir, 1), pad(t[:, Ip + lo:Ip + hi], Irp - Ir, 1)], 1)
+
+    def cols(t, per: int):  # the rank's K columns of w2 (``per`` elements a column), padded to its Ip
+        return None if t is None else pad(t[:, :, lo // per:hi // per], (Irp - Ir) // per, 2)
+
+    kw = dict(w13=rows(full.w13), w13_scale=rows(full.w13_scale), w13_zero=rows(full.w13_zero),
+              w13_bias=rows(full.w13_bias))
+    skip: tuple[str, ...] = ()
+    if s.kind not in ("float", "wna16", "mxfp4"):
+        # NVFP4: each rank rescales over its own experts' scales (a layer-wide factor), so a rank's values
+        # need not be the full ones cut: left to --against
+        skip = BLOCK_TENSORS
+    elif isinstance(s, MXFP4Scheme):
+        if Ir % s.block_size:
+            skip = ("w2", "w2_scale")
+        else:
+            kw.update(w2=cols(full.w2, 2), w2_scale=cols(full.w2_scale, s.block_size))
+    elif isinstance(s, WNA16Scheme):
+        g = s.group_size
+        kw.update(w2=cols(full.w2, 1), w2_scale=full.w2_scale if g == -1 else cols(full.w2_scale, g),
+                  w2_zero=full.w2_zero if g == -1 else cols(full.w2_zero, g))
+    else:
+        kw.update(w2=cols(full.w2, 1))
+    if full.w2_bias is not None:
+        # w2's bias is added after TP's all-reduce: gpt-oss's loader keeps it on rank 0 only (decode.py)
+        kw["w2_bias"] = torch.zeros_like(full.w2_bias) if full_shape.activation == "swigluoai" and tp_rank else \
+            full.w2_bias
+    kw = {"w2": None, **{name: None if name in skip else t for name, t in kw.items()}}
+    predicted = lambda block: dataclasses.replace(block, **{name: None for name in skip})
+    return predicted(ExpertBlock(scheme=s, **kw)), predicted
 
 
 def _facts_differences(layout, metadata: dict, found: dict, where: str) -> list[str]:

@@ -1,10 +1,14 @@
-"""The writer: sharded safetensors written in place from a plan, inside a staging folder.
+"""The output folder's life: checked before any work, staged beside it, locked, published by one rename.
 
-The whole file layout (shards, headers, every tensor's offsets) is fixed before the first byte is
-written, so each tensor can be filled piece by piece (a chunk of experts at a time) with ``pwrite`` and
-hashed as it goes: peak memory is one chunk, whatever the size of the model. The output folder only
-appears, by one rename, once every shard, the index, the copied files and finally ``moeconvert.json``
-are on disk; a failure removes the staging folder and leaves any earlier output untouched.
+:func:`check_output_target` refuses an output that would clobber data before anything is read.
+:class:`StagedOutput` takes the output's lock (:class:`OutputLock`: one run at a time), makes the staging
+folder with every shard preallocated to the plan's file layout (``moeconvert.plan``: shards, headers and
+every tensor's offsets are fixed before the first byte), or with ``--resume`` takes over and repairs the one
+a killed run of the same plan left; the jobs (``moeconvert.jobs``) ``pwrite`` their tensors into it. The
+output appears, by one rename, only once every shard, the index, the copied files and finally
+``moeconvert.json`` are on disk; a failure removes the staging folder and leaves any earlier output
+untouched. What killed runs leave beside an output (staging folders, a replaced output, the lock file) is
+tidied by the next run that checks it (:func:`clear_leftovers`); a ``--dry-run`` reads and writes nothing there.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ def clear_leftovers(out: Path, keep_partial: bool = False) -> None:
     renames) is put back as ``out`` when ``out`` is missing, else removed, so a killed ``--overwrite``
     never loses the previous output.
     """
+    _clear_dead_lock(out)
     prefix = f".{out.name}.moeconvert-"
     try:
         names = sorted(e.name for e in os.scandir(out.parent) if e.name.startswith(prefix))
@@ -91,6 +96,25 @@ def clear_leftovers(out: Path, keep_partial: bool = False) -> None:
                 shutil.rmtree(path)
         except OSError:
             pass  # a concurrent run got there first, or we may not: it stays, harmlessly hidden
+
+
+def _clear_dead_lock(out: Path) -> None:
+    """A killed run's lock file: the kernel dropped its ``flock`` with the process, but the file stays. It is
+    removed as ``OutputLock.release`` removes it, while locked by us: a live run's lock (ours included, which
+    is another open file) refuses ours and stays; a run that opened it meanwhile locks a fresh one."""
+    path = OutputLock(out).path
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return  # none (or not a file of ours to open)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if stat.S_ISREG(os.fstat(fd).st_mode) and os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+            os.unlink(path)
+    except OSError:
+        pass  # held by a live run, or gone: nothing of a dead run's to tidy
+    finally:
+        os.close(fd)
 
 
 def _write_json_durably(path: Path, data: dict) -> None:

@@ -110,6 +110,21 @@ class MoELayer:
         return y.reshape(hidden_states.shape)
 
     def __call__(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.entry.router_weight_on_input:
+            # Llama 4 (transformers' Llama4TextMoe, vLLM's apply_router_weight_on_input): each routed
+            # expert sees x * w, and its output is summed unweighted; one expert slot at a time
+            x = hidden_states.reshape(-1, hidden_states.shape[-1])
+            self._check_inputs(x, topk_weights, topk_ids)
+            ones = torch.ones_like(topk_weights[:, :1])
+            y = None
+            for j in range(topk_ids.shape[1]):
+                xj = (x.float() * topk_weights[:, j:j + 1].float()).to(x.dtype)
+                yj = self._run(xj, ones, topk_ids[:, j:j + 1])
+                y = yj if y is None else y + yj
+            return y.reshape(hidden_states.shape)
+        return self._run(hidden_states, topk_weights, topk_ids)
+
+    def _run(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.kernel == dispatch.REFERENCE:
             return self.reference(hidden_states, topk_weights, topk_ids)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])

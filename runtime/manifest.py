@@ -79,6 +79,11 @@ class LayerEntry:
     def top_k(self) -> int | None:
         return self.raw["top_k"]
 
+    @property
+    def router_weight_on_input(self) -> bool:
+        """The router weight scales the expert's input, not its output (Llama 4)."""
+        return self.raw.get("apply_router_weight_on_input", False)
+
 
 @dataclass
 class CheckedManifest:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from moeconvert.errors import MoeConvertError
 from moeconvert.kernels.tune import tune_wanted
+from moeconvert.layouts.output import check_layer_bytes
 from moeconvert.runtime.layer import MoELayer
 from moeconvert.runtime.loader import make_reader
 from moeconvert.runtime.manifest import CheckedManifest, LayerEntry, read_checked
@@ -113,6 +116,51 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+#: load's arguments: (what each must be, in words; the test) — every public argument, checked in one place
+#: before anything is read, so a wrong type or value is one line naming it, never a refusal about
+#: something else (a string TP size is not "a folder cut for another TP size") or a silent other meaning
+_ARGUMENTS: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "path_or_repo": ("a folder path or a Hub repo id", lambda v: isinstance(v, (str, os.PathLike)) and str(v) != ""),
+    "device": ("None, a device string or a torch.device", lambda v: v is None or isinstance(v, (str, torch.device))),
+    "layers": ("None or a list of layer numbers (int >= 0) and experts prefixes (str)",
+               lambda v: v is None or (isinstance(v, (list, tuple, set, frozenset, range)) and all(
+                   (_is_int(x) and x >= 0) or (isinstance(x, str) and x) for x in v))),
+    "tp_size": ("None or an int >= 1", lambda v: v is None or (_is_int(v) and v >= 1)),
+    "tp_rank": ("None or an int >= 0", lambda v: v is None or (_is_int(v) and v >= 0)),
+    "ep_size": ("None or an int >= 1", lambda v: v is None or (_is_int(v) and v >= 1)),
+    "ep_rank": ("None or an int >= 0", lambda v: v is None or (_is_int(v) and v >= 0)),
+    "verify": ("True or False", lambda v: isinstance(v, bool)),
+    "kernel": ("None or a kernel name (str)", lambda v: v is None or (isinstance(v, str) and v != "")),
+    "reader": ("a reader name (str)", lambda v: isinstance(v, str) and v != ""),
+    "revision": ("None or a revision (str)", lambda v: v is None or (isinstance(v, str) and v != "")),
+    "threads": ("None or an int >= 1", lambda v: v is None or (_is_int(v) and v >= 1)),
+    "buffer_mb": ("None or a number > 0", lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                         and math.isfinite(v) and v > 0)),
+    "progress": ("None, True or False", lambda v: v is None or isinstance(v, bool)),
+}  # tune: read with $MOECONVERT_KERNEL_TUNE by moeconvert.kernels.tune.tune_wanted, which refuses a bad one
+
+
+def check_load_arguments(**given) -> None:
+    """Refuse, in one line naming it, any argument of :func:`load` that is not what it must be."""
+    for name, value in given.items():
+        what, ok = _ARGUMENTS[name]
+        if not ok(value):
+            raise MoeConvertError(f"load() argument {name}", expected=what, found=repr(value)[:80])
+    for size, rank in (("tp_size", "tp_rank"), ("ep_size", "ep_rank")):
+        if given[size] is not None and given[rank] is not None and given[rank] >= given[size]:
+            raise MoeConvertError(f"load() argument {rank}", expected=f"below {size} {given[size]}", found=given[rank])
+    if isinstance(given["device"], str):
+        try:
+            torch.device(given["device"])
+        except RuntimeError:
+            raise MoeConvertError("load() argument device", expected="a device torch knows: 'cpu', 'cuda', 'cuda:1', ...",
+                                  found=repr(given["device"])[:80]) from None
+
+
 def load(path_or_repo: str | Path, device: str | torch.device | None = None, layers: Iterable[int | str] | None = None,
          tp_rank: int | None = None, *, tp_size: int | None = None, ep_size: int | None = None,
          ep_rank: int | None = None, verify: bool = False, kernel: str | None = None, reader: str = "auto",
@@ -133,6 +181,9 @@ def load(path_or_repo: str | Path, device: str | torch.device | None = None, lay
     ``triton-fast`` layer shape that no table holds, once per GPU, into the user's table (default
     ``$MOECONVERT_KERNEL_TUNE``; docs/kernels.md, "Tuning"). Nothing is returned unless every tensor was read.
     """
+    check_load_arguments(path_or_repo=path_or_repo, device=device, layers=layers, tp_rank=tp_rank, tp_size=tp_size,
+                         ep_size=ep_size, ep_rank=ep_rank, verify=verify, kernel=kernel, reader=reader,
+                         revision=revision, threads=threads, buffer_mb=buffer_mb, progress=progress)
     want_tune = tune_wanted(tune)  # a bad value is refused before anything is read
     root = _resolve(path_or_repo, revision)
     dev = torch.device(device or _default_device())
@@ -163,10 +214,12 @@ def load(path_or_repo: str | Path, device: str | torch.device | None = None, lay
         reader_name = r.name
     for entry in selected:
         tensors = {suffix: read[info.name] for suffix, info in entry.tensors.items()}
+        if verify:  # the digests say the bytes are the ones written; this, that they are bytes the layout writes
+            check_layer_bytes(entry.layout, entry.shape, entry.scheme, tensors, entry.prefix)
         router = None
-        if entry.router:
-            rt = {n: read[n] for n in entry.router}
-            router = router_from_tensors(router_config(family, config, entry.top_k), rt)
+        rcfg = router_config(family, config, entry.top_k) if entry.router else None
+        if rcfg is not None:
+            router = router_from_tensors(rcfg, {n: read[n] for n in entry.router})
         shared = {n: read[n] for n in entry.shared}
         out[entry.prefix] = MoELayer(entry, tensors, dev, router, shared, config, part["tp_size"], kernel)
     if dev.type == "cuda" and want_tune:

@@ -13,6 +13,11 @@ Each follows transformers' own router of the family (the model's definition), st
   renormalised when ``norm_topk_prob`` (vLLM's choice; transformers' V2 never renormalises, and
   DeepSeek-V2 configs say False).
 * ``topk_softmax``: gpt-oss: top-k of the logits, softmax over those k.
+* ``topk_sigmoid``: Llama 4: top-k of the logits, sigmoid of those (the weight then scales the expert's
+  input: :class:`MoELayer`).
+
+Which family routes how is declared in moeconvert/format/families.py (``routing``); ``grouped`` with one
+group is MiniMax-M2's router (sigmoid, ``e_score_correction_bias`` for the choice, renormalised).
 
 :func:`router_for` reads the parameters from the converted folder's ``config.json`` (copied from the
 source) and the router tensors the manifest lists for the layer.
@@ -25,8 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from moeconvert.errors import MoeConvertError
+from moeconvert.format.families import BY_NAME, FAMILIES, read_keys
 
-METHODS = ("softmax", "grouped", "softmax_group_limited", "topk_softmax")
+METHODS = ("softmax", "grouped", "softmax_group_limited", "topk_softmax", "topk_sigmoid")
 
 
 @dataclass
@@ -59,6 +65,11 @@ def route(router_logits: torch.Tensor, cfg: RouterConfig, *, top_k: int | None =
     elif cfg.method == "topk_softmax":
         w, ids = torch.topk(logits, k, dim=-1)
         w = torch.softmax(w, dim=1, dtype=w.dtype)
+    elif cfg.method == "topk_sigmoid":
+        # Llama 4 (transformers' Llama4Router, vLLM's Llama4MoE.custom_routing_function): top-k of the
+        # logits, sigmoid of those (the weight then scales the expert's input: MoELayer)
+        w, ids = torch.topk(logits, k, dim=-1)
+        w = torch.sigmoid(w.float())
     elif cfg.method == "grouped":
         w, ids = _grouped_topk(logits.float(), cfg, k, renorm, e_score_correction_bias)
     elif cfg.method == "softmax_group_limited":
@@ -103,37 +114,44 @@ def _group_limited_greedy(logits, cfg: RouterConfig, k: int, renorm: bool):
 # families (config.json keys as transformers' configs name them)
 
 
-def _text_config(cfg: dict) -> dict:
+def _text_config(cfg: dict) -> tuple[dict, str]:
     text = cfg.get("text_config")
-    return text if isinstance(text, dict) and "hidden_size" in text and "hidden_size" not in cfg else cfg
+    if isinstance(text, dict) and "hidden_size" in text and "hidden_size" not in cfg:
+        return text, "text_config."
+    return cfg, ""
 
 
-def router_config(family: str, config: dict, top_k: int | None) -> RouterConfig:
-    """The routing of a model family, with the parameters its config.json holds."""
-    cfg = _text_config(config)
-    k = top_k or cfg.get("num_experts_per_tok")
+def router_config(family: str, config: dict, top_k: int | None) -> RouterConfig | None:
+    """The routing of a model family (its declared ``routing``, moeconvert/format/families.py), with the
+    parameters its config.json holds, each read with its declared type; None when the family's router is
+    not one this module reproduces (the caller routes)."""
+    spec = BY_NAME.get(family)
+    if spec is None or spec.refused:
+        raise MoeConvertError("no routing function known for this model family", file="config.json",
+                              expected=", ".join(f.name for f in FAMILIES if not f.refused), found=family)
+    if spec.routing is None:
+        return None
+    cfg, section = _text_config(config)
+    v = read_keys(cfg, spec, section)
+    k = top_k or v[spec.top_k_key]
     if not isinstance(k, int) or k <= 0:
-        raise MoeConvertError("no top-k for the router", file="config.json", tensor="num_experts_per_tok",
+        raise MoeConvertError("no top-k for the router", file="config.json", tensor=section + spec.top_k_key,
                               expected="a positive integer", found=k)
-    scaling = float(cfg.get("routed_scaling_factor") or 1.0)
-    if family in ("qwen2-moe", "qwen3-moe"):
-        return RouterConfig("softmax", k, renormalize=bool(cfg.get("norm_topk_prob", False)))
-    if family == "mixtral":
-        return RouterConfig("softmax", k, renormalize=True)
-    if family in ("deepseek-v3", "glm4-moe"):
-        return RouterConfig("grouped", k, renormalize=bool(cfg.get("norm_topk_prob", True)),
-                            n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+    scaling = float(v.get("routed_scaling_factor", 1.0))
+    if spec.routing == "softmax":
+        # Mixtral and Qwen3.5 always renormalise; Qwen2/Qwen3-MoE / Qwen3-Next when norm_topk_prob
+        return RouterConfig("softmax", k, renormalize=v.get("norm_topk_prob", True))
+    if spec.routing == "grouped":
+        norm = v.get("norm_topk_prob", True)
+        return RouterConfig("grouped", k, renormalize=True if norm is None else norm,
+                            n_group=v.get("n_group") or 1, topk_group=v.get("topk_group") or 1,
                             routed_scaling_factor=scaling, fp32_logits=True)
-    if family == "deepseek-v2":
-        return RouterConfig("softmax_group_limited", k, renormalize=bool(cfg.get("norm_topk_prob", False)),
-                            n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
-                            routed_scaling_factor=scaling, topk_method=cfg.get("topk_method") or "greedy",
+    if spec.routing == "softmax_group_limited":
+        return RouterConfig("softmax_group_limited", k, renormalize=bool(v.get("norm_topk_prob")),
+                            n_group=v.get("n_group") or 1, topk_group=v.get("topk_group") or 1,
+                            routed_scaling_factor=scaling, topk_method=v.get("topk_method", "greedy"),
                             fp32_logits=True)
-    if family == "gpt-oss":
-        return RouterConfig("topk_softmax", k)
-    raise MoeConvertError("no routing function known for this model family", file="config.json",
-                          expected="qwen2-moe, qwen3-moe, mixtral, deepseek-v2, deepseek-v3, glm4-moe, gpt-oss",
-                          found=family)
+    return RouterConfig(spec.routing, k)
 
 
 @dataclass

@@ -8,7 +8,7 @@
 # Needs a CUDA GPU, vLLM (`moeconvert[vllm]`) and, for humming, humming-kernels. Writes into WORKDIR: the
 # source (src/), one folder per layout (LAYOUT/), each conversion's log, and bench-LAYOUT.json with every run.
 # Each layout's first start-up in a process pays its kernels' JIT compiles (humming, Triton); a warm-up
-# start of the folder runs before the timed ones so that both the source's and the folder's timed runs
+# start of the folder runs before the timed ones (WARMUP=0 leaves it out) so that both the source's and the folder's timed runs
 # find warm caches (HUMMING_CACHE_DIR, TRITON_CACHE_DIR persist across processes).
 set -uo pipefail
 work=${1:?usage: bench-real-size.sh WORKDIR [LAYOUT ...]}
@@ -37,9 +37,11 @@ for layout in "${layouts[@]}"; do
   fi
   [ -n "${PREPARE_ONLY:-}" ] && continue
   case "$layout" in triton-fast) backend=triton ;; *) backend=$layout ;; esac
-  log "warm-up start of the $layout folder (JIT caches)"
-  "$PY" -m moeconvert.bench.vllm_engine "$work/$layout" "$backend" - '{"max_model_len": 2048}' > "$work/warmup-$layout.json" 2>"$work/warmup-$layout.err"
-  log "warm-up: $(cut -c1-300 "$work/warmup-$layout.json")"
+  if [ "${WARMUP:-1}" = 1 ]; then
+    log "warm-up start of the $layout folder (JIT caches)"
+    "$PY" -m moeconvert.bench.vllm_engine "$work/$layout" "$backend" - '{"max_model_len": 2048}' > "$work/warmup-$layout.json" 2>"$work/warmup-$layout.err"
+    log "warm-up: $(cut -c1-300 "$work/warmup-$layout.json")"
+  fi
   log "bench vllm-serve $layout, $RUNS run(s) each, alternating"
   "$PY" -m moeconvert bench vllm-serve "$work/src" "$work/$layout" --runs "$RUNS" --moe-backend "$backend" \
       --max-model-len 2048 --throughput --json > "$work/bench-$layout.json" 2>"$work/bench-$layout.err"

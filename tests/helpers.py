@@ -461,6 +461,26 @@ def _autoround_packed(method: str, w: torch.Tensor, bits: int, group_size: int, 
     return {"qweight": q.qweight, "qzeros": q.qzeros, "scales": q.scales}
 
 
+def int_loaded(src: Path, prefix: str, num_experts: int, suffixes=("qweight", "scales", "qzeros"),
+               k_first: bool = True) -> dict[str, torch.Tensor]:
+    """The params vLLM's GPTQ / AWQ MoE method holds after its loader: each projection's tensors stacked
+    over experts as stored (K-first), gate then up along the output dim for w13. ``suffixes`` names the
+    words, scales and zero points (None: absent); ``k_first=False`` reads N-first tensors (compressed-tensors'
+    ``weight_packed [N, K/8]``, ``weight_scale [N, G]``) transposed to those shapes."""
+    t = st_tensors(src)
+
+    def per(proj: str, suffix: str) -> torch.Tensor:
+        return torch.stack([t[f"{prefix}.{e}.{proj}.{suffix}"] if k_first else t[f"{prefix}.{e}.{proj}.{suffix}"].T
+                            for e in range(num_experts)])
+
+    out = {}
+    for key, suffix in zip(("w", "s", "z"), suffixes):
+        if suffix is not None:
+            out[f"{key}13"] = torch.cat([per("gate_proj", suffix), per("up_proj", suffix)], dim=2)
+            out[f"{key}2"] = per("down_proj", suffix)
+    return out
+
+
 def make_int_checkpoint(bf16_dir: Path, out: Path, method: str, *, bits: int = 4, group_size: int = 32,
                         config: dict | None = None, g_idx: bool = True, producer: str = "spec") -> Path:
     """A GPTQ (``method`` "gptq": symmetric, ``checkpoint_format`` gptq, zeros stored minus 1) or AWQ
@@ -510,3 +530,91 @@ def make_int_checkpoint(bf16_dir: Path, out: Path, method: str, *, bits: int = 4
     cfg["quantization_config"] = {**qc, **(config or {})}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# tiny checkpoints of the families moeconvert.example does not make (built by transformers itself)
+
+_TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128)
+#: model_type -> the tiny config's keyword arguments (E = 8 routed experts, top-2 unless the family is top-1)
+FAMILY_CONFIGS: dict[str, dict] = {
+    "qwen3_5_moe_text": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=16, intermediate_size=64,
+                             shared_expert_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                             linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+                             linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"]),
+    "llama4_text": dict(_TINY, num_hidden_layers=2, intermediate_size=16, intermediate_size_mlp=64,
+                        num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=2),
+    "minimax_m2": dict(_TINY, num_hidden_layers=2, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                       bos_token_id=1, eos_token_id=2),
+    "glm_moe_dsa": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, n_routed_experts=8,
+                        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
+                        kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, index_head_dim=16,
+                        index_n_heads=2),
+    "qwen3_next": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, num_experts=8,
+                       num_experts_per_tok=2, shared_expert_intermediate_size=32, norm_topk_prob=True,
+                       linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"]),
+}
+
+
+def make_family_checkpoint(out: Path, model_type: str, *, fused: bool = False, seed: int = 0) -> Path:
+    """A tiny random checkpoint of ``model_type`` written by transformers: ``save_pretrained``'s own files,
+    or with ``fused`` the model's tensors as it holds them (3-D experts: how published Qwen3.5 checkpoints
+    store them, since save_pretrained splits them per expert) with save_pretrained's config.json."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(model_type, **FAMILY_CONFIGS[model_type])
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():  # some experts are created empty (uninitialised): draw every parameter
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    out.mkdir(parents=True)
+    if fused:
+        model.config.save_pretrained(out)
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" or not cfg.tie_word_embeddings}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        model.save_pretrained(out)
+    return out
+
+
+def to_gptoss_mxfp4(src: Path, dst: Path) -> None:
+    """Rewrite a bf16 gpt-oss checkpoint in gpt-oss' own MXFP4 form (*_blocks / *_scales, N-first,
+    rows interleaved), quantized with the vLLM rule."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from moeconvert.mxfp4 import quantize_mxfp4
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = {}
+        with safe_open(f, "pt") as h:
+            meta = h.metadata()
+            for k in h.keys():
+                t = h.get_tensor(k)
+                if k.endswith(("gate_up_proj", "down_proj")):
+                    p, s = quantize_mxfp4(t.transpose(1, 2).contiguous())  # [E, N, K]
+                    tensors[k + "_blocks"] = p.view(*p.shape[:2], -1, 16).contiguous()
+                    tensors[k + "_scales"] = s
+                else:
+                    tensors[k] = t
+        save_file(tensors, str(f), metadata=meta)
+    index = dst / "model.safetensors.index.json"
+    if index.exists():
+        idx = json.loads(index.read_text())
+        wm = {}
+        for k, v in idx["weight_map"].items():
+            if k.endswith(("gate_up_proj", "down_proj")):
+                wm[k + "_blocks"] = wm[k + "_scales"] = v
+            else:
+                wm[k] = v
+        idx["weight_map"] = wm
+        index.write_text(json.dumps(idx))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (dst / "config.json").write_text(json.dumps(cfg))

@@ -34,7 +34,7 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import MoeConvertError
 from moeconvert.layouts import get_layout, layout_kinds, layout_names
-from moeconvert.layouts.base import Layout
+from moeconvert.layouts.base import Layout, padded_sizes
 from moeconvert.schemes import FloatScheme, MXFP4Scheme, NVFP4Scheme, Scheme, WNA16Scheme
 
 from helpers import same_bits
@@ -382,6 +382,137 @@ def test_chunks_of_experts_encode_byte_identical(group):
 @pytest.mark.parametrize("group", groups(GOOD, "expected"))
 def test_a_chunk_of_the_file_decodes_to_its_expected_block(group):
     run(group, decodes_chunks)
+
+
+# ---------------------------------------------------------------------------------------------------
+# (f) the invariants of the bytes, which verify checks beyond decoding (docs/format.md, "What verify
+#     guarantees"): ``byte_problems`` accepts every chunk encode writes, and refuses a byte changed where
+#     decode cannot see it (the chunk decodes to the same block: without this check, a folder so edited,
+#     its digests updated, would pass verify)
+
+
+def byte_cases(cases: list[Case]) -> list[Case]:
+    """The cases (f) runs (encoding every case again would double this file's time): each of the first
+    :data:`VARIANT_SCHEMES` schemes in the first variant at its smallest size, and the first with biases."""
+    first = {}
+    for case in cases:
+        first.setdefault((case.scheme, case.id.split("/")[-2]), case)
+    plain = [c for (_, v), c in first.items() if v == VARIANTS[0].name][:VARIANT_SCHEMES]
+    return plain + [c for c in first.values() if c.shape.has_bias][:1]
+
+
+BYTE_CASES = {lid: byte_cases(cases) for lid, cases in GOOD.items()}
+
+
+def accepts_what_it_writes(case: Case) -> None:
+    layout, scheme, shape = case.layout, case.scheme, case.shape
+    tensors = encoded(case).whole  # its chunks are rows of it, (e)
+    problems = layout.byte_problems(tensors, layout.decode(tensors, shape, scheme), shape)
+    assert problems == [], problems
+
+
+@pytest.mark.parametrize("group", groups(BYTE_CASES, "bytes"))
+def test_byte_problems_accepts_what_encode_writes(group):
+    run(group, accepts_what_it_writes)
+
+
+PROBES = 12  # one-bit flips tried per tensor of one expert: evenly spread, and as many at random places
+CHECKED = 3  # of the flips decode cannot see, those checked per tensor
+INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _rows_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+    """Per expert of ``a``, whether its bits equal ``b``'s one expert."""
+    if a is None or b is None:
+        return torch.tensor(a is None and b is None)
+    same = a.contiguous().view(INTS[a.element_size()]) == b.contiguous().view(INTS[b.element_size()])
+    return same.reshape(a.shape[0], -1).all(1)
+
+
+def hidden_flips(case: Case) -> list[dict[str, torch.Tensor]]:
+    """Expert 0's tensors with one bit flipped where ``decode`` does not see it (the expert decodes to the
+    same block), among the flips tried: every flip is one expert of one stacked decode."""
+    layout, scheme, shape = case.layout, case.scheme, case.shape
+    one = {k: t[:1] for k, t in encoded(case).whole.items()}
+    gen = torch.Generator().manual_seed(seed_of(case.id))
+    tried = []
+    for suffix, t in one.items():
+        n, width = t.numel(), 8 * t.element_size()
+        spread = torch.linspace(0, n - 1, PROBES).long()
+        for p in torch.cat([spread, torch.randint(0, n, (PROBES,), generator=gen)]).unique().tolist():
+            tried.append((suffix, p, int(torch.randint(0, width, (), generator=gen))))
+    stacked = {k: t.repeat(len(tried), *([1] * (t.dim() - 1))) for k, t in one.items()}
+    for i, (suffix, p, bit) in enumerate(tried):
+        words = stacked[suffix][i].view(INTS[stacked[suffix].element_size()]).view(-1)
+        mask = (1 << bit) - ((1 << (8 * words.element_size())) if bit == 8 * words.element_size() - 1 and
+                             words.dtype != torch.uint8 else 0)
+        words[p] ^= mask
+    same = torch.ones(len(tried), dtype=torch.bool)
+    want, got = layout.decode(one, shape, scheme), layout.decode(stacked, shape, scheme)
+    for name in want.tensors().keys() | got.tensors().keys():
+        same &= _rows_equal(getattr(got, name), getattr(want, name))
+    hidden: dict[str, list[int]] = {}
+    for i in same.nonzero().flatten().tolist():
+        hidden.setdefault(tried[i][0], []).append(i)
+    return [{k: t[i:i + 1] for k, t in stacked.items()} for ids in hidden.values() for i in ids[:CHECKED]]
+
+
+HIDDEN_FOUND: dict[str, int] = {}
+
+
+def refuses_what_decode_cannot_see(case: Case) -> None:
+    layout, scheme, shape = case.layout, case.scheme, case.shape
+    flips = hidden_flips(case)
+    HIDDEN_FOUND[case.id] = len(flips)
+    missed = [i for i, tensors in enumerate(flips)
+              if not layout.byte_problems(tensors, layout.decode(tensors, shape, scheme), shape)]
+    assert not missed, f"{len(missed)} of {len(flips)} edits decode cannot see pass byte_problems"
+
+
+@pytest.mark.parametrize("group", groups(BYTE_CASES, "bytes"))
+def test_byte_problems_refuses_a_byte_decode_cannot_see(group):
+    run(group, refuses_what_decode_cannot_see)
+    if not any(HIDDEN_FOUND.get(c.id) for c in group.cases):
+        pytest.skip(f"{group.lid}: decode reads every byte of these layers (nothing padded or unused)")
+
+
+def padded_case(cases: list[Case]) -> Case | None:
+    """An MXFP4 case whose real I is below the I it is padded to (the engine pads it; the block holds zeros
+    there): the layout's first case whose padded I takes a real I 32 (or 16) below it back."""
+    for case in cases:
+        Ip, layout = case.shape.intermediate_size, case.layout
+        for below in (32, 16):
+            I = Ip - below
+            if case.scheme.kind == "mxfp4" and I > 0 and padded_sizes(case.shape.hidden_size, I,
+                                                                        layout.pad_multiples)[1] == Ip:
+                extra = {"hidden_size_unpadded": case.shape.hidden_size, "intermediate_size_unpadded": I}
+                return case._replace(id=f"{case.id}/I{I}", shape=dataclasses.replace(case.shape, extra=extra))
+    return None
+
+
+PADDED = {lid: [c] for lid, cases in GOOD.items() if (c := padded_case(cases)) is not None}
+
+
+def refuses_nonzero_padding(case: Case) -> None:
+    layout, shape = case.layout, case.shape
+    Ip, I = shape.intermediate_size, shape.extra["intermediate_size_unpadded"]
+    block = make_block(case.scheme, shape, 1, seed_of(case.id))
+    for rows in (slice(I, Ip), slice(Ip + I, None)):  # w13's rows [gate | 0 | up | 0]
+        for name in ("w13", "w13_scale", "w13_bias"):
+            if getattr(block, name) is not None:
+                getattr(block, name)[:, rows] = 0
+    block.w2[..., I // 2:], block.w2_scale[..., -(-I // 32):] = 0, 0
+    tensors = layout.encode(block, shape)
+    assert layout.byte_problems(tensors, layout.decode(tensors, shape, case.scheme), shape) == []
+    block.w2[0, 0, -1] = 0x22  # a code 1.0 in a padding column of w2: the engine holds 0 there
+    tensors = layout.encode(block, shape)
+    problems = layout.byte_problems(tensors, layout.decode(tensors, shape, case.scheme), shape)
+    assert len(problems) == 1 and problems[0].startswith("w2: 1 padding elements are not 0"), problems
+
+
+@pytest.mark.parametrize("group", groups(PADDED, "bytes"))
+def test_byte_problems_refuses_nonzero_padding(group):
+    run(group, refuses_nonzero_padding)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ from moeconvert.layouts.plain import PlainLayout
 from moeconvert.schemes import FloatScheme, WNA16Scheme
 
 from helpers import assert_lists_exactly, cli, st_tensors
-from test_layout_triton import ct_params, lift_from_vllm, make_block, vllm_convert_wna16
+from factories import wna16_block
+from test_layout_triton import ct_params, lift_from_vllm, vllm_convert_wna16
 
 LAYOUT = get_layout("emulation", "wna16")
 
@@ -50,7 +51,7 @@ def test_it_is_plain_bf16_under_another_name():
 
 def test_symmetric_values_by_hand():
     H, I, g = 16, 8, 8
-    block = make_block(1, H, I, 4, g, True)
+    block = wna16_block(1, H, I, 4, g, True)
     block.w13[0, 0] = torch.arange(16)  # q = u - 8 = -8 .. 7
     block.w13_scale[0, 0] = torch.tensor([0.5, 0.25])  # group 0: k < 8, group 1: k >= 8
     w13 = LAYOUT.encode(block, layer(1, H, I))["w13_weight"]
@@ -61,7 +62,7 @@ def test_symmetric_values_by_hand():
 
 def test_the_product_is_rounded_once_to_nearest_even():
     H, I, g = 16, 8, 8
-    block = make_block(1, H, I, 4, g, False)
+    block = wna16_block(1, H, I, 4, g, False)
     s = 1 + 2**-7  # exactly representable in bf16
     block.w2_scale[0, 2, 0] = s
     block.w2_zero[0, 2, 0] = 3
@@ -75,7 +76,7 @@ def test_the_product_is_rounded_once_to_nearest_even():
 
 def test_negative_scale_gives_negative_zero_like_the_ieee_product():
     H, I = 16, 8
-    block = make_block(1, H, I, 4, 8, True)
+    block = wna16_block(1, H, I, 4, 8, True)
     block.w13[0, 1, 0] = 8  # q = 0
     block.w13_scale[0, 1, 0] = -0.01
     w = LAYOUT.encode(block, layer(1, H, I))["w13_weight"][0, 1, 0]
@@ -100,7 +101,7 @@ def reference(block: ExpertBlock) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("E", [1, 3])
 def test_equals_a_float64_reference_rounded_once(sym, g, E):
     H, I = 256, 128
-    block = make_block(E, H, I, 4, g, sym, seed=g + E)
+    block = wna16_block(E, H, I, 4, g, sym, seed=g + E)
     t = LAYOUT.encode(block, layer(E, H, I))
     r13, r2 = reference(block)
     assert bits_of(t["w13_weight"]) == bits_of(r13)
@@ -108,7 +109,7 @@ def test_equals_a_float64_reference_rounded_once(sym, g, E):
 
 
 def test_float32_scales_are_cast_like_the_loader_first():
-    block = make_block(2, 64, 32, 4, 32, True, scale_dtype="float32", seed=4)
+    block = wna16_block(2, 64, 32, 4, 32, True, scale_dtype="float32", seed=4)
     block.w13_scale[0, 0, 0] = 1 + 2**-8  # the loader's copy_ rounds to bf16 1.0 (tie to even)
     block.w13[0, 0, 0] = 15  # q = 7
     t = LAYOUT.encode(block, layer(2, 64, 32))
@@ -122,7 +123,7 @@ def test_float32_scales_are_cast_like_the_loader_first():
 @pytest.mark.parametrize("sym", [True, False])
 def test_biases_are_the_loaders_bf16_values_and_decode_gives_the_reference(sym):
     shape = layer(3, 128, 64, bias=True)
-    block = make_block(3, 128, 64, 4, 32, sym, seed=2)
+    block = wna16_block(3, 128, 64, 4, 32, sym, seed=2)
     block.w13_bias = torch.randn(3, 128, dtype=torch.float32)
     block.w2_bias = torch.randn(3, 128, dtype=torch.float32)
     tensors = LAYOUT.encode(block, shape)
@@ -206,7 +207,7 @@ def _stub_auto_awq(monkeypatch):
 def test_bytes_equal_vllm_emulation_branch(monkeypatch, sym, g, H, I, E, vllm_version):
     ref = vllm_emulation(vllm_version)
     _stub_auto_awq(monkeypatch)
-    shape, block = layer(E, H, I), make_block(E, H, I, 4, g, sym, seed=31 + g + E)
+    shape, block = layer(E, H, I), wna16_block(E, H, I, 4, g, sym, seed=31 + g + E)
     ours = LAYOUT.encode(block, shape)
     p = ct_params(block, torch.bfloat16)
     out = vllm_convert_wna16(ref, ref.WNA16MoEBackend.EMULATION, p)

@@ -41,6 +41,7 @@ from moeconvert.layouts.flashinfer_trtllm_mxfp4 import FlashInferTrtllmMXFP4Layo
 from moeconvert.schemes import MXFP4Scheme
 
 from helpers import FLASHINFER_SRC, assert_lists_exactly, lift, package_reader, same_bits, undecorated, vllm_reader
+from factories import mxfp4_block
 
 CUTLASS = get_layout("flashinfer-cutlass", "mxfp4")
 TRTLLM = get_layout("flashinfer-trtllm", "mxfp4")
@@ -50,21 +51,6 @@ MX = MXFP4Scheme()
 def layer(E, Hp, Ip, bias=False, dtype="bfloat16", activation="silu"):
     return LayerShape(num_experts=E, hidden_size=Hp, intermediate_size=Ip, has_bias=bias, dtype=dtype,
                       activation=activation)
-
-
-def make_block(E, Hp, Ip, bias=False, seed=0):
-    """Random padded canonical block: every byte value, e8m0 scales 0..254, bf16 biases."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def u8(*shape, high=256):
-        return torch.randint(0, high, shape, generator=gen, dtype=torch.int64).to(torch.uint8)
-
-    kw = dict(w13=u8(E, 2 * Ip, Hp // 2), w13_scale=u8(E, 2 * Ip, Hp // 32, high=255),
-              w2=u8(E, Hp, Ip // 2), w2_scale=u8(E, Hp, Ip // 32, high=255))
-    if bias:
-        kw.update(w13_bias=torch.randn(E, 2 * Ip, generator=gen).to(torch.bfloat16),
-                  w2_bias=torch.randn(E, Hp, generator=gen).to(torch.bfloat16))
-    return ExpertBlock(scheme=MX, **kw)
 
 
 def one_hot(shape, where, value=1):
@@ -225,7 +211,7 @@ def test_scale_fold_second_k_block_by_hand():
 
 def test_cutlass_w13_is_up_then_gate():
     Hp, Ip = 128, 128
-    block = make_block(1, Hp, Ip)
+    block = mxfp4_block(1, Hp, Ip)
     block.w13.zero_()
     block.w13[0, Ip, 0] = 0x01  # up row 0, element 0 = code 1 (m bit)
     block.w13[0, 0, 0] = 0x10  # gate row 0, element 1 = code 1
@@ -237,7 +223,7 @@ def test_cutlass_w13_is_up_then_gate():
 
 def test_cutlass_scales_swap_then_fold():
     Hp, Ip = 256, 128
-    block = make_block(1, Hp, Ip)
+    block = mxfp4_block(1, Hp, Ip)
     block.w13_scale.zero_()
     block.w13_scale[0, Ip + 17, 5] = 9  # up row 17 -> GEMM row 17: a = 0, m = 1, f = 1; col 5 -> b = 1, s = 1
     block.w13_scale[0, 70, 0] = 3  # gate row 70 -> GEMM row 198: a = 3, m = 0, f = 6; col 0
@@ -249,7 +235,7 @@ def test_cutlass_scales_swap_then_fold():
 
 def test_cutlass_biases_are_bf16_up_then_gate():
     Hp, Ip = 128, 128
-    block = make_block(2, Hp, Ip, bias=True)
+    block = mxfp4_block(2, Hp, Ip, bias=True)
     block.w13_bias = torch.arange(2 * 2 * Ip, dtype=torch.float32).view(2, 2 * Ip).to(torch.bfloat16)
     out = CUTLASS.encode(block, layer(2, Hp, Ip, bias=True))
     assert out["w13_bias"].dtype == torch.bfloat16 and out["w2_bias"].dtype == torch.bfloat16
@@ -277,7 +263,7 @@ def test_trtllm_w13_rows_by_hand():
 
 def test_trtllm_weights_follow_the_rows():
     Hp, Ip = 256, 128
-    block = make_block(1, Hp, Ip)
+    block = mxfp4_block(1, Hp, Ip)
     block.w13.zero_()
     block.w2.zero_()
     block.w13[0, Ip + 2, 7] = 0xAB  # up 2 -> interleaved 4 -> GEMM1 row 1
@@ -301,7 +287,7 @@ def test_trtllm_scales_row_shuffle_then_128x4_swizzle_by_hand():
         ((15, 3), 31 * 16 + 3),  # gate 15 -> row 31
     ]
     for (r, c), offset in cases:
-        block = make_block(1, Hp, Ip)
+        block = mxfp4_block(1, Hp, Ip)
         block.w13_scale.zero_()
         block.w13_scale[0, r, c] = 127
         s = TRTLLM.encode(block, layer(1, Hp, Ip))["w13_weight_scale"]
@@ -313,7 +299,7 @@ def test_trtllm_scales_row_shuffle_then_128x4_swizzle_by_hand():
 
 def test_trtllm_biases_are_fp32_in_row_order():
     Hp, Ip = 256, 128
-    block = make_block(1, Hp, Ip, bias=True)
+    block = mxfp4_block(1, Hp, Ip, bias=True)
     block.w13_bias = torch.arange(2 * Ip, dtype=torch.bfloat16).view(1, -1)
     block.w2_bias = torch.arange(Hp, dtype=torch.bfloat16).view(1, -1)
     out = TRTLLM.encode(block, layer(1, Hp, Ip, bias=True))
@@ -330,7 +316,7 @@ def test_trtllm_biases_are_fp32_in_row_order():
 @pytest.mark.parametrize("L", [CUTLASS, TRTLLM], ids=["cutlass", "trtllm"])
 def test_encode_changes_bytes_it_should(L):
     """Not the identity: a test of the round trip alone would pass for one."""
-    shape, block = layer(2, 256, 128), make_block(2, 256, 128, seed=1)
+    shape, block = layer(2, 256, 128), mxfp4_block(2, 256, 128, seed=1)
     t = L.encode(block, shape)
     assert not torch.equal(t["w13_weight"], block.w13)
     assert not torch.equal(t["w2_weight"], block.w2)
@@ -364,7 +350,7 @@ def test_registry_and_padding():
 
 def test_activations_do_not_change_the_bytes():
     """gpt-oss (swigluoai) ends in the same kernel order: vLLM de-interleaves (CUTLASS) or re-pairs (TRT-LLM)."""
-    block = make_block(2, 256, 128, bias=True, seed=4)
+    block = mxfp4_block(2, 256, 128, bias=True, seed=4)
     for L in (CUTLASS, TRTLLM):
         a = L.encode(block, layer(2, 256, 128, bias=True))
         b = L.encode(block, layer(2, 256, 128, bias=True, activation="swigluoai"))
@@ -519,7 +505,7 @@ def test_bytes_equal_vllm_conversion_with_flashinfer_helpers(backend, which, Hp,
                                                               vllm_version):
     L = CUTLASS if which == "cutlass" else TRTLLM
     shape = layer(E, Hp, Ip, bias=bias, activation="swigluoai" if gpt_oss else "silu")
-    block = make_block(E, Hp, Ip, bias, seed=Hp * Ip + E)
+    block = mxfp4_block(E, Hp, Ip, bias, seed=Hp * Ip + E)
     ours = L.encode(block, shape)
     theirs = _vllm_convert(vllm_version, backend, block, gpt_oss, cuda_port_interleave, monkeypatch)
     assert set(ours) == set(theirs)
@@ -542,7 +528,7 @@ def test_flashinfers_two_128x4_helpers_agree_with_our_swizzle():
     fi = flashinfer_helpers()
     s = torch.randint(0, 256, (2, 256, 8), generator=torch.Generator().manual_seed(3)).to(torch.uint8)
     shape = layer(2, 256, 128)
-    block = make_block(2, 256, 128)
+    block = mxfp4_block(2, 256, 128)
     block.w13_scale = s
     ours = TRTLLM.encode(block, shape)["w13_weight_scale"].view(torch.uint8)
     rows = trtllm_w13_rows(128)
@@ -612,7 +598,7 @@ def test_interleave_equals_flashinfers_cuda_kernel(n, k):
 @pytest.mark.parametrize("which,Hp,Ip,bias", [("cutlass", 384, 256, True), ("cutlass", 2944, 384, False)])
 def test_bytes_equal_vllm_conversion_with_flashinfers_cuda_interleave(which, Hp, Ip, bias, monkeypatch, vllm_version):
     run = flashinfer_cuda_interleave()
-    shape, block = layer(2, Hp, Ip, bias=bias), make_block(2, Hp, Ip, bias, seed=9)
+    shape, block = layer(2, Hp, Ip, bias=bias), mxfp4_block(2, Hp, Ip, bias, seed=9)
     ours = CUTLASS.encode(block, shape)
     theirs = _vllm_convert(vllm_version, "FLASHINFER_CUTLASS_MXFP4_BF16", block, False, run, monkeypatch)
     for name in ours:

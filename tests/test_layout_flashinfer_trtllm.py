@@ -35,25 +35,11 @@ from moeconvert.layouts.flashinfer_trtllm import (
 from moeconvert.schemes import WNA16Scheme
 
 from helpers import FLASHINFER_SRC, cli, lift, package_reader, package_version, same_bits, st_tensors, vllm_reader
+from factories import wna16_block
 
 LAYOUT = get_layout("flashinfer-trtllm", "wna16")
 SCHEME = WNA16Scheme(bits=4, group_size=32, symmetric=True, scale_dtype="bfloat16")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def make_block(E, H, I, scale_dtype="bfloat16", seed=0):
-    """Random canonical int4 g32 block: codes 0..15, distinct positive scales."""
-    gen = torch.Generator().manual_seed(seed)
-    scheme = WNA16Scheme(bits=4, group_size=32, symmetric=True, scale_dtype=scale_dtype)
-
-    def codes(*shape):
-        return torch.randint(0, 16, shape, generator=gen).to(torch.uint8)
-
-    def scales(*shape):
-        return (torch.rand(shape, generator=gen) * 0.02 + 0.004).to(DTYPES[scale_dtype])
-
-    return ExpertBlock(scheme=scheme, w13=codes(E, 2 * I, H), w2=codes(E, H, I),
-                       w13_scale=scales(E, 2 * I, H // 32), w2_scale=scales(E, H, I // 32))
 
 
 def layer(E, H, I, **kw):
@@ -127,7 +113,7 @@ def test_gemm1_row_sequence_equals_spec():
 def test_gemm1_row_sequence_is_in_the_bytes():
     # every canonical row r carries its own number in its first three codes; read them back by §4's table
     E, H, I = 1, 256, 256
-    block = make_block(E, H, I)
+    block = wna16_block(E, H, I)
     r = torch.arange(2 * I).view(-1, 1)
     k = torch.arange(H).view(1, -1)
     block.w13 = ((r >> (4 * (k % 3))) & 0xF).to(torch.uint8)[None]
@@ -171,7 +157,7 @@ def test_w2_rows_are_the_shuffle_alone():
 @pytest.mark.parametrize("H,I", [(256, 256), (512, 256), (256, 512)])
 def test_unswizzled_scales_with_rows_undone_equal_the_checkpoint_scales(H, I):
     E = 2
-    block = make_block(E, H, I, seed=H + I)
+    block = wna16_block(E, H, I, seed=H + I)
     t = LAYOUT.encode(block, layer(E, H, I))
     for e in range(E):
         s13 = spec_read_scales(t["w13_weight_scale"][e], 2 * I, H // 32)
@@ -199,7 +185,7 @@ def test_swizzle_puts_each_entry_at_the_spec_offset():
 
 
 def test_shapes_equal_spec_for_e2_h256_i256():
-    shape, block = layer(2, 256, 256), make_block(2, 256, 256)
+    shape, block = layer(2, 256, 256), wna16_block(2, 256, 256)
     expected = {
         "w13_weight_packed": ((2, 1, 512, 128), torch.uint8),
         "w13_weight_scale": ((2, 4096), torch.bfloat16),
@@ -234,7 +220,7 @@ def test_signed_nibbles_by_hand():
 @pytest.mark.parametrize("H,I", [(256, 256), (512, 256), (256, 512)])
 def test_every_code_is_where_the_spec_says(H, I):
     E = 2
-    block = make_block(E, H, I, seed=3 * H + I)
+    block = wna16_block(E, H, I, seed=3 * H + I)
     t = LAYOUT.encode(block, layer(E, H, I))
     src13 = [canonical_row(*spec_gemm1_row(d), I) for d in range(2 * I)]
     src2 = [spec_shuf(d) for d in range(H)]
@@ -249,7 +235,7 @@ def test_weight_bytes_are_the_checkpoint_words_xor_0x88888888():
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     E, H, I = 1, 512, 256
-    block = make_block(E, H, I, seed=9)
+    block = wna16_block(E, H, I, seed=9)
     words = pack_to_int32((block.w13[0].to(torch.int16) - 8).to(torch.int8), 4, packed_dim=1)  # [2I, H/8]
     flipped = (words.to(torch.int64) ^ 0x88888888).to(torch.int64)
     flipped = torch.where(flipped >= 2**31, flipped - 2**32, flipped).to(torch.int32)
@@ -265,13 +251,13 @@ def test_weight_bytes_are_the_checkpoint_words_xor_0x88888888():
 
 
 def test_bfloat16_scales_need_no_cast():
-    shape, block = layer(3, 256, 512), make_block(3, 256, 512, seed=5)
+    shape, block = layer(3, 256, 512), wna16_block(3, 256, 512, seed=5)
     assert LAYOUT.expected_block(block, shape).differences(block) == []
 
 
 def test_decode_is_exact_on_every_code_and_extreme_scale():
     E, H, I = 1, 256, 256
-    block = make_block(E, H, I)
+    block = wna16_block(E, H, I)
     block.w13 = (torch.arange(2 * I * H) % 16).to(torch.uint8).view(1, 2 * I, H)
     block.w13_scale.view(torch.int16)[0, :4, 0] = torch.tensor([0x7F80, -0x80, 0x0001, -0x8000],
                                                                  dtype=torch.int16)  # inf, -inf, subnormal, -0
@@ -282,7 +268,7 @@ def test_decode_is_exact_on_every_code_and_extreme_scale():
 @pytest.mark.parametrize("scale_dtype", ["float32", "float16"])
 def test_scales_are_cast_to_bfloat16_like_vllms_loader(scale_dtype):
     E, H, I = 2, 256, 256
-    shape, block = layer(E, H, I), make_block(E, H, I, scale_dtype=scale_dtype, seed=4)
+    shape, block = layer(E, H, I), wna16_block(E, H, I, scale_dtype=scale_dtype, seed=4)
     if scale_dtype == "float32":
         block.w13_scale[0, :3, 0] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8)])  # ties
     decoded = LAYOUT.decode(LAYOUT.encode(block, shape), shape, block.scheme)
@@ -525,7 +511,7 @@ def ct_params(block: ExpertBlock):
 ])
 def test_bytes_equal_vllm_prepare_static_weights_for_trtllm_mxint4_moe(reference, E, H, I, scale_dtype, vllm_version):
     prepare = vllm_prepare(reference, vllm_version)
-    block = make_block(E, H, I, scale_dtype=scale_dtype, seed=E + H + I)
+    block = wna16_block(E, H, I, scale_dtype=scale_dtype, seed=E + H + I)
     ours = LAYOUT.encode(block, layer(E, H, I))
     w13, s13, w2, s2 = ct_params(block)
     theirs = prepare(w13, s13, w2, s2)

@@ -25,29 +25,9 @@ from moeconvert.layouts import get_layout
 from moeconvert.layouts import humming as hl
 from moeconvert.schemes import WNA16Scheme
 
+from factories import block_of
+
 HUMMING_SRC = "MOECONVERT_HUMMING_SRC"
-
-
-def block_of(scheme: WNA16Scheme, E: int, H: int, I: int, seed: int = 0, no_zero: tuple[str, ...] = (),
-             bias: bool = False) -> ExpertBlock:
-    gen = torch.Generator().manual_seed(seed)
-    n = 1 << scheme.bits
-
-    def codes(*size, low=0):
-        return torch.randint(low, n, size, generator=gen, dtype=torch.uint8)
-
-    def scales(*size):
-        return (torch.rand(size, generator=gen) * 0.02 + 0.004).to(torch.bfloat16)
-
-    kw = dict(w13=codes(E, 2 * I, H, low=1 if "w13" in no_zero else 0),
-              w2=codes(E, H, I, low=1 if "w2" in no_zero else 0),
-              w13_scale=scales(E, 2 * I, scheme.groups(H)), w2_scale=scales(E, H, scheme.groups(I)))
-    if not scheme.symmetric:
-        kw.update(w13_zero=codes(E, 2 * I, scheme.groups(H)), w2_zero=codes(E, H, scheme.groups(I)))
-    if bias:
-        kw.update(w13_bias=torch.randn(E, 2 * I, generator=gen).to(torch.bfloat16),
-                  w2_bias=torch.randn(E, H, generator=gen).to(torch.bfloat16))
-    return ExpertBlock(scheme=scheme, **kw)
 
 
 def sizes(g: int) -> tuple[int, int]:
@@ -587,3 +567,28 @@ def test_verify_rescans_the_decoded_codes(no_zero_ckpts, tmp_path):
     r = cli("verify", str(out), "--json", expect=1)
     layer = json.loads(r.out)["layers"][0]
     assert any("layout facts: the manifest records" in d and "[4, 5, 6, 7]" in d for d in layer["differences"])
+
+
+def test_verify_refuses_words_no_sign_magnitude_encoding_writes(no_zero_ckpts, tmp_path):
+    """Choice and facts edited together from unsigned to sign-magnitude pass the manifest's check, and the
+    words decode (a 0 code decodes as sign-magnitude -0, i.e. code 8): but they hold -0, which no
+    sign-magnitude encoding writes. Plain verify and load(verify=True) refuse them, without the source."""
+    import json
+
+    from helpers import cli
+    from moeconvert.runtime import load
+
+    out = tmp_path / "full"
+    _humming(no_zero_ckpts["half"], out)
+    path = out / "moeconvert.json"
+    m = json.loads(path.read_text())
+    for layer in m["moe_layers"]:
+        layer["layout_metadata"]["w13"].update(b_dtype="float4e0m3", **{hl.NO_ZERO: list(range(8))})
+    path.write_text(json.dumps(m))
+    r = cli("verify", str(out), "--json", expect=1)
+    errors = json.loads(r.out)["layers"][0]["decode_errors"]
+    assert errors and all("w13_weight:" in e and "never writes for the values they decode to" in e for e in errors), errors
+    with pytest.raises(MoeConvertError, match=r"w13_weight: \d+ of \d+ elements hold bytes layout humming never "
+                                              r"writes") as exc:
+        load(out, device="cpu", verify=True)
+    assert "\n" not in str(exc.value)

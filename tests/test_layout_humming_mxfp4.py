@@ -21,6 +21,7 @@ from moeconvert.layouts import humming as hl
 from moeconvert.layouts import humming_mxfp4 as hm
 from moeconvert.schemes import MXFP4Scheme
 
+from factories import mxfp4_block
 from test_layout_humming import humming_cpu, kernel_transcription  # noqa: F401 (a fixture)
 
 MX = MXFP4Scheme()
@@ -35,16 +36,9 @@ def shape_of(E, H, Ip, bias=False, **kw):
 
 
 def block_of(E: int, H: int, Ip: int, seed: int = 0, bias: bool = False, I: int | None = None) -> ExpertBlock:
-    """Random e2m1 bytes and e8m0 scale bytes; with ``I`` < Ip, w13 rows ``[gate | 0 | up | 0]`` and w2's K
-    columns beyond I zero, with scale byte 0, as vLLM's zero-initialised parameters hold them."""
-    gen = torch.Generator().manual_seed(seed)
-    kw = dict(w13=torch.randint(0, 256, (E, 2 * Ip, H // 2), generator=gen, dtype=torch.uint8),
-              w2=torch.randint(0, 256, (E, H, Ip // 2), generator=gen, dtype=torch.uint8),
-              w13_scale=torch.randint(110, 135, (E, 2 * Ip, H // 32), generator=gen, dtype=torch.uint8),
-              w2_scale=torch.randint(110, 135, (E, H, Ip // 32), generator=gen, dtype=torch.uint8))
-    if bias:
-        kw.update(w13_bias=torch.randn(E, 2 * Ip, generator=gen).to(torch.bfloat16),
-                  w2_bias=torch.randn(E, H, generator=gen).to(torch.bfloat16))
+    """Random e2m1 bytes and e8m0 scale bytes near 1; with ``I`` < Ip, w13 rows ``[gate | 0 | up | 0]`` and w2's
+    K columns beyond I zero, with scale byte 0, as vLLM's zero-initialised parameters hold them."""
+    kw = mxfp4_block(E, H, Ip, bias, seed=seed, scales=(110, 135)).tensors()
     if I is not None and I < Ip:
         for name in ("w13", "w13_scale") + (("w13_bias",) if bias else ()):
             kw[name][:, I:Ip] = 0

@@ -29,31 +29,10 @@ from moeconvert.layouts.marlin import (
 from moeconvert.schemes import WNA16Scheme
 
 from helpers import rel, same_bits, vllm_marlin_reference as vllm_reference, vllm_moe_ops, vllm_process_marlin
+from factories import wna16_block
 
 LAYOUT = get_layout("marlin")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def make_block(E, H, I, bits, g, sym, bias=False, scale_dtype="bfloat16", bias_dtype=None, seed=0):
-    """Random canonical block (codes, distinct positive scales, zero points, biases)."""
-    gen = torch.Generator().manual_seed(seed)
-    scheme = WNA16Scheme(bits=bits, group_size=g, symmetric=sym, scale_dtype=scale_dtype)
-    G13, G2 = scheme.groups(H), scheme.groups(I)
-
-    def codes(*shape):
-        return torch.randint(0, 1 << bits, shape, generator=gen).to(torch.uint8)
-
-    def floats(*shape, dtype):
-        return (torch.rand(shape, generator=gen) * 0.02 + 0.004).to(DTYPES[dtype])
-
-    kw = dict(w13=codes(E, 2 * I, H), w2=codes(E, H, I),
-              w13_scale=floats(E, 2 * I, G13, dtype=scale_dtype), w2_scale=floats(E, H, G2, dtype=scale_dtype))
-    if not sym:
-        kw.update(w13_zero=codes(E, 2 * I, G13), w2_zero=codes(E, H, G2))
-    if bias:
-        bdt = bias_dtype or scale_dtype
-        kw.update(w13_bias=floats(E, 2 * I, dtype=bdt) - 0.01, w2_bias=floats(E, H, dtype=bdt) - 0.01)
-    return ExpertBlock(scheme=scheme, **kw)
 
 
 def layer(E, H, I, bias=False, dtype="bfloat16", bias_dtype=None):
@@ -251,7 +230,7 @@ SHAPES_7_5 = [
 
 @pytest.mark.parametrize("bits,sym,g,I,expected", SHAPES_7_5)
 def test_shapes_equal_spec(bits, sym, g, I, expected):
-    shape, block = layer(2, 128, I), make_block(2, 128, I, bits, g, sym)
+    shape, block = layer(2, 128, I), wna16_block(2, 128, I, bits, g, sym)
     planned = {s.suffix: s for s in LAYOUT.plan(shape, block.scheme)}
     encoded = LAYOUT.encode(block, shape)
     assert set(planned) == set(encoded)
@@ -285,7 +264,7 @@ SCHEMES = [(4, True), (4, False), (8, True)]
 def test_scales_are_cast_to_the_model_dtype_with_round_to_nearest_even():
     # fp32 checkpoint scales into a bf16 model, as vLLM's loader copy_ does
     shape = layer(2, 128, 64, bias=True)
-    block = make_block(2, 128, 64, 4, 32, True, bias=True, scale_dtype="float32", seed=7)
+    block = wna16_block(2, 128, 64, 4, 32, True, bias=True, scale_dtype="float32", seed=7)
     ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-8 + 2**-20])  # -> 1, 1+2^-6, -1, 1+2^-7
     block.w13_scale[0, :4, 0] = ties
     decoded = LAYOUT.decode(LAYOUT.encode(block, shape), shape, block.scheme)
@@ -351,7 +330,7 @@ def canonical_dequant(codes, scales, zeros, bits, g):
     (4, True, 128, 128, 256), (4, False, 32, 160, 128), (8, True, -1, 192, 128),
 ])
 def test_dequantized_layer_equals_canonical_with_zero_pads(bits, sym, g, I, H):
-    shape, block = layer(2, H, I), make_block(2, H, I, bits, g, sym, seed=3)
+    shape, block = layer(2, H, I), wna16_block(2, H, I, bits, g, sym, seed=3)
     Ip = padded_intermediate(I, g)
     t = LAYOUT.encode(block, shape)
     grouped13 = g > 0 and H // g > 1  # the kernel's group mode: more than one scale row
@@ -398,7 +377,7 @@ def test_i_equal_group_size_deviates_from_vllm_on_purpose():
     (warning,) = LAYOUT.warnings(shape, scheme)
     assert "vLLM 0.33.0" in warning and "wrong results" in warning and "deviates" in warning
     # the bytes: grouped permutation of the [G13=2, 2Ip] scales, not the single one vLLM writes
-    block = make_block(4, 256, 128, 4, 128, True)
+    block = wna16_block(4, 256, 128, 4, 128, True)
     s13 = block.w13_scale.transpose(1, 2)
     assert torch.equal(LAYOUT.encode(block, shape)["w13_weight_scale"], grouped_perm(s13))
     assert not torch.equal(grouped_perm(s13), single_perm(s13))
@@ -459,7 +438,7 @@ ORACLE_GRID = [
 @pytest.mark.parametrize("bits,sym,g,I,H,bias", ORACLE_GRID)
 def test_bytes_equal_vllm_process_weights_marlin(bits, sym, g, I, H, bias, vllm_version):
     ref = vllm_reference(vllm_version)
-    shape, block = layer(2, H, I, bias=bias), make_block(2, H, I, bits, g, sym, bias, seed=11)
+    shape, block = layer(2, H, I, bias=bias), wna16_block(2, H, I, bits, g, sym, bias, seed=11)
     ours = LAYOUT.encode(block, shape)
     p = ct_params(block, torch.bfloat16)
     out = vllm_process_marlin(ref, bits, g, I, p)
@@ -588,7 +567,7 @@ def gpu_errors(block, shape, tensors, M=32, topk=2, seed=0, dev="cuda"):
 def test_vllm_marlin_kernel_computes_right_on_our_bytes(bits, sym, g, H, I, bias, dtype):
     vllm_moe_ops()
     shape = layer(4, H, I, bias=bias, dtype=dtype)
-    block = make_block(4, H, I, bits, g, sym, bias, scale_dtype=dtype, seed=5)
+    block = wna16_block(4, H, I, bits, g, sym, bias, scale_dtype=dtype, seed=5)
     errs = gpu_errors(block, shape, LAYOUT.encode(block, shape))
     print(f"\nmarlin kernel w{bits} {'sym' if sym else 'asym'} g{g} H{H} I{I} bias={bias} {dtype}: "
           f"rel err gemm1 {errs[0]:.2e} gemm2 {errs[1]:.2e} moe {errs[2]:.2e}")
@@ -601,7 +580,7 @@ def test_vllm_own_w13_scale_layout_is_wrong_where_we_deviate(bits, sym, g, H, I)
     """The evidence for the deviation: vLLM's w13 scale permutation, run through vLLM's kernel."""
     vllm_moe_ops()
     shape = layer(4, H, I)
-    block = make_block(4, H, I, bits, g, sym, seed=5)
+    block = wna16_block(4, H, I, bits, g, sym, seed=5)
     tensors = LAYOUT.encode(block, shape)
     assert "deviation" in LAYOUT.layer_metadata(shape, block.scheme)
     ours = tensors["w13_weight_scale"]

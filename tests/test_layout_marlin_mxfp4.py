@@ -34,6 +34,7 @@ from moeconvert.mxfp4 import dequantize_mxfp4
 from moeconvert.schemes import MXFP4Scheme
 
 from helpers import exec_nodes, lift, rel, same_bits, top_level, vllm_moe_ops, vllm_reader
+from factories import mxfp4_block
 
 LAYOUT = get_layout("marlin", "mxfp4")
 SCHEME = MXFP4Scheme()
@@ -42,18 +43,6 @@ SCHEME = MXFP4Scheme()
 def layer(E, Hp, Ip, bias=False, activation="silu", dtype="bfloat16"):
     return LayerShape(num_experts=E, hidden_size=Hp, intermediate_size=Ip, has_bias=bias,
                       activation=activation, dtype=dtype)
-
-
-def make_block(E, Hp, Ip, bias=False, seed=0, scales=(0, 256), bias_dtype=torch.bfloat16):
-    """A random canonical padded MXFP4 block: any byte as codes, scale bytes drawn from ``scales``."""
-    gen = torch.Generator().manual_seed(seed)
-    u8 = lambda lo, hi, *shape: torch.randint(lo, hi, shape, generator=gen).to(torch.uint8)
-    kw = dict(w13=u8(0, 256, E, 2 * Ip, Hp // 2), w13_scale=u8(*scales, E, 2 * Ip, Hp // 32),
-              w2=u8(0, 256, E, Hp, Ip // 2), w2_scale=u8(*scales, E, Hp, Ip // 32))
-    if bias:
-        kw.update(w13_bias=(torch.randn(E, 2 * Ip, generator=gen) * 0.1).to(bias_dtype),
-                  w2_bias=(torch.randn(E, Hp, generator=gen) * 0.1).to(bias_dtype))
-    return ExpertBlock(scheme=SCHEME, **kw)
 
 
 def hex_words(t: torch.Tensor) -> list[str]:
@@ -146,7 +135,7 @@ def test_scale_permutation_by_hand():
 ])
 def test_w13_scale_and_bias_columns_by_hand(activation, scales16, bias8):
     E, Hp, Ip = 1, 256, 128
-    block = make_block(E, Hp, Ip, bias=True)
+    block = mxfp4_block(E, Hp, Ip, bias=True)
     block.w13_scale[0, :, 0] = torch.arange(2 * Ip).to(torch.uint8)  # K-block 0: value = canonical row
     block.w13_bias = torch.arange(2 * Ip, dtype=torch.bfloat16).view(1, -1)  # exact in bf16
     t = LAYOUT.encode(block, layer(E, Hp, Ip, bias=True, activation=activation))
@@ -155,7 +144,7 @@ def test_w13_scale_and_bias_columns_by_hand(activation, scales16, bias8):
 
 
 def test_w2_bias_by_hand():
-    block = make_block(1, 256, 128, bias=True)
+    block = mxfp4_block(1, 256, 128, bias=True)
     block.w2_bias = torch.arange(256, dtype=torch.bfloat16).view(1, -1)
     t = LAYOUT.encode(block, layer(1, 256, 128, bias=True))
     assert t["w2_bias"][0, :16].tolist() == [0, 1, 8, 9, 16, 17, 24, 25, 2, 3, 10, 11, 18, 19, 26, 27]
@@ -170,7 +159,7 @@ def test_w2_bias_by_hand():
 @pytest.mark.parametrize("Hp,Ip", [(256, 128), (512, 384)])
 def test_every_tensor_equals_the_spec_closed_forms(Hp, Ip, activation):
     E = 2
-    block = make_block(E, Hp, Ip, bias=True, seed=Hp + Ip)
+    block = mxfp4_block(E, Hp, Ip, bias=True, seed=Hp + Ip)
     t = LAYOUT.encode(block, layer(E, Hp, Ip, bias=True, activation=activation))
     rows = spec_kernel_row(torch.arange(2 * Ip), Ip, activation)
     for e in range(E):
@@ -185,7 +174,7 @@ def test_every_tensor_equals_the_spec_closed_forms(Hp, Ip, activation):
 def test_dequantized_gemm1_columns_follow_the_activation():
     """Read back with the spec's forms: GEMM1 output column 2j is gate j and 2j+1 is up j for swigluoai."""
     E, Hp, Ip = 1, 256, 128
-    block = make_block(E, Hp, Ip, scales=(118, 126), seed=4)
+    block = mxfp4_block(E, Hp, Ip, scales=(118, 126), seed=4)
     canon = dequantize_mxfp4(block.w13[0], block.w13_scale[0])  # [2Ip, Hp]
     for activation in ("silu", "swigluoai"):
         t = LAYOUT.encode(block, layer(E, Hp, Ip, activation=activation))
@@ -205,14 +194,14 @@ def test_dequantized_gemm1_columns_follow_the_activation():
 
 
 def test_decode_takes_scale_bytes_as_uint8_too():
-    shape, block = layer(2, 256, 128), make_block(2, 256, 128, seed=9)
+    shape, block = layer(2, 256, 128), mxfp4_block(2, 256, 128, seed=9)
     tensors = {k: (u8(v) if v.dtype == torch.float8_e8m0fnu else v) for k, v in LAYOUT.encode(block, shape).items()}
     assert LAYOUT.decode(tensors, shape, SCHEME).differences(block) == []
 
 
 def test_biases_are_cast_to_bf16_and_expected_so():
     shape = layer(2, 256, 128, bias=True)
-    block = make_block(2, 256, 128, bias=True, bias_dtype=torch.float32, seed=3)
+    block = mxfp4_block(2, 256, 128, bias=True, bias_dtype=torch.float32, seed=3)
     block.w13_bias[0, :3] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8)])  # ties: RNE -> 1, 1+2^-6, -1
     decoded = LAYOUT.decode(LAYOUT.encode(block, shape), shape, SCHEME)
     assert decoded.w13_bias.dtype == torch.bfloat16
@@ -339,7 +328,7 @@ def test_bytes_equal_vllm_online_marlin_path(E, Hp, Ip, bias, vllm_version):
     """Online path (silu): vLLM quantizes its padded [gate; 0; up; 0] params and hands them straight to
     prepare_moe_mxfp4_layer_for_marlin; our canonical block is those params."""
     ref = vllm_reference(vllm_version)
-    shape, block = layer(E, Hp, Ip, bias), make_block(E, Hp, Ip, bias, seed=E + Hp + Ip)
+    shape, block = layer(E, Hp, Ip, bias), mxfp4_block(E, Hp, Ip, bias, seed=E + Hp + Ip)
     theirs = vllm_marlin(ref, block.w13, block.w2, block.w13_scale, block.w2_scale, block.w13_bias, block.w2_bias)
     _assert_equal_to_vllm(LAYOUT.encode(block, shape), theirs)
 
@@ -397,7 +386,7 @@ def test_bytes_equal_vllm_compressed_tensors_mxfp4_marlin_path(E, H, I, vllm_ver
     [gate; up] rows, no bias. Where H and I are multiples of 256 and 128 the layout pads nothing, and its
     bytes are vLLM's."""
     ref = vllm_reference(vllm_version)
-    block = make_block(E, H, I, seed=E + H + I)
+    block = mxfp4_block(E, H, I, seed=E + H + I)
     stub = types.SimpleNamespace(
         moe_config=types.SimpleNamespace(num_local_experts=E, hidden_dim=H, intermediate_size_per_partition=I),
         params_dtype=torch.bfloat16, w13_weight=block.w13, w2_weight=block.w2, w13_weight_scale=block.w13_scale,
@@ -434,7 +423,7 @@ def test_vllm_fp16_path_corrupts_scale_bytes_outside_103_142(vllm_version):
     """The evidence for refusing fp16 models (besides the missing kernel): vLLM's own processing."""
     ref = vllm_reference(vllm_version)
     E, Hp, Ip = 1, 256, 128
-    block = make_block(E, Hp, Ip, seed=2)
+    block = mxfp4_block(E, Hp, Ip, seed=2)
     block.w2_scale.view(-1)[:256] = torch.arange(256).to(torch.uint8)
     args = (block.w13, block.w2, block.w13_scale, block.w2_scale, None, None)
     bf16, fp16 = vllm_marlin(ref, *args), vllm_marlin(ref, *args, params_dtype=torch.float16)
@@ -536,7 +525,7 @@ def gpu_errors(block, shape, tensors, M=32, topk=2, seed=0, dev="cuda"):
 def test_vllm_marlin_kernel_computes_right_on_our_mxfp4_bytes(E, Hp, Ip, bias, activation):
     vllm_moe_ops()
     shape = layer(E, Hp, Ip, bias=bias, activation=activation)
-    block = make_block(E, Hp, Ip, bias, seed=5, scales=(116, 122))
+    block = mxfp4_block(E, Hp, Ip, bias, seed=5, scales=(116, 122))
     errs = gpu_errors(block, shape, LAYOUT.encode(block, shape))
     print(f"\nmarlin mxfp4 kernel E{E} Hp{Hp} Ip{Ip} bias={bias} {activation}: "
           f"rel err gemm1 {errs[0]:.2e} gemm2 {errs[1]:.2e} moe {errs[2]:.2e}")

@@ -25,27 +25,11 @@ from moeconvert.layouts.triton_wna16 import TritonWNA16Layout, pack_bytes, unpac
 from moeconvert.schemes import WNA16Scheme
 
 from helpers import assert_lists_exactly, cli, lift, st_tensors, vllm_reader
+from factories import wna16_block
 
 LAYOUT = get_layout("triton", "wna16")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SCHEMES = [(4, True), (4, False), (8, True)]
-
-
-def make_block(E, H, I, bits, g, sym, scale_dtype="bfloat16", seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    scheme = WNA16Scheme(bits=bits, group_size=g, symmetric=sym, scale_dtype=scale_dtype)
-
-    def codes(*shape):
-        return torch.randint(0, 1 << bits, shape, generator=gen).to(torch.uint8)
-
-    def floats(*shape):
-        return (torch.rand(shape, generator=gen) * 0.02 + 0.004).to(DTYPES[scale_dtype])
-
-    kw = dict(w13=codes(E, 2 * I, H), w2=codes(E, H, I),
-              w13_scale=floats(E, 2 * I, scheme.groups(H)), w2_scale=floats(E, H, scheme.groups(I)))
-    if not sym:
-        kw.update(w13_zero=codes(E, 2 * I, scheme.groups(H)), w2_zero=codes(E, H, scheme.groups(I)))
-    return ExpertBlock(scheme=scheme, **kw)
 
 
 def layer(E, H, I, dtype="bfloat16", bias=False):
@@ -72,7 +56,7 @@ def test_it_is_the_layout_behind_backend_triton():
 ], ids=["ascending", "descending"])
 def test_int4_weight_row_is_the_ct_words_little_endian(signed, expected):
     H, I, g = 16, 8, 8
-    block = make_block(1, H, I, 4, g, True)
+    block = wna16_block(1, H, I, 4, g, True)
     block.w13[0, 5] = torch.tensor(signed) + 8  # unsigned fields u = q + 8
     t = LAYOUT.encode(block, layer(1, H, I))
     assert t["w13_weight"].dtype == torch.uint8 and t["w13_weight"].shape == (1, 2 * I, H // 2)
@@ -81,7 +65,7 @@ def test_int4_weight_row_is_the_ct_words_little_endian(signed, expected):
 
 def test_int4_byte_holds_even_k_low_odd_k_high():
     H, I = 16, 8
-    block = make_block(1, H, I, 4, 8, True)
+    block = wna16_block(1, H, I, 4, 8, True)
     block.w2[0, 3] = torch.tensor([0x1, 0xA, 0x2, 0xB, 0x3, 0xC, 0x4, 0xD])  # k = 0..7 of w2 row n = 3
     t = LAYOUT.encode(block, layer(1, H, I))
     assert hex_bytes(t["w2_weight"][0, 3]) == "a1 b2 c3 d4"
@@ -90,7 +74,7 @@ def test_int4_byte_holds_even_k_low_odd_k_high():
 def test_int8_weight_row_is_the_ct_words_little_endian():
     # CT int8 row [-128, -1, 0, 127, 1, 2, 3, 4] -> words 0xff807f00 0x84838281
     H, I = 8, 8
-    block = make_block(1, H, I, 8, 8, True)
+    block = wna16_block(1, H, I, 8, 8, True)
     block.w13[0, 0] = torch.tensor([-128, -1, 0, 127, 1, 2, 3, 4]) + 128
     t = LAYOUT.encode(block, layer(1, H, I))
     assert t["w13_weight"].shape == (1, 2 * I, H)
@@ -101,7 +85,7 @@ def test_zero_points_lie_along_n_two_channels_a_byte():
     # spec §1.3: zp[n] = n - 8 for N = 16 rows, G = 2 -> CT words 0x76543210, 0xfedcba98 (per group column);
     # §5: row r of the Triton tensor holds n = 2r (low nibble) and n = 2r + 1 (high nibble)
     H, I, g = 16, 8, 8  # w13: N = 2I = 16, G13 = H/g = 2
-    block = make_block(1, H, I, 4, g, False)
+    block = wna16_block(1, H, I, 4, g, False)
     block.w13_zero[0] = (torch.arange(16).view(16, 1) + torch.tensor([0, 5]).view(1, 2)) % 16  # group 1 shifted
     t = LAYOUT.encode(block, layer(1, H, I))
     z = t["w13_weight_zero_point"]
@@ -112,7 +96,7 @@ def test_zero_points_lie_along_n_two_channels_a_byte():
 
 def test_scales_keep_the_n_first_shape_and_cast_to_the_model_dtype_with_rne():
     H, I, g = 64, 32, 32
-    block = make_block(2, H, I, 4, g, True, scale_dtype="float32", seed=3)
+    block = wna16_block(2, H, I, 4, g, True, scale_dtype="float32", seed=3)
     ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-8 + 2**-20])  # bf16: 1, 1+2^-6, -1, 1+2^-7
     block.w13_scale[1, :4, 1] = ties
     t = LAYOUT.encode(block, layer(2, H, I))
@@ -127,7 +111,7 @@ def test_scales_keep_the_n_first_shape_and_cast_to_the_model_dtype_with_rne():
 
 def test_gate_rows_come_first():
     H, I = 16, 8
-    block = make_block(1, H, I, 4, 8, True)
+    block = wna16_block(1, H, I, 4, 8, True)
     block.w13[0, :I] = 1
     block.w13[0, I:] = 2
     w = LAYOUT.encode(block, layer(1, H, I))["w13_weight"][0]
@@ -157,7 +141,7 @@ def ct_params(block: ExpertBlock, params_dtype: torch.dtype) -> dict:
 
 @pytest.mark.parametrize("bits,sym", SCHEMES)
 def test_weights_are_the_ct_words_viewed_as_bytes(bits, sym):
-    block = make_block(3, 128, 64, bits, 32, sym, seed=bits)
+    block = wna16_block(3, 128, 64, bits, 32, sym, seed=bits)
     t = LAYOUT.encode(block, layer(3, 128, 64))
     p = ct_params(block, torch.bfloat16)
     assert torch.equal(t["w13_weight"], p["w13"].view(torch.uint8))
@@ -165,7 +149,7 @@ def test_weights_are_the_ct_words_viewed_as_bytes(bits, sym):
 
 
 def test_zero_point_bytes_follow_the_ct_words_down_n():
-    block = make_block(2, 64, 32, 4, 16, False, seed=9)
+    block = wna16_block(2, 64, 32, 4, 16, False, seed=9)
     t = LAYOUT.encode(block, layer(2, 64, 32))
     p = ct_params(block, torch.bfloat16)
     for ours, words in ((t["w13_weight_zero_point"], p["w13_zero"]), (t["w2_weight_zero_point"], p["w2_zero"])):
@@ -180,7 +164,7 @@ def test_zero_point_bytes_follow_the_ct_words_down_n():
 
 
 def test_round_trip_with_a_scale_cast_gives_the_expected_block():
-    shape, block = layer(2, 64, 32), make_block(2, 64, 32, 4, 32, False, scale_dtype="float32", seed=1)
+    shape, block = layer(2, 64, 32), wna16_block(2, 64, 32, 4, 32, False, scale_dtype="float32", seed=1)
     decoded = LAYOUT.decode(LAYOUT.encode(block, shape), shape, block.scheme)
     assert decoded.differences(block)  # the scales changed dtype ...
     assert decoded.differences(LAYOUT.expected_block(block, shape)) == []  # ... exactly as documented
@@ -321,7 +305,7 @@ ORACLE_GRID = [
 @pytest.mark.parametrize("E,bits,sym,g,H,I,dtype", ORACLE_GRID)
 def test_bytes_equal_vllm_convert_to_wna16_moe_kernel_format(E, bits, sym, g, H, I, dtype, vllm_version):
     ref = vllm_convert(vllm_version)
-    shape, block = layer(E, H, I, dtype=dtype), make_block(E, H, I, bits, g, sym, seed=17 + E + g + H)
+    shape, block = layer(E, H, I, dtype=dtype), wna16_block(E, H, I, bits, g, sym, seed=17 + E + g + H)
     ours = LAYOUT.encode(block, shape)
     p = ct_params(block, DTYPES[dtype])
     out = vllm_convert_wna16(ref, ref.WNA16MoEBackend.TRITON, p)

@@ -40,6 +40,7 @@ from moeconvert.layouts.triton_mxfp4 import (
 from moeconvert.schemes import MXFP4Scheme
 
 from helpers import VLLM_SRC, lift, package_location, rel, vllm_reader
+from factories import mxfp4_block
 
 LAYOUT = get_layout("triton", "mxfp4")
 
@@ -67,21 +68,6 @@ def test_check_refuses_rows_the_kernel_cannot_tile():
 def layer(E, H, I, bias=False, activation="swigluoai", dtype="bfloat16"):
     return LayerShape(num_experts=E, hidden_size=H, intermediate_size=I, has_bias=bias, activation=activation,
                       dtype=dtype)
-
-
-def make_block(E, H, I, bias=False, seed=0, low=0):
-    """Random canonical MXFP4 block; ``low=1`` keeps every byte nonzero (to see where bytes land)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def u8(*shape):
-        return torch.randint(low, 256, shape, generator=gen).to(torch.uint8)
-
-    kw = dict(w13=u8(E, 2 * I, H // 2), w2=u8(E, H, I // 2), w13_scale=u8(E, 2 * I, H // 32),
-              w2_scale=u8(E, H, I // 32))
-    if bias:
-        kw.update(w13_bias=torch.randn(E, 2 * I, generator=gen).to(torch.bfloat16),
-                  w2_bias=torch.randn(E, H, generator=gen).to(torch.bfloat16))
-    return ExpertBlock(scheme=MXFP4Scheme(), **kw)
 
 
 def one_byte(n, kb, value, N, Kb):
@@ -208,7 +194,7 @@ def test_scale_positions(N, G, m, k, row, col, shape):
 
 def test_swigluoai_interleaves_w13_rows_silu_keeps_halves():
     E, H, I = 1, 64, 64
-    block = make_block(E, H, I, bias=True)
+    block = mxfp4_block(E, H, I, bias=True)
     block.w13.zero_(), block.w13_scale.zero_()
     block.w13[0, I, 0] = 0x01  # up row 0, k = 0
     block.w13_scale[0, I, 0] = 0x7F
@@ -285,7 +271,7 @@ ROUND_TRIP = [
 @pytest.mark.parametrize("E,H,I,bias,act", ROUND_TRIP)
 def test_decode_encode_is_identity(E, H, I, bias, act):
     shape = layer(E, H, I, bias=bias, activation=act)
-    block = make_block(E, H, I, bias=bias, seed=E * 1000 + H + I)
+    block = mxfp4_block(E, H, I, bias=bias, seed=E * 1000 + H + I)
     out = LAYOUT.encode(block, shape)
     back = LAYOUT.decode(out, shape, MXFP4Scheme())
     assert LAYOUT.expected_block(block, shape).differences(back) == []
@@ -294,7 +280,7 @@ def test_decode_encode_is_identity(E, H, I, bias, act):
 
 def test_round_trip_of_a_gpt_oss_sized_hidden():
     shape = layer(1, 2880, 64, bias=True)  # K/32 = 90 -> 92 for w13, w2 N = 2880 -> 3072 for scales
-    block = make_block(1, 2880, 64, bias=True, seed=3)
+    block = mxfp4_block(1, 2880, 64, bias=True, seed=3)
     assert LAYOUT.expected_block(block, shape).differences(LAYOUT.decode(LAYOUT.encode(block, shape), shape,
                                                                          MXFP4Scheme())) == []
 
@@ -303,7 +289,7 @@ def test_round_trip_of_a_gpt_oss_sized_hidden():
 def test_padding_is_zero_and_no_bit_is_lost(H, I):
     """The value swizzle moves bits, never changes them: set bits of the buffer == set bits of the
     block; the scale buffer holds the scale bytes and zeros."""
-    block = make_block(2, H, I, seed=7, low=1)
+    block = mxfp4_block(2, H, I, seed=7, codes=(1, 256), scales=(1, 256))
     out = LAYOUT.encode(block, layer(2, H, I))
 
     def popcount(t):
@@ -455,7 +441,7 @@ def test_bytes_equal_triton_kernels_convert_layout(E, N, K):
 def test_metadata_equals_the_objects_triton_kernels_builds():
     E, H, I = 2, 96, 64
     shape = layer(E, H, I)
-    block = make_block(E, H, I)
+    block = mxfp4_block(E, H, I)
     meta = LAYOUT.layer_metadata(shape, MXFP4Scheme())
     rows = interleave_gate_up
     for name, packed, scales in (("w13", rows(block.w13), rows(block.w13_scale)), ("w2", block.w2, block.w2_scale)):
@@ -480,7 +466,7 @@ def test_loader_recipe_rebuilds_the_objects_without_moving_data():
     tk = triton_kernels()
     E, H, I = 3, 64, 128
     shape = layer(E, H, I)
-    block = make_block(E, H, I, seed=4)
+    block = mxfp4_block(E, H, I, seed=4)
     out = LAYOUT.encode(block, shape)
     meta = LAYOUT.layer_metadata(shape, MXFP4Scheme())
     for name, packed, scales in (("w13", interleave_gate_up(block.w13), interleave_gate_up(block.w13_scale)),
@@ -576,7 +562,7 @@ def test_layer_bytes_equal_vllm_gpt_oss_triton_path(E, H, I, bias, vllm_version)
     checkpoint's interleaved rows, biases cast to fp32, then ``_swizzle_mxfp4`` of each weight."""
     ref = vllm_swizzle(vllm_version)
     shape = layer(E, H, I, bias=bias)
-    block = make_block(E, H, I, bias=bias, seed=H + I)
+    block = mxfp4_block(E, H, I, bias=bias, seed=H + I)
     ours = LAYOUT.encode(block, shape)
     # the gpt-oss checkpoint holds w13 interleaved: vLLM's own interleave of our [gate; up]
     ckpt = {k: ref.interleave(getattr(block, k)) for k in ("w13", "w13_scale")}
@@ -656,7 +642,7 @@ def test_matmul_ogs_computes_right_on_our_bytes(E, H, I, bias):
     k = _matmul_ogs()
     dev = "cuda"
     shape = layer(E, H, I, bias=bias)
-    block = _small_scales(make_block(E, H, I, bias=bias, seed=11))
+    block = _small_scales(mxfp4_block(E, H, I, bias=bias, seed=11))
     out = LAYOUT.encode(block, shape)
     meta = LAYOUT.layer_metadata(shape, MXFP4Scheme())
     M = 64

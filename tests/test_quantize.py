@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from moeconvert.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from moeconvert.verify import verify_output
 
-from helpers import cli, st_tensors
+from helpers import cli, int_loaded, make_int_checkpoint, st_tensors, to_gptoss_mxfp4, vllm_marlin_reference
 
 H, I, E = 256, 80, 4  # I = 80 is padded to 96 by the plain layout's 32-multiples
 
@@ -179,11 +179,11 @@ def test_weights_at_the_top_of_bf16_are_refused_where_the_rounding_overflows(qwe
     assert bool(torch.isfinite(dequantize_mxfp4(w2, s2)).all())
 
 
-def test_quantized_sources_are_refused_before_writing(tmp_path, example_ckpt):
-    src = example_ckpt("qwen3-moe", "w4a16", num_experts=E)
+def test_fp4_sources_are_refused_before_writing(tmp_path, example_ckpt):
+    src = example_ckpt("qwen3-moe", "nvfp4", num_experts=E, hidden_size=128, intermediate_size=64, num_layers=1)
     out = tmp_path / "out"
     err = cli("quantize", src, out, "--backend", "plain", expect=2).err
-    assert "w4a16" in err and "repack" in err
+    assert "nvfp4" in err and "repack" in err
     assert not out.exists()
 
 
@@ -192,37 +192,121 @@ def test_unknown_format_and_rounding(qwen, tmp_path):
     assert "rounding" in cli("quantize", qwen, tmp_path / "b", "--backend", "plain", "--rounding", "up", expect=2).err
 
 
-def to_gptoss_mxfp4(src: Path, dst: Path) -> None:
-    """Rewrite a bf16 gpt-oss checkpoint in gpt-oss' own MXFP4 form (*_blocks / *_scales, N-first,
-    rows interleaved), quantized with the vLLM rule."""
-    shutil.copytree(src, dst)
-    for f in dst.glob("*.safetensors"):
-        tensors = {}
-        with safe_open(f, "pt") as h:
-            meta = h.metadata()
-            for k in h.keys():
-                t = h.get_tensor(k)
-                if k.endswith(("gate_up_proj", "down_proj")):
-                    p, s = quantize_mxfp4(t.transpose(1, 2).contiguous())  # [E, N, K]
-                    tensors[k + "_blocks"] = p.view(*p.shape[:2], -1, 16).contiguous()
-                    tensors[k + "_scales"] = s
-                else:
-                    tensors[k] = t
-        save_file(tensors, str(f), metadata=meta)
-    index = dst / "model.safetensors.index.json"
-    if index.exists():
-        idx = json.loads(index.read_text())
-        wm = {}
-        for k, v in idx["weight_map"].items():
-            if k.endswith(("gate_up_proj", "down_proj")):
-                wm[k + "_blocks"] = wm[k + "_scales"] = v
-            else:
-                wm[k] = v
-        idx["weight_map"] = wm
-        index.write_text(json.dumps(idx))
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4"}
-    (dst / "config.json").write_text(json.dumps(cfg))
+# ---------------------------------------------------------------------------------------------------
+# From GPTQ, AWQ and compressed-tensors int checkpoints: vLLM's dequantization, then the MXFP4 above
+
+IH, II = 256, 128  # marlin's multiples (256, 128): nothing padded, so its bytes are the plain ones relaid out
+
+
+@pytest.fixture(scope="module")
+def ints(tmp_path_factory):
+    """GPTQ int4 g32, AWQ int4 g64 and compressed-tensors int4 g32 (symmetric) of one bf16 checkpoint, and
+    each one's ``quantize --backend plain`` output (the oracle tests below compare it per vLLM version)."""
+    from moeconvert.example import make_example
+
+    base = tmp_path_factory.mktemp("ints")
+    kw = dict(num_layers=1, num_experts=E, hidden_size=IH, intermediate_size=II)
+    bf16 = make_example(base / "bf16", "qwen3-moe", "bf16", **kw)
+    srcs = {"gptq": make_int_checkpoint(bf16, base / "gptq", "gptq", bits=4, group_size=32),
+            "awq": make_int_checkpoint(bf16, base / "awq", "awq", bits=4, group_size=64),
+            "ct": make_example(base / "ct", "qwen3-moe", "w4a16", group_size=32, **kw)}
+    outs = {}
+    for case, (name, extra) in INT_CASES.items():
+        outs[case] = base / f"{case}-plain"
+        cli("quantize", srcs[name], outs[case], "--format", "mxfp4", "--backend", "plain", *extra, expect=0)
+    return srcs, outs
+
+
+#: case -> (source, extra quantize arguments): the model dtype and a TP rank's cut are the dequantization's too
+INT_CASES = {"gptq": ("gptq", []), "awq": ("awq", []), "ct": ("ct", []),
+             "gptq fp16": ("gptq", ["--dtype", "float16"]),
+             "awq tp2 rank1": ("awq", ["--tp-size", "2", "--tp-rank", "1"])}
+
+
+@pytest.mark.parametrize("case", list(INT_CASES))
+def test_int_sources_quantize_vllms_own_dequantization(ints, case, vllm_version):
+    """The MXFP4 bytes are the MXFP4 quantization (the rule test_mxfp4.py proves bit-exact with vLLM's online
+    quantizer) of what vLLM's own Python dequantization of the loaded int4 tensors gives in the model dtype
+    (``_unpack_and_dequant_int4_gptq`` / ``_awq``; compressed-tensors' packing along K is GPTQ's), cut for
+    the TP rank as vLLM's loader cuts the weights."""
+    srcs, outs = ints
+    name, extra = INT_CASES[case]
+    ref = vllm_marlin_reference(vllm_version)
+    got = st_tensors(outs[case])
+    manifest = json.loads((outs[case] / "moeconvert.json").read_text())
+    prefix = manifest["moe_layers"][0]["prefix"]
+    assert manifest["moe_layers"][0]["source_scheme"]["kind"] == "wna16"
+    # symmetric GPTQ / compressed-tensors are uint4b8 to vLLM: their zero points are not read
+    if name == "ct":
+        p = int_loaded(srcs[name], prefix, E, ("weight_packed", "weight_scale", None), k_first=False)
+    else:
+        p = int_loaded(srcs[name], prefix, E, ("qweight", "scales", "qzeros" if name == "awq" else None))
+    fn = ref._unpack_and_dequant_int4_awq if name == "awq" else ref._unpack_and_dequant_int4_gptq
+    dtype = torch.float16 if "float16" in extra else torch.bfloat16
+    tp, r = (2, 1) if "--tp-size" in extra else (1, 0)
+    Ir = II // tp
+    for w in ("13", "2"):
+        # the loader casts the fp16 scales to the model dtype, the dequantization computes in it
+        deq = fn(p[f"w{w}"], p[f"s{w}"].to(dtype), p.get(f"z{w}"), transpose_output=True, output_dtype=dtype)
+        if w == "13":
+            deq = torch.cat([deq[:, r * Ir:(r + 1) * Ir], deq[:, II + r * Ir:II + (r + 1) * Ir]], dim=1)
+        else:
+            deq = deq[:, :, r * Ir:(r + 1) * Ir]
+        packed, scales = quantize_mxfp4(deq, "vllm")
+        assert torch.equal(got[f"{prefix}.w{w}_weight"], packed)
+        assert torch.equal(got[f"{prefix}.w{w}_weight_scale"], scales)
+
+
+def test_gptq_to_marlin_verifies_and_dry_run_plans_it(ints, tmp_path):
+    src = ints[0]["gptq"]
+    plan = cli("quantize", src, tmp_path / "dry", "--format", "mxfp4", "--backend", "marlin", "--dry-run", expect=0)
+    assert "marlin" in plan.out and "float8_e8m0fnu" in plan.out and not (tmp_path / "dry").exists()
+    out = tmp_path / "out"
+    run = cli("quantize", src, out, "--format", "mxfp4", "--backend", "marlin", "--verify", expect=0)
+    assert "verified: identical to the source" in run.out, run.out
+    manifest = json.loads((out / "moeconvert.json").read_text())
+    assert manifest["moe_layers"][0]["source_scheme"]["kind"] == "wna16"
+    assert manifest["moe_layers"][0]["scheme"]["kind"] == "mxfp4"
+    # the quality report measures MXFP4 against the dequantized weights (verify recomputed it above)
+    assert 0.05 < manifest["moe_layers"][0]["quality"]["w13"]["rel_fro_error"] < 0.3
+
+
+def _poison(name: str, suffix: str, value):
+    def edit(t: dict) -> None:
+        key = f"model.layers.0.mlp.experts.2.down_proj.{suffix}"
+        t[key] = t[key].clone()
+        t[key].view(-1)[5] = value
+    return name, edit
+
+
+INT_REFUSALS = {
+    "gptq zero point": (*_poison("gptq", "qzeros", 0x77777777 + 1), [], ["down_proj.qzeros", "zero point"]),
+    "awq NaN scale": (*_poison("awq", "scales", float("nan")), [], ["down_proj.scales", "finite"]),
+    "fp16 overflow": (*_poison("gptq", "scales", 60000.0), ["--dtype", "float16"],
+                      ["expert 2 (w2)", "float16's range"]),
+    "TP cuts a group": ("gptq", None, ["--tp-size", "8", "--tp-rank", "0"], ["not a multiple of the source's group"]),
+}
+
+
+@pytest.mark.parametrize("case", list(INT_REFUSALS))
+def test_corrupt_int_sources_are_refused_in_one_line_writing_nothing(ints, tmp_path, case):
+    from safetensors.torch import load_file
+
+    name, edit, extra, phrases = INT_REFUSALS[case]
+    src = tmp_path / "src"
+    shutil.copytree(ints[0][name], src)
+    if edit:
+        t = load_file(src / "model.safetensors")
+        edit(t)
+        save_file(t, src / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    err = cli("quantize", src, out, "--format", "mxfp4", "--backend", "plain", *extra, expect=2).err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moeconvert: error: "), err
+    for p in phrases:
+        assert p in lines[0], lines[0]
+    assert not out.exists() or not any(out.iterdir())
+    assert not [p for p in tmp_path.iterdir() if "moeconvert-partial" in p.name]
 
 
 def test_gptoss_mxfp4_checkpoint_is_relaid_out_without_requantizing(gptoss, tmp_path):

@@ -30,7 +30,7 @@ from moeconvert.example import make_example
 from moeconvert.modelmap import map_model
 from moeconvert.sources import open_source
 
-from helpers import (cli, make_int_checkpoint, same_bits, st_tensors, vllm_marlin_reference,
+from helpers import (cli, int_loaded, make_int_checkpoint, same_bits, st_tensors, vllm_marlin_reference,
                      vllm_process_awq_marlin, vllm_process_marlin)
 
 E, H, I = 4, 256, 128
@@ -51,18 +51,7 @@ def sources(tmp_path_factory) -> dict[str, Path]:
 
 
 def loaded(src: Path, prefix: str) -> dict[str, torch.Tensor]:
-    """The params vLLM's GPTQ / AWQ MoE method holds after its loader: each projection's tensors stacked
-    over experts as stored (K-first), gate then up along the output dim for w13."""
-    t = st_tensors(src)
-
-    def per(proj: str, suffix: str) -> torch.Tensor:
-        return torch.stack([t[f"{prefix}.{e}.{proj}.{suffix}"] for e in range(E)])
-
-    out = {}
-    for key, suffix in (("w", "qweight"), ("s", "scales"), ("z", "qzeros")):
-        out[f"{key}13"] = torch.cat([per("gate_proj", suffix), per("up_proj", suffix)], dim=2)
-        out[f"{key}2"] = per("down_proj", suffix)
-    return out
+    return int_loaded(src, prefix, E)
 
 
 def canonical(src: Path, part: Partition = Partition()):

@@ -432,3 +432,36 @@ def test_a_humming_record_with_plausible_but_false_facts_is_rerun(example_ckpt, 
     out = json.loads((tmp_path / "out" / "moeconvert.json").read_text())
     assert all(m["layout_metadata"]["w2"]["b_dtype"] == "float4e0m3" for m in out["moe_layers"])
     assert _run([sys.executable, "-m", "moeconvert", "verify", str(tmp_path / "out"), "--against", str(src)])
+
+
+def _files(folder: Path) -> dict[str, bytes | None]:
+    """Every entry under ``folder`` (hidden ones too): a file's bytes, a folder's None."""
+    return {str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes() for p in sorted(folder.rglob("*"))}
+
+
+def test_a_dry_run_leaves_a_killed_runs_leftovers_as_they_are_and_the_next_run_tidies_them(
+        w4a16, example_ckpt, tmp_path):
+    """A killed run leaves its staging folder and its lock file beside OUT (the kernel drops the lock, the
+    file stays). Every verb's --dry-run, with --resume or --overwrite, writes nothing in OUT or beside it;
+    the next run that checks OUT tidies them, the lock file too, even when it is refused."""
+    from helpers import cli
+
+    src, verb, backend, _ = w4a16
+    _killed(w4a16, tmp_path)
+    out = tmp_path / "out"
+    assert sorted(_leftovers(tmp_path)) == [".out.moeconvert-lock", _staging_name(tmp_path)]
+    out.mkdir()
+    (out / "theirs").write_text("not ours")
+    before = _files(tmp_path)
+    bf16 = example_ckpt("qwen3-moe", "bf16", num_layers=1, num_experts=4)
+    for args in (["repack", src, out, "--backend", backend], ["quantize", bf16, out, "--format", "mxfp4", "--backend", backend]):
+        for extra in ((), ("--resume",), ("--overwrite",), ("--resume", "--json")):
+            cli(*args, *extra, "--dry-run", "--no-estimate", expect=0)
+            assert _files(tmp_path) == before, (args[0], extra)
+    r = cli("repack", src, out, "--backend", backend, expect=2)
+    assert "output folder exists and is not empty" in r.err
+    assert _leftovers(tmp_path) == [] and _files(out) == {"theirs": b"not ours"}
+
+
+def _staging_name(parent: Path) -> str:
+    return next(p.name for p in parent.iterdir() if ".moeconvert-partial-" in p.name)

@@ -175,6 +175,26 @@ def test_no_cuda(outputs):
     refused("torch sees none", outputs["plain"], device="cuda")
 
 
+@pytest.mark.parametrize("argument,value", [
+    ("tp_size", "2"), ("tp_size", 0), ("tp_size", -1), ("tp_size", 1.0), ("tp_size", True), ("tp_rank", -1),
+    ("tp_rank", "0"), ("ep_size", 0), ("ep_rank", -2), ("threads", 0), ("buffer_mb", -1.0), ("buffer_mb", float("nan")),
+    ("verify", "yes"), ("progress", 1), ("reader", 3), ("kernel", ""), ("revision", 7),
+    ("layers", 3), ("layers", [-1]), ("device", 5), ("device", "cdua"), ("path_or_repo", None),
+])
+def test_each_bad_argument_of_load_is_one_line_naming_it(outputs, argument, value):
+    """Checked before anything is read, each in one line naming the argument and what it must be: a string or
+    0 TP size is not "a folder cut for another TP size" (``tune`` is tune_wanted's: tests/test_kernel_tune.py)."""
+    kw = {"path_or_repo": outputs["plain"], "device": "cpu", argument: value}
+    line = refused(rf"^load\(\) argument {argument} \(expected .*, found .*\)$", kw.pop("path_or_repo"), **kw)
+    assert repr(value)[:20] in line, line
+
+
+@pytest.mark.parametrize("size,rank", [("tp_size", "tp_rank"), ("ep_size", "ep_rank")])
+def test_a_rank_at_or_above_its_size_is_refused_naming_both(outputs, size, rank):
+    refused(rf"^load\(\) argument {rank} \(expected below {size} 2, found 2\)$", outputs["plain"], device="cpu",
+            **{size: 2, rank: 2})
+
+
 def test_unknown_layer(outputs):
     refused("no such MoE layer", outputs["plain"], device="cpu", layers=[7])
 

@@ -251,6 +251,17 @@ def test_edited_layout_metadata(copy, capsys):
     refused_by_both(out, capsys, "moe_layers[1].layout_metadata")
 
 
+def test_a_mismatch_past_the_first_60_characters_names_where_it_is(copy, capsys):
+    """layout_metadata's JSON runs past 60 characters: the line shows the key that differs and both values
+    there (each cut at 60, the two read the same)."""
+    out = copy("B")
+    meta = manifest(out)["moe_layers"][1]["layout_metadata"]
+    assert json.dumps(meta).index('"w2_scale_perm"') > 60 and meta["w2_scale_perm"] == "single"
+    edit_manifest(out, lambda m: m["moe_layers"][1]["layout_metadata"].update(w2_scale_perm="grouped"))
+    refused_by_both(out, capsys, 'moe_layers[1].layout_metadata: expected what layout marlin states for',
+                    '"single" at w2_scale_perm, found "grouped" there')
+
+
 def test_missing_field(copy, capsys):
     out = copy("A")
     edit_manifest(out, lambda m: m["moe_layers"][0].pop("hidden_size"))

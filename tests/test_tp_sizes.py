@@ -9,6 +9,7 @@ The vLLM plugin serving these folders is tested in tests/test_vllm_parallel.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -26,6 +27,10 @@ NOT_A_SLICE = {
     "marlin-g128-one-w2-group": (dict(scheme="w4a16", intermediate_size=256), ["repack", "--backend", "marlin"]),
     "marlin-mxfp4-rank-padded": (dict(scheme="bf16", intermediate_size=128),
                                  ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    # I = 160 pads to 192 for humming (a multiple of 64), which does not halve into whole 64s: a rank's I = 80
+    # is padded on its own, to 128, as the per-rank conversion and vLLM pad it
+    "humming-mxfp4-rank-padded": (dict(scheme="bf16", intermediate_size=160, num_layers=1, num_experts=4),
+                                  ["quantize", "--format", "mxfp4", "--backend", "humming"]),
 }
 EXACT = (dict(scheme="w4a16", intermediate_size=512), ["repack", "--backend", "marlin"])
 
@@ -124,6 +129,36 @@ def test_a_flipped_bit_in_a_stored_rank_fails_verify(converted, tmp_path):
     assert not report["ok"]
     errors = [x for lr in report["layers"] for x in lr["checksum_errors"]]
     assert errors == ["tp2.w2_weight: sha256 mismatch"], errors
+
+
+def test_swapped_rank_blocks_fail_plain_verify(converted, tmp_path):
+    """Rank 0's and rank 1's stored blocks swapped, digests updated: every byte is one the layout writes and
+    decodes, but a rank's values are the full tensors' values cut for it, so verify (no source) refuses."""
+    from moeconvert.format import read_header
+
+    kw, verb = NOT_A_SLICE["marlin-channel-rank-padded"]
+    _, full = converted(kw, verb, "--tp-sizes", "1,2")
+    bad = tmp_path / "bad"
+    shutil.copytree(full, bad)
+    text = (bad / "moeconvert.json").read_text()
+    for e in _manifest(bad)["moe_layers"][0]["tp_sizes"]["2"]["tensors"].values():
+        info = read_header(bad / e["file"])[e["name"]]
+        with open(info.file, "r+b") as f:
+            f.seek(info.start)
+            data = f.read(info.nbytes)
+            half = info.nbytes // 2
+            f.seek(info.start)
+            f.write(data[half:] + data[:half])
+        text = text.replace(e["sha256"], hashlib.sha256(data[half:] + data[:half]).hexdigest())
+    (bad / "moeconvert.json").write_text(text)
+    r = cli("verify", bad, "--json", expect=1)
+    layer = json.loads(r.out)["layers"][0]
+    assert not layer["checksum_errors"] and not layer["decode_errors"], layer
+    assert {d.split(":")[0] for d in layer["differences"]} == {"TP 2 rank 0, experts 0..7", "TP 2 rank 1, experts 0..7"}
+    assert all("not rank 0 of 2 of the layer's full tensors" in d or "not rank 1 of 2 of the layer's full tensors" in d
+               for d in layer["differences"]), layer["differences"]
+    assert {d.rsplit(": ", 2)[1] for d in layer["differences"]} == {"w13", "w2", "w13_scale"}  # w2's scales: whole H
+    assert json.loads(r.out)["layers"][1]["ok"]
 
 
 @pytest.mark.parametrize("change,want", [

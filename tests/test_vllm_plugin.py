@@ -340,7 +340,7 @@ def gpt_oss_folders(example_ckpt, tmp_path_factory):
     """gpt-oss (experts with biases, swigluoai) in Marlin MXFP4 from a bf16 checkpoint, and in triton_kernels'
     MXFP4 from gpt-oss's own MXFP4 form (``*_blocks`` / ``*_scales``, ``quant_method: mxfp4``, as OpenAI
     publishes it), relaid out without quantizing again."""
-    from test_quantize import to_gptoss_mxfp4
+    from helpers import to_gptoss_mxfp4
 
     base = tmp_path_factory.mktemp("gpt-oss-folders")
     bf16 = example_ckpt("gpt-oss", intermediate_size=256)

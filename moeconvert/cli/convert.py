@@ -95,7 +95,8 @@ def repack(
 
 @app.command(cls=_QuantizeBackendHelp)
 def quantize(
-    src: str = typer.Argument(..., help="Checkpoint folder or Hugging Face repo id (bf16/fp16/fp32 experts, or gpt-oss MXFP4)."),
+    src: str = typer.Argument(..., help="Checkpoint folder or Hugging Face repo id (float, FP8-block, GPTQ, AWQ or "
+                                        "int experts; MXFP4 relaid out)."),
     out_dir: Path = typer.Argument(..., help="Output folder (must not exist or be empty, unless --overwrite)."),
     fmt: str = typer.Option("mxfp4", "--format", help="Quantized format: mxfp4 (e2m1 values, e8m0 scale per 32 along K)."),
     backend: str = typer.Option(..., "--backend", "-b", help="Layout to write (see `moeconvert inspect`)."),

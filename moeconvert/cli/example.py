@@ -24,7 +24,7 @@ EXAMPLE_INTERMEDIATE_SIZE = 256
 @app.command()
 def example(
     out_dir: Path = typer.Argument(..., help="Where to write the example checkpoint."),
-    family: str = typer.Option("qwen3-moe", "--family", help="qwen3-moe | qwen2-moe | mixtral | deepseek-v2 | deepseek-v3 | glm4-moe | gpt-oss; with --header-only: deepseek-v3 | kimi-k2"),
+    family: str = typer.Option("qwen3-moe", "--family", help="qwen3-moe | qwen2-moe | mixtral | deepseek-v2 | deepseek-v3 | glm4-moe | gpt-oss; with --header-only: deepseek-v3 | kimi-k2 | kimi-k3"),
     scheme: str = typer.Option("w4a16", "--scheme", help="bf16 | fp16 | w4a16 | w8a16 | mxfp4 | nvfp4 (made by compressed-tensors) | fp8-block (DeepSeek-V3 FP8, made by transformers)"),
     group_size: int = typer.Option(128, "--group-size", help="Quantization group size; -1 = channelwise."),
     asym: bool = typer.Option(False, "--asym", help="Asymmetric quantization (zero points)."),
@@ -32,8 +32,8 @@ def example(
     experts: int = typer.Option(8, "--experts", min=1, help="Routed experts per layer."),
     seed: int = typer.Option(0, "--seed"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output folder."),
-    header_only: bool = typer.Option(False, "--header-only", help="The published model at full size (deepseek-v3 | "
-                                     "kimi-k2, bf16) as sparse shards: real names, shapes and config, no data; for "
+    header_only: bool = typer.Option(False, "--header-only", help="The published model at full size (deepseek-v3 | kimi-k2 | "
+                                     "kimi-k3, bf16) as sparse shards: real names, shapes and config, no data; for "
                                      "planning with --dry-run."),
     random_weights: bool = typer.Option(False, "--random-weights", help="The published model at full size "
                                         "(qwen3-30b-a3b; --layers N for its first N layers) with random but "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from moeconvert.errors import MoeConvertError
+from moeconvert.format.families import FAMILIES, MODEL_TYPES, WRAPPERS  # noqa: F401 (re-exported)
 from moeconvert.format.safetensors import show_value
 
 CONFIG_NAME = "config.json"
@@ -67,31 +68,32 @@ def config_value(cfg: dict, key: str, kind: type, *, default=_REQUIRED, section:
 
 
 # ---------------------------------------------------------------------------------------------------
-# the model family
-
-#: family name (the manifest's ``family``) -> the config ``model_type`` values that name it, in the
-#: order families are tried; moeconvert.modelmap has each family's tensor naming and config keys
-MODEL_TYPES: dict[str, tuple[str, ...]] = {
-    "mixtral": ("mixtral",),
-    "qwen2-moe": ("qwen2_moe",),
-    "qwen3-moe": ("qwen3_moe",),
-    "deepseek-v2": ("deepseek_v2",),
-    "deepseek-v3": ("deepseek_v3", "kimi_k2"),
-    "glm4-moe": ("glm4_moe",),
-    "gpt-oss": ("gpt_oss",),
-}
+# the model family (the declared table: moeconvert/format/families.py)
 
 
 def family_name(cfg: dict) -> str:
-    """The family a config.json names by ``model_type`` (or its ``text_config``'s, for a multimodal
-    wrapper whose own ``model_type`` names no family)."""
+    """The family a config.json names by ``model_type``, or, for a multimodal wrapper, by its
+    ``text_config``'s ``model_type`` (which must be a family the wrapper holds). A family whose facts do
+    not fit the table is refused with its one-line reason."""
     mt = config_value(cfg, "model_type", str, default=None)
-    text = config_value(cfg, "text_config", dict, default=None)
-    if text is not None and not any(mt in types for types in MODEL_TYPES.values()):
-        mt = config_value(text, "model_type", str, default=mt, section="text_config.")
-    for name, types in MODEL_TYPES.items():
-        if mt in types:
-            return name
-    known = ", ".join(t for types in MODEL_TYPES.values() for t in types)
-    raise MoeConvertError("unknown model family", file=CONFIG_NAME, tensor="model_type",
-                          expected=f"one of {known}", found=mt)
+    own = next((f for f in FAMILIES if mt in f.model_types), None)
+    if own is None and (mt in WRAPPERS or cfg.get("text_config") is not None):
+        text = config_value(cfg, "text_config", dict, default=None)
+        if text is None:
+            raise MoeConvertError(f"{mt} is a multimodal wrapper, but config.json has no text_config",
+                                  file=CONFIG_NAME, tensor="text_config", expected="an object", found="missing")
+        inner = config_value(text, "model_type", str, default=None, section="text_config.")
+        own = next((f for f in FAMILIES if inner in f.model_types), None)
+        if mt in WRAPPERS and (own is None or own.name not in WRAPPERS[mt]):
+            allowed = ", ".join(t for f in FAMILIES if f.name in WRAPPERS[mt] for t in f.model_types)
+            raise MoeConvertError(f"text_config of the wrong type for {mt}", file=CONFIG_NAME,
+                                  tensor="text_config.model_type", expected=f"one of {allowed}", found=inner)
+        mt = inner
+    if own is None:
+        known = ", ".join(t for f in FAMILIES if not f.refused for t in f.model_types)
+        raise MoeConvertError("unknown model family", file=CONFIG_NAME, tensor="model_type",
+                              expected=f"one of {known}", found=mt)
+    if own.refused:
+        raise MoeConvertError(f"{own.name} is not supported: {own.refused}", file=CONFIG_NAME, tensor="model_type",
+                              found=mt)
+    return own.name

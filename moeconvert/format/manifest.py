@@ -114,6 +114,57 @@ def show_field(v: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+_ABSENT = object()
+
+
+def show_mismatch(expected: object, found: object, limit: int = 3) -> str:
+    """What follows "expected " in a message comparing two JSON values: both whole (``X, found Y``) when
+    each fits :func:`show_field`'s 60 characters, else where they differ, so that two values cut at the same
+    place never read the same: ``X at w13.b_dtype, found Y there`` for the first difference (a string by the
+    part around its first differing character), and how many more there are and where."""
+    a, b = show_field(expected), show_field(found)
+    if a != b and not (a.endswith("...") or b.endswith("...")):
+        return f"{a}, found {b}"
+    diffs = _differences(expected, found, "")
+    if not diffs:
+        return f"{a}, found {b}"
+    path, x, y = diffs[0]
+    if isinstance(x, str) and isinstance(y, str):
+        i = next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        x, y = _around(x, i), _around(y, i)
+    else:
+        x, y = _absent_or(x), _absent_or(y)
+    more = ""
+    if len(diffs) > 1:
+        rest = [p or "the value" for p, _, _ in diffs[1:1 + limit]]
+        more = f" (and {len(diffs) - 1} more difference(s): {', '.join(rest)}{', ...' if len(diffs) > 1 + limit else ''})"
+    return f"{x} at {path or 'the top level'}, found {y} there{more}"
+
+
+def _absent_or(v: object) -> str:
+    return "nothing" if v is _ABSENT else show_field(v)
+
+
+def _around(text: str, i: int) -> str:
+    """``text`` around character ``i`` (its first difference from another string), as JSON."""
+    lo = max(0, i - 20)
+    part = json.dumps(text[lo:i + 30])
+    return ("..." if lo else "") + part + ("..." if i + 30 < len(text) else "")
+
+
+def _differences(a: object, b: object, path: str) -> list[tuple[str, object, object]]:
+    """Every ``(path, a's value, b's value)`` where two JSON values differ (``_ABSENT``: no such key)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in list(a) + [k for k in b if k not in a]:
+            out += _differences(a.get(k, _ABSENT), b.get(k, _ABSENT), f"{path}.{k}" if path else str(k))
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
+    same = a is not _ABSENT and b is not _ABSENT and type(a) is type(b) and json.dumps(a) == json.dumps(b)
+    return [] if same else [(path, a, b)]
+
+
 def made_for_versions(value: object) -> tuple[str, ...]:
     """The versions a ``layout.made_for`` entry names: a list of the versions the layout was checked against
     (``"vllm": ["0.33.0", "0.34.0"]``), or one version string, as manifests written before lists name one."""
@@ -364,6 +415,7 @@ def validate_fields(m: dict) -> None:
             if not _is_num(v):
                 raise field_error(f"{p}.activation_params.{k}", f"expected a number, found {show_field(v)}")
         get_field(raw, "has_bias", p, "bool")
+        get_field(raw, "apply_router_weight_on_input", p, "bool", default=False)
         get_field(raw, "bias_dtype", p, "float_dtype|null")
         for key in ("scheme", "source_scheme"):
             get_field(raw, key, p, "dict")  # its fields: layouts/output.py (parse_scheme)

@@ -167,7 +167,7 @@ class Layout(ABC):
     #: keys of ``made_for`` a folder of this layout version may lack: they name where the bytes are served
     #: (our own layout's vLLM versions), not a library whose processing made them
     made_for_optional: ClassVar[tuple[str, ...]] = ()
-    #: the plugin's MoE method (``moeconvert/integrations/vllm/method.py``) that serves these bytes in vLLM,
+    #: the plugin's MoE method (``moeconvert/integrations/vllm/methods/``) that serves these bytes in vLLM,
     #: or None: the converter then writes a config.json whose ``quantization_config`` names the plugin
     #: (``moeconvert[vllm]``, docs/vllm.md), and the plugin builds this method for the layer
     vllm_method: ClassVar[str | None] = None
@@ -182,7 +182,7 @@ class Layout(ABC):
             from moeconvert.layouts import layout_kinds
 
             hint = ("; `moeconvert quantize --format mxfp4` makes MXFP4 experts for it"
-                    if scheme.kind == "float" and "mxfp4" in layout_kinds(self.name) else "")
+                    if scheme.kind in ("float", "wna16") and "mxfp4" in layout_kinds(self.name) else "")
             return [f"backend '{self.name}' takes {', '.join(layout_kinds(self.name))} experts, not "
                     f"{scheme.describe()}{hint}"]
         return self._check(shape, scheme)
@@ -219,6 +219,25 @@ class Layout(ABC):
         """What ``decode`` must give back for a source block: the block itself, unless the layout
         documents a value change the engine makes too (e.g. casting scales to the model dtype)."""
         return block
+
+    def byte_problems(self, tensors: dict[str, torch.Tensor], block: ExpertBlock, shape: LayerShape) -> list[str]:
+        """Every way ``tensors`` (a chunk of a layer's experts as stored; ``block`` their ``decode``) hold bytes
+        this layout's encoding never writes, in one line each; empty: they are bytes it writes. What a
+        decode cannot see: ``verify`` runs it on every chunk (docs/format.md, "What verify guarantees").
+
+        The bytes are a function of the canonical block (``encode``), and ``decode`` reads every value the
+        encoding depends on, so bytes are this layout's exactly when encoding their decode gives them back,
+        bit for bit: codes the encoding cannot write (humming's sign-magnitude -0), padding it fills with
+        one value, scale swizzles, choices made from the data all fall out of that one comparison. A layer
+        padded for the engine (``pad_multiples``) also holds zeros where the engine's zero-initialised
+        parameters hold them (:func:`padding_problems`). A layout overrides this only to add invariants
+        that hold across chunks."""
+        problems = padding_problems(block, shape)
+        try:
+            again = self.encode(block, shape)
+        except (MoeConvertError, InternalError, RuntimeError, ValueError) as e:
+            return problems + [f"the values these bytes decode to are nothing layout {self.name} encodes: {e}"]
+        return problems + unwritten_problems(self.name, tensors, again)
 
     def layer_metadata(self, shape: LayerShape, scheme: Scheme, facts: dict | None = None) -> dict:
         """Extra per-layer facts a loader needs (padded sizes, ...), stored in the manifest; with ``facts``
@@ -264,13 +283,73 @@ class Layout(ABC):
         return NotASlice(f"layout '{self.name}' does not declare how a TP rank is cut from its full tensors")
 
     def _rank_shape(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> LayerShape | NotASlice:
-        """The layer as one TP rank holds it, or why no rank can hold it (for ``tp_cuts``)."""
-        I = shape.intermediate_size
+        """The layer as one TP rank holds it, or why no rank can hold it (for ``tp_cuts``). A layer padded
+        for the engine (``extra`` holds the real sizes) is split at its real I, and each rank's I padded on
+        its own, as the engine pads it and as a conversion for that rank does (``plan.layer_shape``): the
+        padded full I need not split at all."""
+        I = shape.extra.get("intermediate_size_unpadded", shape.intermediate_size)
         if tp_size < 1 or I % tp_size:
             return NotASlice(f"intermediate_size I = {I} does not split into {tp_size} equal TP parts", False)
-        rank = dataclasses.replace(shape, intermediate_size=I // tp_size)
+        rank = dataclasses.replace(shape, intermediate_size=I // tp_size, extra={})  # a rank's choices are its own
+        if "intermediate_size_unpadded" in shape.extra:
+            H = shape.extra.get("hidden_size_unpadded", shape.hidden_size)
+            rank.extra = {"hidden_size_unpadded": H, "intermediate_size_unpadded": I // tp_size}
+            rank.hidden_size, rank.intermediate_size = padded_sizes(H, I // tp_size, self.pad_multiples)
         problems = self.check(rank, scheme)
         return NotASlice(f"a TP rank of {tp_size} cannot hold this layer: {problems[0]}", False) if problems else rank
+
+
+def unwritten_problems(layout: str, tensors: dict[str, torch.Tensor], written: dict[str, torch.Tensor]) -> list[str]:
+    """Where ``tensors`` differ, bit for bit, from what ``layout`` writes for their values (``written``)."""
+    problems = []
+    for suffix, t in tensors.items():
+        want = written.get(suffix)
+        if want is None or tuple(want.shape) != tuple(t.shape) or want.dtype != t.dtype:
+            problems.append(f"{suffix}: layout {layout} writes no such tensor for these values")
+            continue
+        differ = _bits(t) != _bits(want)
+        if bool(differ.any()):
+            first = tuple(int(i) for i in differ.nonzero()[0])
+            problems.append(f"{suffix}: {int(differ.sum())} of {t.numel()} elements hold bytes layout {layout} never "
+                            f"writes for the values they decode to (first at {list(first)}: {_hex(t[first])}, where "
+                            f"its encoding writes {_hex(want[first])})")
+    return problems
+
+
+def padding_problems(block: ExpertBlock, shape: LayerShape) -> list[str]:
+    """Where a block padded to the engine's sizes (``LayerShape.extra`` holds the real H and I) holds anything
+    but zeros in its padding: vLLM creates the padded parameters with ``torch.zeros`` and loads (or quantizes)
+    the real values into them, so every padding code, scale byte and bias there is 0 (docs/quantize.md)."""
+    H, I = shape.extra.get("hidden_size_unpadded"), shape.extra.get("intermediate_size_unpadded")
+    if H is None or I is None or block.scheme.kind != "mxfp4":  # only MXFP4 layers are padded for the engine
+        return []
+    Ip = shape.intermediate_size
+    per = {"w13": 2, "w2": 2, "w13_scale": 32, "w2_scale": 32, "w13_bias": 1, "w2_bias": 1}  # elements a column
+    out = []
+    for name, t in block.tensors().items():
+        if name not in per:
+            continue
+        # w13: rows [gate | pad | up | pad], columns H; w2: rows H, columns I; biases: their rows only
+        rows, cols = ((slice(0, I), slice(Ip, Ip + I)), -(-H // per[name])) if name.startswith("w13") else \
+            ((slice(0, H),), -(-I // per[name]))
+        real = torch.zeros(t.shape[1:], dtype=torch.bool)
+        for r in rows:
+            real[(r,) if t.dim() == 2 else (r, slice(0, cols))] = True
+        held = _bits(t)[:, ~real] != 0
+        if bool(held.any()):
+            out.append(f"{name}: {int(held.sum())} padding elements are not 0 (the layer pads H {H} to "
+                       f"{shape.hidden_size}, I {I} to {Ip}; the engine's padding holds zeros)")
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as integers of its width, so floats compare by their bits (NaN, -0.0)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()])
+
+
+def _hex(x: torch.Tensor) -> str:
+    return f"0x{int(_bits(x.reshape(1))[0]) & ((1 << 8 * x.element_size()) - 1):0{2 * x.element_size()}x}"
 
 
 def expert_bias_cuts(shape: LayerShape, runs: int) -> dict[str, TPCut] | NotASlice:

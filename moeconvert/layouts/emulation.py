@@ -30,7 +30,7 @@ import torch
 
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.layouts import register
-from moeconvert.layouts.base import TensorSpec
+from moeconvert.layouts.base import TensorSpec, unwritten_problems
 from moeconvert.layouts.plain import PlainLayout, torch_dtype
 from moeconvert.layouts.triton_wna16 import expert_count_problems
 from moeconvert.schemes import FloatScheme, Scheme, WNA16Scheme
@@ -39,8 +39,12 @@ from moeconvert.schemes import FloatScheme, Scheme, WNA16Scheme
 OUTPUT_SCHEME = FloatScheme("bfloat16")
 
 
-def dequantize(block: ExpertBlock, shape: LayerShape) -> ExpertBlock:
-    """The bf16 block vLLM's EMULATION backend computes from a canonical int4 block (whole chunk at once)."""
+def dequantize(block: ExpertBlock, shape: LayerShape, out_dtype: torch.dtype = torch.bfloat16) -> ExpertBlock:
+    """The float block vLLM's dequantization computes from a canonical WNA16 block (whole chunk at once).
+
+    ``out_dtype`` is the dequantization's ``output_dtype``: bf16 for the EMULATION backend; ``quantize
+    --format mxfp4`` passes the model dtype (docs/quantize.md, "From GPTQ, AWQ and int checkpoints").
+    """
     s = block.scheme
     params_dtype = torch_dtype(shape.dtype)
 
@@ -49,15 +53,16 @@ def dequantize(block: ExpertBlock, shape: LayerShape) -> ExpertBlock:
         G = scales.shape[2]
         z = zeros.to(torch.int16)[..., None] if zeros is not None else s.offset
         q = codes.to(torch.int16).reshape(E, N, G, K // G) - z
-        # the loader casts the scales to params_dtype, the emulation to bf16; one rounding of the product
-        scale = scales.to(params_dtype).to(torch.bfloat16)[..., None]
-        return (q.to(torch.bfloat16) * scale).reshape(E, N, K)
+        # the loader casts the scales to params_dtype, the dequantization to output_dtype; one rounding of
+        # the product (_unpack_and_dequant_int4_gptq / _awq: ``w.to(output_dtype) * scale.to(output_dtype)``)
+        scale = scales.to(params_dtype).to(out_dtype)[..., None]
+        return (q.to(out_dtype) * scale).reshape(E, N, K)
 
     bias = {}
     if block.w13_bias is not None:
         bias = {"w13_bias": block.w13_bias.to(params_dtype), "w2_bias": block.w2_bias.to(params_dtype)}
     return ExpertBlock(
-        scheme=OUTPUT_SCHEME,
+        scheme=OUTPUT_SCHEME if out_dtype == torch.bfloat16 else FloatScheme(str(out_dtype).removeprefix("torch.")),
         w13=one(block.w13, block.w13_scale, block.w13_zero),
         w2=one(block.w2, block.w2_scale, block.w2_zero),
         **bias,
@@ -120,6 +125,12 @@ class EmulationLayout(PlainLayout):
 
     def expected_block(self, block: ExpertBlock, shape: LayerShape) -> ExpertBlock:
         return dequantize(block, shape)
+
+    def byte_problems(self, tensors: dict[str, torch.Tensor], block: ExpertBlock, shape: LayerShape) -> list[str]:
+        """The bytes are ``plain``'s bfloat16 form of the dequantized block (``decode`` gives it back, not codes,
+        so it cannot be encoded again): checked as that form. Which codes and scales made them is gone with
+        the dequantization; only ``verify --against`` compares them with the source's."""
+        return unwritten_problems(self.name, tensors, self.lay_out(block))
 
     def warnings(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         return ["weights are stored dequantized in bfloat16 (4x the int4 bytes), as vLLM's EMULATION backend "

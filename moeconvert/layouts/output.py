@@ -23,6 +23,7 @@ from moeconvert.errors import MoeConvertError
 from moeconvert.format import CONFIG_NAME, TORCH_TO_CODE, TensorInfo, family_name
 from moeconvert.format.manifest import (MANIFEST_NAME, check_shards, made_for_versions, exact_keys, field_error, get_field, is_int,
                                         layer_tensor_entries, one_of, read_manifest, read_output_config, show_field,
+                                        show_mismatch,
                                         validate_fields)
 from moeconvert.layouts import Layout, get_layout
 from moeconvert.layouts.base import CHOICES, padded_sizes
@@ -201,7 +202,7 @@ def check_layer(manifest: dict, i: int, made_for: bool = True) -> CheckedLayer:
                               f"{TORCH_TO_CODE[spec.dtype]} for {sizes}, found {e['shape']} {e['dtype']}")
     if not _json_equal(raw["layout_metadata"], metadata):
         raise field_error(f"{p}.layout_metadata", f"expected what layout {layout.name} states for {sizes}: "
-                          f"{show_field(metadata)}, found {show_field(raw['layout_metadata'])}")
+                          f"{show_mismatch(metadata, raw['layout_metadata'])}")
     for key, size in (("hidden_size_padded", metadata.get("hidden_size_padded", shape.hidden_size)),
                       ("intermediate_size_padded", metadata.get("intermediate_size_padded", shape.intermediate_size))):
         if raw[key] != size:
@@ -278,7 +279,7 @@ def _check_tp_sizes(manifest: dict, raw: dict, p: str, layout: Layout, scheme: S
                                   f"{TORCH_TO_CODE[spec.dtype]} for {sizes}, found {e['shape']} {e['dtype']}")
         if not _json_equal(v["layout_metadata"], metadata):
             raise field_error(f"{tp}.layout_metadata", f"expected what layout {layout.name} states for {sizes}: "
-                              f"{show_field(metadata)}, found {show_field(v['layout_metadata'])}")
+                              f"{show_mismatch(metadata, v['layout_metadata'])}")
         for key2, size in (("hidden_size_padded", metadata.get("hidden_size_padded", rank.hidden_size)),
                            ("intermediate_size_padded", metadata.get("intermediate_size_padded", rank.intermediate_size))):
             if v[key2] != size:
@@ -298,7 +299,7 @@ def _check_tp_sizes(manifest: dict, raw: dict, p: str, layout: Layout, scheme: S
             want = layout.layer_metadata(rs, scheme, _recorded_facts(layout, got, where, rs, scheme, e0))
             if not _json_equal(got, want):
                 raise field_error(where, f"expected what layout {layout.name} states for {sizes} and the facts "
-                                  f"recorded there: {show_field(want)}, found {show_field(got)}")
+                                  f"recorded there: {show_mismatch(want, got)}")
     return out
 
 
@@ -327,9 +328,9 @@ def check_output(root: Path, *, hash_headers: bool = True, made_for: bool = True
     schemes = list(dict.fromkeys(cl.scheme for cl in layers))
     common = schemes[0] if len(schemes) == 1 else None
     if (parse_scheme(manifest["scheme"], "scheme") if manifest["scheme"] is not None else None) != common:
-        raise field_error("scheme", "expected " + ("the layers' scheme " + show_field(common.to_json()) if common else
-                                                   "null (the layers' schemes differ)")
-                          + f", found {show_field(manifest['scheme'])}")
+        raise field_error("scheme", "expected " + (f"the layers' scheme: {show_mismatch(common.to_json(), manifest['scheme'])}"
+                                                   if common else "null (the layers' schemes differ), found "
+                                                   + show_field(manifest["scheme"])))
     config = read_output_config(root, manifest["copied_files"][CONFIG_NAME] if hash_headers else None)
     family = family_name(config)  # the conversion's own reading of the config
     if family != manifest["family"]:
@@ -346,3 +347,31 @@ def check_output(root: Path, *, hash_headers: bool = True, made_for: bool = True
     sha.update({e["name"]: e["sha256"] for i, raw in enumerate(manifest["moe_layers"])
                 for _, e in layer_tensor_entries(raw, i)})
     return CheckedOutput(root, manifest, layers, infos, sha, config)
+
+
+# -- the bytes ------------------------------------------------------------------------------------
+
+#: experts' bytes checked at a time by :func:`check_layer_bytes` (decoded and encoded again: about 4x in memory)
+CHECK_CHUNK_BYTES = 256 << 20
+
+
+def check_layer_bytes(layout: Layout, shape: LayerShape, scheme: Scheme, tensors: dict, prefix: str) -> None:
+    """Refuse, in one line, a layer's stored ``tensors`` (suffix -> ``[E, ...]``, on any device) that hold bytes
+    its layout never writes (``Layout.byte_problems``): what ``load(verify=True)`` checks beyond the digests,
+    as ``verify`` does (docs/format.md, "What verify guarantees")."""
+    n = shape.num_experts
+    per_expert = sum(t.numel() * t.element_size() for t in tensors.values()) // max(n, 1)
+    step = max(1, min(n, CHECK_CHUNK_BYTES // max(per_expert, 1)))
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        chunk = {suffix: t[a:b].cpu() for suffix, t in tensors.items()}
+        try:
+            block = layout.decode(chunk, shape, scheme)
+        except (RuntimeError, ValueError, KeyError, IndexError) as e:
+            raise MoeConvertError(f"experts {a}..{b - 1} do not decode as layout {layout.name}: {e}",
+                                  tensor=prefix) from None
+        problems = layout.byte_problems(chunk, block, shape)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise MoeConvertError(f"experts {a}..{b - 1}: {problems[0]}{more}: not what moeconvert wrote; convert "
+                                  "the source again", tensor=prefix)

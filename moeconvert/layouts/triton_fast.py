@@ -42,7 +42,7 @@ from moeconvert.schemes import Scheme, WNA16Scheme
 NAME = "triton-fast"
 KERNEL = "moeconvert.kernels fused_moe_fast (kernels/moe_fast.py)"
 #: no engine processes these bytes: the list is the vLLM versions whose modular-experts interface the plugin's
-#: ``TritonFastMethod`` (integrations/vllm/method.py) was run against, where the plugin serves the folder
+#: ``TritonFastMethod`` (integrations/vllm/methods/triton_fast.py) was run against, where the plugin serves the folder
 MADE_FOR = {"vllm": ["0.33.0", "0.34.0"]}
 #: a folder written before the plugin served this layout records no ``vllm`` (same version, same bytes)
 MADE_FOR_OPTIONAL = ("vllm",)

@@ -132,19 +132,24 @@ class Reader:
                 add("w2_bias", source.read(ex["down"]["bias"]))
         return ExpertBlock(scheme=s, **{k: torch.stack(v).contiguous() for k, v in parts.items()})
 
-    # -- fused form: {prefix}.{gate_up_proj,down_proj}{suffix}, 3-D over experts (gpt-oss) -------------
+    # -- fused form: {prefix}.{gate_up_proj,down_proj}{suffix}, 3-D over experts ----------------------
+    # in the orientation the family declares (moeconvert/format/families.py, ``storage``): gpt-oss'
+    # interleaved x @ W, Qwen3.5's [E, 2I, H], Llama 4's [E, H, 2I]
 
     #: suffixes of the fused form ("" = the float weight); empty: the format has no fused form
     fused_suffixes: ClassVar[frozenset[str]] = frozenset()
 
-    def fused_scheme(self, source: Source, prefix: str, names: dict[str, dict[str, str]], E: int, H: int,
-                     I: int) -> Scheme:
-        """Checks a fused layer's tensors (``names``: gate_up / down -> suffix -> tensor) against the
-        config's E, H and I; returns its scheme."""
+    def fused_scheme(self, source: Source, prefix: str, names: dict[str, dict[str, str]], sizes,
+                     storage: str) -> Scheme:
+        """Checks a fused layer's tensors (``names``: gate_up / down -> suffix -> tensor), stored as
+        ``storage`` says, against the config's sizes (``sizes``: E, H, I and the keys that gave them,
+        modelmap.ConfigSizes); returns its scheme."""
         raise MoeConvertError(f"experts stored fused (3-D) are not read for {self.title} checkpoints",
                               file=str(source.ident), tensor=prefix)
 
     def decode_fused(self, source: Source, layer, part: Partition, e0: int, e1: int) -> ExpertBlock:
+        """Global experts [e0, e1) of a fused layer, read one chunk of experts at a time (``rows=(e0, e1)``:
+        the chunk's bytes only, never the whole 3-D tensor), in the layer's ``storage``."""
         raise NotImplementedError
 
 
@@ -161,6 +166,20 @@ def expect_shape(source: Source, name: str, want) -> None:
     if tuple(got) != tuple(want):
         raise MoeConvertError("unexpected shape", file=source.tensors[name].file.name, tensor=name,
                               expected=list(want), found=list(got))
+
+
+def expect_fused_shape(source: Source, name: str, want: tuple[int, ...], sizes) -> None:
+    """A fused tensor's shape against the config (``sizes``: modelmap.ConfigSizes), naming the config
+    key a disagreeing axis comes from."""
+    got = tuple(source.tensors[name].shape)
+    if got == tuple(want):
+        return
+    if len(got) == len(want) and got[0] != want[0]:
+        detail = f"{got[0]} experts, config.json {sizes.E_key} = {sizes.E}"
+    else:
+        detail = f"config.json {sizes.I_key} = {sizes.I}, {sizes.H_key} = {sizes.H}"
+    raise MoeConvertError(f"fused expert tensor disagrees with the config ({detail})",
+                          file=source.tensors[name].file.name, tensor=name, expected=list(want), found=list(got))
 
 
 def expect_dtype(source: Source, name: str, allowed: tuple[str, ...]) -> None:

@@ -7,8 +7,11 @@ gate_up interleaved gate/up, low nibble = even k, one e8m0 scale per 32 along K.
 
 from __future__ import annotations
 
+import torch
+
 from moeconvert.canonical import ExpertBlock, Partition
 from moeconvert.errors import MoeConvertError
+from moeconvert.format.families import FUSED_INTERLEAVED
 from moeconvert.readers.base import Reader, expect_shape
 from moeconvert.readers.registry import register
 from moeconvert.readers.unquantized import check_fused_bias, deinterleave, fused_bias
@@ -28,9 +31,16 @@ class GptOssMxfp4(Reader):
         raise MoeConvertError("gpt-oss MXFP4 experts are stored fused (gate_up_proj_blocks / down_proj_blocks), "
                               "not per expert", file=str(source.ident), tensor=f"{prefix}.0")
 
-    def fused_scheme(self, source: Source, prefix: str, names, E: int, H: int, I: int) -> Scheme:
+    def fused_scheme(self, source: Source, prefix: str, names, sizes, storage: str) -> Scheme:
         t = source.tensors
         gu, dn = names.get("gate_up", {}), names.get("down", {})
+        E, H, I = sizes.E, sizes.H, sizes.I
+        if storage != FUSED_INTERLEAVED:
+            # the blocks/scales form is gpt-oss' own: no other family stores its experts this way
+            name = next((by[k] for by in (gu, dn) for k in ("_blocks", "_scales") if k in by), prefix)
+            raise MoeConvertError("experts in gpt-oss' MXFP4 blocks/scales form, but the family stores them "
+                                  f"{storage}", file=str(source.ident), tensor=name,
+                                  expected=FUSED_INTERLEAVED + " (gpt-oss)", found=storage)
         for proj, by in (("gate_up_proj", gu), ("down_proj", dn)):
             if "weight" in by:
                 raise MoeConvertError("quant_method mxfp4 but the experts are stored unquantized", file="config.json",
@@ -65,8 +75,20 @@ class GptOssMxfp4(Reader):
         w13 = source.read(gu["_blocks"], rows=(e0, e1))
         w2 = source.read(dn["_blocks"], rows=(e0, e1))
         kw = {"w13": deinterleave(w13.view(n, w13.shape[1], -1), rows),
-              "w13_scale": deinterleave(source.read(gu["_scales"], rows=(e0, e1)), rows),
+              "w13_scale": deinterleave(finite_e8m0(source, gu["_scales"], e0, e1), rows),
               "w2": w2.view(n, w2.shape[1], -1)[:, :, r * Ip // 2:(r + 1) * Ip // 2].contiguous(),
-              "w2_scale": source.read(dn["_scales"], rows=(e0, e1))[:, :, r * Ip // 32:(r + 1) * Ip // 32].contiguous()}
+              "w2_scale": finite_e8m0(source, dn["_scales"], e0, e1)[:, :, r * Ip // 32:(r + 1) * Ip // 32].contiguous()}
         kw.update(fused_bias(source, layer, part, e0, e1, rows))
         return ExpertBlock(scheme=layer.scheme, **kw)
+
+
+def finite_e8m0(source: Source, name: str, e0: int, e1: int) -> torch.Tensor:
+    """e8m0 scale bytes of experts [e0, e1); 0xFF is e8m0's NaN, which no quantizer writes and no kernel
+    reads as a scale: refused (as the float path refuses non-finite weights), never carried into the output."""
+    t = source.read(name, rows=(e0, e1))
+    bad = (t == 255).nonzero()
+    if len(bad):
+        e, *rest = (int(x) for x in bad[0])
+        raise MoeConvertError("non-finite e8m0 scale (0xFF is NaN)", file=source.info(name).file.name,
+                              tensor=f"{name}[{e0 + e}, {', '.join(map(str, rest))}]", expected="0..254", found=255)
+    return t

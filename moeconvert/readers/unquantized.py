@@ -1,4 +1,5 @@
-"""Unquantized experts: bf16 / fp16 / fp32 ``weight`` tensors, per expert or fused (gpt-oss)."""
+"""Unquantized experts: bf16 / fp16 / fp32 ``weight`` tensors, per expert or fused (3-D, in each fused
+storage the family table declares: gpt-oss, Qwen3.5, Llama 4)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import torch
 
 from moeconvert.canonical import ExpertBlock, Partition
 from moeconvert.errors import MoeConvertError
-from moeconvert.readers.base import (FLOAT_DTYPES, Expert, Projection, Reader, expect_dtype, expect_shape,
-                                     suffix_list)
+from moeconvert.format.families import FUSED, FUSED_INTERLEAVED
+from moeconvert.readers.base import (FLOAT_DTYPES, Expert, Projection, Reader, expect_dtype, expect_fused_shape,
+                                     expect_shape, suffix_list)
 from moeconvert.readers.registry import register
 from moeconvert.schemes import FloatScheme, Scheme, float_dtype_name
 from moeconvert.sources import Source
@@ -47,7 +49,7 @@ class Unquantized(Reader):
     def projection(self, source: Source, names: dict[str, str], scheme: Scheme, config, n: int, k: int) -> Projection:
         return Projection(source.read(names["weight"]))
 
-    def fused_scheme(self, source: Source, prefix: str, names, E: int, H: int, I: int) -> Scheme:
+    def fused_scheme(self, source: Source, prefix: str, names, sizes, storage: str) -> Scheme:
         gu, dn = names.get("gate_up", {}), names.get("down", {})
         for proj, by in (("gate_up_proj", gu), ("down_proj", dn)):
             extra = sorted(set(by) - self.fused_suffixes)
@@ -63,23 +65,48 @@ class Unquantized(Reader):
         if dt is None or t[dn["weight"]].dtype != t[gu["weight"]].dtype:
             raise MoeConvertError("fused expert weights must share one float dtype", file=str(source.ident),
                                   tensor=dn["weight"], expected=t[gu["weight"]].dtype, found=t[dn["weight"]].dtype)
-        # transformers' gpt-oss: gate_up_proj [E, H, 2I] (x @ W, gate/up interleaved on the last dim),
-        # down_proj [E, I, H].
-        expect_shape(source, gu["weight"], (E, H, 2 * I))
-        expect_shape(source, dn["weight"], (E, I, H))
+        E, H, I = sizes.E, sizes.H, sizes.I
+        if storage == FUSED:
+            # Qwen3.5 (transformers' Qwen3_5MoeExperts): gate_up_proj [E, 2I, H] (gate rows, then up rows),
+            # down_proj [E, H, I]
+            gu_shape, dn_shape = (E, 2 * I, H), (E, H, I)
+        else:
+            # x @ W: gpt-oss' gate_up_proj [E, H, 2I] (gate/up interleaved on the last dim) and Llama 4's
+            # (gate columns, then up columns); down_proj [E, I, H]
+            gu_shape, dn_shape = (E, H, 2 * I), (E, I, H)
+        expect_fused_shape(source, gu["weight"], gu_shape, sizes)
+        expect_fused_shape(source, dn["weight"], dn_shape, sizes)
         check_fused_bias(source, prefix, gu, dn, E, H, I)
         return FloatScheme(dt)
 
     def decode_fused(self, source: Source, layer, part: Partition, e0: int, e1: int) -> ExpertBlock:
-        """gpt-oss: ``gate_up_proj [E, H, 2I]`` (x @ W, row 2j of the transpose gate j, 2j+1 up j),
-        ``down_proj [E, I, H]``."""
+        """The three float storages, each to this rank's ``w13 [e, 2Ip, H]`` ([gate; up] rows) and ``w2
+        [e, H, Ip]``:
+
+        * ``fused-transposed-interleaved`` (gpt-oss): ``gate_up_proj [E, H, 2I]`` (x @ W, row 2j of the
+          transpose gate j, 2j+1 up j), ``down_proj [E, I, H]``.
+        * ``fused`` (Qwen3.5): ``gate_up_proj [E, 2I, H]``, gate rows then up rows; ``down_proj [E, H, I]``.
+        * ``fused-transposed`` (Llama 4): ``gate_up_proj [E, H, 2I]``, gate columns then up columns;
+          ``down_proj [E, I, H]`` (vLLM's Llama4 loader transposes both and chunks gate_up in two along 2I).
+        """
         Ip = layer.intermediate_size // part.tp_size
         rows = slice(part.tp_rank * Ip, (part.tp_rank + 1) * Ip)
         gu, dn = layer.fused_names["gate_up"], layer.fused_names["down"]
-        kw = {"w13": deinterleave(source.read(gu["weight"], rows=(e0, e1)).transpose(1, 2), rows),
-              "w2": source.read(dn["weight"], rows=(e0, e1)).transpose(1, 2)[:, :, rows].contiguous()}
+        w13 = source.read(gu["weight"], rows=(e0, e1))
+        w2 = source.read(dn["weight"], rows=(e0, e1))
+        if layer.storage != FUSED:  # stored x @ W: [e, K, N] -> [e, N, K]
+            w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+        kw = {"w13": split_gate_up(w13, layer, rows), "w2": w2[:, :, rows].contiguous()}
         kw.update(fused_bias(source, layer, part, e0, e1, rows))
         return ExpertBlock(scheme=layer.scheme, **kw)
+
+
+def split_gate_up(t: torch.Tensor, layer, rows: slice) -> torch.Tensor:
+    """A fused ``[e, 2I, ...]`` gate_up (rows in the layer's storage order) -> this rank's ``[gate; up]``."""
+    if layer.storage == FUSED_INTERLEAVED:
+        return deinterleave(t, rows)
+    I = layer.intermediate_size
+    return torch.cat([t[:, :I][:, rows], t[:, I:][:, rows]], 1).contiguous()
 
 
 def deinterleave(t: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -104,5 +131,5 @@ def fused_bias(source: Source, layer, part: Partition, e0: int, e1: int, rows: s
         return {}
     gu, dn = layer.fused_names["gate_up"], layer.fused_names["down"]
     b2 = source.read(dn["_bias"], rows=(e0, e1))
-    return {"w13_bias": deinterleave(source.read(gu["_bias"], rows=(e0, e1)), rows),
+    return {"w13_bias": split_gate_up(source.read(gu["_bias"], rows=(e0, e1)), layer, rows),
             "w2_bias": torch.zeros_like(b2) if part.tp_size > 1 and part.tp_rank != 0 else b2}

@@ -1,0 +1,381 @@
+"""The model families moeconvert converts, as one declared table (docs/families.md is generated from it).
+
+Each :class:`FamilySpec` says, as data, what a family's config.json and checkpoint hold: the config keys
+that give E / top-k / H / I and which decoder layers are MoE, every config key read with its type and
+whether transformers accepts null for it, where the routed experts' tensors are and in which orientation,
+the activation and routing, and which transformers / vLLM classes serve the family. The conversion
+(:mod:`moeconvert.modelmap`) and the runtime's router read these facts from here; nothing else names a
+family. Adding a family is one entry here (plus a fixture); a family whose facts do not fit says why in
+``refused``.
+
+This module is part of the bottom layer: it imports nothing of moeconvert but the error type and the
+config getters' helpers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from moeconvert.errors import MoeConvertError
+from moeconvert.format.safetensors import show_value
+
+CONFIG_NAME = "config.json"
+
+#: a declared key without a default: absent or null is refused
+REQUIRED = object()
+
+# -- how the experts are stored ----------------------------------------------------------------------
+
+#: ``{block}.experts.{e}.{proj}.weight`` (or compressed-tensors' ``weight_packed`` ...), ``[N, K]`` each
+PER_EXPERT = "per-expert"
+#: ``{block}.experts.gate_up_proj [E, 2I, H]`` (gate rows, then up rows), ``down_proj [E, H, I]``
+FUSED = "fused"
+#: ``{block}.experts.gate_up_proj [E, H, 2I]`` (``x @ W``: gate columns, then up columns), ``down_proj [E, I, H]``
+FUSED_TRANSPOSED = "fused-transposed"
+#: gpt-oss: ``gate_up_proj [E, H, 2I]`` with gate/up interleaved on the last dim, ``down_proj [E, I, H]``, biases;
+#: or its MXFP4 form (``_blocks`` / ``_scales``, N-first, gate/up rows interleaved)
+FUSED_INTERLEAVED = "fused-transposed-interleaved"
+STORAGES = (PER_EXPERT, FUSED, FUSED_TRANSPOSED, FUSED_INTERLEAVED)
+
+# -- which decoder layers are MoE (each rule as transformers' decoder layer decides it) --------------
+
+ALL_LAYERS = "all"                  # every decoder layer
+SPARSE_STEP = "sparse-step"         # (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers
+FIRST_K_DENSE = "first-k-dense"     # i >= first_k_dense_replace and i % moe_layer_freq == 0
+MLP_LAYER_TYPES = "mlp-layer-types" # mlp_layer_types[i] == "sparse"; absent: i >= first_k_dense_replace
+INTERLEAVE = "interleave"           # (i + 1) % interleave_moe_layer_step == 0 (moe_layers, when given, agrees)
+LAYER_RANGE = "range"               # start <= i <= end and (i + 1) % interval == 0 (ERNIE-4.5)
+LAYER_RULES = (ALL_LAYERS, SPARSE_STEP, FIRST_K_DENSE, MLP_LAYER_TYPES, INTERLEAVE, LAYER_RANGE)
+
+# -- routing (the runtime's router, moeconvert/runtime/routing.py) -----------------------------------
+
+#: None: the family's router is not one the runtime reproduces; load() gives the layer no router and the
+#: caller routes (the experts still run)
+ROUTINGS = ("softmax", "grouped", "softmax_group_limited", "topk_softmax", "topk_sigmoid", None)
+
+
+@dataclass(frozen=True)
+class Key:
+    """A config.json value the family's conversion or routing reads.
+
+    ``kind``: ``int>=1``, ``int>=0``, ``int``, ``number``, ``number>0``, ``bool``, ``str``, ``list[int>=0]``,
+    ``list[str]``. ``nullable``: transformers' config class accepts ``null`` for it (its annotation
+    allows None); a null where it does not is refused, never read as the default. ``default``: the value
+    when the key is absent (transformers' config default), or :data:`REQUIRED`.
+    """
+
+    name: str
+    kind: str
+    default: object = REQUIRED
+    nullable: bool = False
+    #: other names a config may give it (transformers' ``attribute_map``: Qwen3-MoE's config writes
+    #: ``num_local_experts`` for ``num_experts``); the first one the config sets is read
+    aliases: tuple[str, ...] = ()
+
+    def present(self, cfg: dict) -> str:
+        """The name this config gives the key (the first of name and aliases it sets, not null)."""
+        return next((n for n in (self.name, *self.aliases) if cfg.get(n) is not None),
+                    next((n for n in (self.name, *self.aliases) if n in cfg), self.name))
+
+
+KINDS = ("int>=1", "int>=0", "int", "number", "number>0", "bool", "str", "list[int>=0]", "list[str]")
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str  # the manifest's ``family``
+    model_types: tuple[str, ...]  # config ``model_type`` values naming it (a text_config's, for wrappers)
+    hf_classes: tuple[str, ...]  # transformers classes its facts were read from
+    vllm_classes: tuple[str, ...]  # vLLM classes serving it (architecture names of vLLM's registry)
+    keys: tuple[Key, ...] = ()  # every config key read, typed
+    experts_key: str = "num_experts"  # E (routed experts)
+    intermediate_key: str = "moe_intermediate_size"  # I of one routed expert
+    top_k_key: str = "num_experts_per_tok"
+    hidden_key: str = "hidden_size"  # H the experts see (Kimi-K3's latent MoE: routed_expert_hidden_size)
+    layers_key: str = "num_hidden_layers"
+    moe_layers: str = ALL_LAYERS
+    block: str = "mlp"  # the MoE block's module under the decoder layer
+    storage: tuple[str, ...] = (PER_EXPERT,)  # the storages a checkpoint of the family may use
+    roles: dict = field(default_factory=lambda: {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"})
+    activation: str = "silu"
+    #: (config key, the manifest's activation_params name) of each activation parameter (gpt-oss' swiglu_*)
+    activation_params: tuple[tuple[str, str], ...] = ()
+    #: a config key that must name ``activation`` (Kimi-K3's hidden_act), or None
+    activation_key: str | None = None
+    routing: str | None = "softmax"
+    #: the router weight scales the expert's input, not its output (vLLM: apply_router_weight_on_input)
+    router_on_input: bool = False
+    #: fused experts: True, every checkpoint has gate_up_proj_bias and down_proj_bias; False: none has;
+    #: None: either
+    expert_bias: bool | None = None
+    router: tuple[str, ...] = ("gate",)  # module names under the block holding the router's tensors
+    shared: tuple[str, ...] = ()  # module names under the block holding shared experts (copied through)
+    mtp_key: str | None = None  # config key of the MTP layers stored after the last decoder layer
+    #: wrapper model_types whose ``text_config`` holds this family's config (multimodal wrappers)
+    wrappers: tuple[str, ...] = ()
+    #: one line: why this family's facts do not fit the table (the family is then refused with it)
+    refused: str | None = None
+    #: one line: why conversions of this family are planned (``--dry-run``) but not written
+    plan_only: str | None = None
+
+    def key(self, name: str) -> Key:
+        return next(k for k in self.keys if k.name == name)
+
+
+def _k(name: str, kind: str, default: object = REQUIRED, nullable: bool = False, aliases: tuple = ()) -> Key:
+    return Key(name, kind, default, nullable, aliases)
+
+
+# Keys shared by several families (names as transformers' configs spell them).
+_H = _k("hidden_size", "int>=1")
+_QWEN_ROUTING = (_k("norm_topk_prob", "bool", False),)
+_DEEPSEEK_ROUTING = (_k("norm_topk_prob", "bool", None), _k("routed_scaling_factor", "number>0", 1.0),
+                     _k("n_group", "int>=1", 1), _k("topk_group", "int>=1", 1), _k("topk_method", "str", "greedy"))
+
+
+def _deepseek_style(name, model_types, hf, vllm, *, rule=FIRST_K_DENSE, extra=(), first_dense=0, nullable=(),
+                    **kw) -> FamilySpec:
+    """``nullable``: the keys this family's transformers config annotates as accepting None."""
+    keys = (_H, _k("n_routed_experts", "int>=1", aliases=("num_local_experts",)), _k("moe_intermediate_size", "int>=1"),
+            _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
+            _k("first_k_dense_replace", "int>=0", first_dense), _k("moe_layer_freq", "int>=1", 1),
+            _k("num_nextn_predict_layers", "int>=0", 0), *_DEEPSEEK_ROUTING, *extra)
+    keys = tuple(Key(k.name, k.kind, k.default, k.nullable or k.name in nullable, k.aliases) for k in keys)
+    return FamilySpec(name, model_types, hf, vllm, keys=keys, experts_key="n_routed_experts", moe_layers=rule,
+                      routing=kw.pop("routing", "grouped"), shared=("shared_experts",), mtp_key="num_nextn_predict_layers",
+                      **kw)
+
+
+FAMILIES: tuple[FamilySpec, ...] = (
+    FamilySpec(
+        "mixtral", ("mixtral",), ("MixtralConfig", "MixtralForCausalLM"), ("MixtralForCausalLM",),
+        keys=(_H, _k("num_local_experts", "int>=1"), _k("intermediate_size", "int>=1"),
+              _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None)),
+        experts_key="num_local_experts", intermediate_key="intermediate_size", block="block_sparse_moe",
+        roles={"w1": "gate", "w3": "up", "w2": "down"}),
+    FamilySpec(
+        "qwen2-moe", ("qwen2_moe",), ("Qwen2MoeConfig", "Qwen2MoeSparseMoeBlock"), ("Qwen2MoeForCausalLM",),
+        keys=(_H, _k("num_experts", "int>=1", aliases=("num_local_experts",)), _k("moe_intermediate_size", "int>=1"),
+              _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
+              _k("decoder_sparse_step", "int>=1", 1), _k("mlp_only_layers", "list[int>=0]", [], nullable=True),
+              *_QWEN_ROUTING),
+        moe_layers=SPARSE_STEP, shared=("shared_expert", "shared_expert_gate")),
+    FamilySpec(
+        "qwen3-moe", ("qwen3_moe",), ("Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock"), ("Qwen3MoeForCausalLM",),
+        keys=(_H, _k("num_experts", "int>=1", aliases=("num_local_experts",)), _k("moe_intermediate_size", "int>=1"),
+              _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
+              _k("decoder_sparse_step", "int>=1", 1), _k("mlp_only_layers", "list[int>=0]", [], nullable=True),
+              *_QWEN_ROUTING),
+        moe_layers=SPARSE_STEP),
+    _deepseek_style("deepseek-v2", ("deepseek_v2",), ("DeepseekV2Config", "DeepseekV2Moe"), ("DeepseekV2ForCausalLM",),
+                    routing="softmax_group_limited",
+                    nullable=("topk_method", "num_experts_per_tok", "norm_topk_prob", "n_group", "topk_group")),
+    _deepseek_style("deepseek-v3", ("deepseek_v3", "kimi_k2"), ("DeepseekV3Config", "DeepseekV3MoE"),
+                    ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"), wrappers=("kimi_k25",),
+                    nullable=("first_k_dense_replace", "num_experts_per_tok", "norm_topk_prob", "n_group", "topk_group")),
+    _deepseek_style("glm4-moe", ("glm4_moe",), ("Glm4MoeConfig", "Glm4MoeMoE"), ("Glm4MoeForCausalLM",)),
+    FamilySpec(
+        "gpt-oss", ("gpt_oss",), ("GptOssConfig", "GptOssExperts"), ("GptOssForCausalLM",),
+        keys=(_H, _k("num_local_experts", "int>=1"), _k("intermediate_size", "int>=1"),
+              _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
+              # transformers' GptOssConfig types both as float (no None): a null is refused, not read as 7.0
+              _k("swiglu_alpha", "number", 1.702), _k("swiglu_limit", "number", 7.0)),
+        experts_key="num_local_experts", intermediate_key="intermediate_size", storage=(FUSED_INTERLEAVED,),
+        roles={"gate_up_proj": "gate_up", "down_proj": "down"}, activation="swigluoai",
+        activation_params=(("swiglu_alpha", "alpha"), ("swiglu_limit", "limit")), routing="topk_softmax", router=("router",),
+        expert_bias=True),
+    # -- added with the declared table ----------------------------------------------------------------
+    FamilySpec(
+        "qwen3.5-moe", ("qwen3_5_moe_text",),
+        ("Qwen3_5MoeTextConfig", "Qwen3_5MoeExperts", "Qwen3_5MoeTopKRouter"),
+        ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+        keys=(_H, _k("num_experts", "int>=1"), _k("moe_intermediate_size", "int>=1"),
+              _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None)),
+        # published checkpoints keep the experts fused as the model holds them; save_pretrained splits them
+        storage=(FUSED, PER_EXPERT), expert_bias=False, routing="softmax", shared=("shared_expert", "shared_expert_gate"),
+        wrappers=("qwen3_5_moe",)),
+    FamilySpec(
+        "qwen3-next", ("qwen3_next",), ("Qwen3NextConfig", "Qwen3NextSparseMoeBlock"), ("Qwen3NextForCausalLM",),
+        keys=(_H, _k("num_experts", "int>=1", aliases=("num_local_experts",)), _k("moe_intermediate_size", "int>=1"),
+              _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
+              _k("decoder_sparse_step", "int>=1", 1), _k("mlp_only_layers", "list[int>=0]", [], nullable=True),
+              *_QWEN_ROUTING),
+        moe_layers=SPARSE_STEP, shared=("shared_expert", "shared_expert_gate")),
+    FamilySpec(
+        "minimax-m2", ("minimax_m2",), ("MiniMaxM2Config", "MiniMaxM2SparseMoeBlock", "MiniMaxM2TopKRouter"),
+        ("MiniMaxM2ForCausalLM",),
+        keys=(_H, _k("num_local_experts", "int>=1"), _k("intermediate_size", "int>=1"),
+              _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None)),
+        experts_key="num_local_experts", intermediate_key="intermediate_size", block="block_sparse_moe",
+        roles={"w1": "gate", "w3": "up", "w2": "down"},
+        # sigmoid scores, e_score_correction_bias for the choice, unbiased weights renormalised: the grouped
+        # router with one group
+        routing="grouped", router=("gate", "e_score_correction_bias")),
+    FamilySpec(
+        "llama4", ("llama4_text",), ("Llama4TextConfig", "Llama4TextExperts", "Llama4TextMoe", "Llama4Router"),
+        ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
+        keys=(_H, _k("num_local_experts", "int>=1"), _k("intermediate_size", "int>=1"),
+              _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
+              _k("interleave_moe_layer_step", "int>=1", 1), _k("moe_layers", "list[int>=0]", None, nullable=True)),
+        experts_key="num_local_experts", intermediate_key="intermediate_size", moe_layers=INTERLEAVE,
+        block="feed_forward", storage=(FUSED_TRANSPOSED,), expert_bias=False, routing="topk_sigmoid", router_on_input=True,
+        router=("router",), shared=("shared_expert",), wrappers=("llama4",)),
+    _deepseek_style("glm-moe-dsa", ("glm_moe_dsa",), ("GlmMoeDsaConfig", "GlmMoeDsaMoE"), ("GlmMoeDsaForCausalLM",),
+                    rule=MLP_LAYER_TYPES, extra=(_k("mlp_layer_types", "list[str]", None, nullable=True),)),
+    _deepseek_style("glm4-moe-lite", ("glm4_moe_lite",), ("Glm4MoeLiteConfig", "Glm4MoeLiteMoE"),
+                    ("Glm4MoeLiteForCausalLM",), rule=MLP_LAYER_TYPES,
+                    # transformers' Glm4MoeLiteConfig: layer 0 dense when mlp_layer_types is not given
+                    first_dense=1, extra=(_k("mlp_layer_types", "list[str]", None, nullable=True),)),
+    _deepseek_style("dots1", ("dots1",), ("Dots1Config", "Dots1MoE", "Dots1TopkRouter"), ("Dots1ForCausalLM",),
+                    nullable=("n_routed_experts", "first_k_dense_replace", "num_experts_per_tok", "n_group",
+                              "topk_group", "norm_topk_prob", "n_shared_experts")),
+    FamilySpec(
+        "ernie4.5-moe", ("ernie4_5_moe",), ("Ernie4_5_MoeConfig", "Ernie4_5_MoeSparseMoeBlock"),
+        ("Ernie4_5_MoeForCausalLM",),
+        keys=(_H, _k("moe_num_experts", "int>=1", nullable=True), _k("moe_intermediate_size", "int>=1"),
+              _k("moe_k", "int>=1", None, nullable=True), _k("num_hidden_layers", "int>=1", None),
+              _k("moe_layer_start_index", "int>=0", 1, nullable=True), _k("moe_layer_end_index", "int", -1, nullable=True),
+              _k("moe_layer_interval", "int>=1", 1, nullable=True)),
+        experts_key="moe_num_experts", top_k_key="moe_k", moe_layers=LAYER_RANGE,
+        # softmax then the moe_statics bias for the choice, renormalised with moe_norm_min: not reproduced
+        routing=None, shared=("shared_experts",)),
+    FamilySpec(
+        "hunyuan-v1-moe", ("hunyuan_v1_moe",), ("HunYuanMoEV1Config", "HunYuanMoEV1Experts"),
+        ("HunYuanMoEV1ForCausalLM",),
+        # num_experts / moe_topk may be per-layer lists in transformers; a list is refused by the int type
+        keys=(_H, _k("num_experts", "int>=1"), _k("intermediate_size", "int>=1"),
+              _k("moe_topk", "int>=1", None), _k("num_hidden_layers", "int>=1", None)),
+        intermediate_key="intermediate_size", top_k_key="moe_topk", routing=None, router=("gate",),
+        shared=("shared_mlp",)),
+    FamilySpec(
+        "deepseek-v4", ("deepseek_v4",), ("DeepseekV4Config",), ("DeepseekV4ForCausalLM",),
+        refused="DeepSeek-V4's routed experts are FP4 in a format no source reader reads yet, and its first "
+                "layers route by hash (mlp_layer_types hash_moe)"),
+    FamilySpec(
+        "longcat-flash", ("longcat_flash",), ("LongcatFlashConfig",), ("LongcatFlashForCausalLM",),
+        refused="LongCat-Flash routes to zero-computation experts (zero_expert_num) that have no tensors, "
+                "and stacks two sub-layers per decoder layer"),
+    # No transformers class: the keys are those of vLLM 0.33.0's KimiK3Config (its text_config is a
+    # KimiLinearConfig, vllm/transformers_utils/configs/kimi_k3.py, kimi_linear.py), the tensor names those
+    # its loader maps (vllm/models/kimi_k3: block_sparse_moe.experts.N.w1/w2/w3, ckpt_gate_proj_name "w1"),
+    # the MoE layer rule its KimiDecoderLayer's is_moe_layer, the activation its SituAndMul.
+    FamilySpec(
+        "kimi-k3", ("kimi_linear",), (), ("KimiK3ForConditionalGeneration",),
+        keys=(_H, _k("routed_expert_hidden_size", "int>=1", None, nullable=True), _k("num_experts", "int>=1"),
+              _k("moe_intermediate_size", "int>=1"), _k("num_experts_per_token", "int>=1", None, nullable=True),
+              _k("num_hidden_layers", "int>=1", None), _k("first_k_dense_replace", "int>=0", 0),
+              _k("moe_layer_freq", "int>=1", 1), _k("hidden_act", "str", "silu"),
+              _k("activation_situ_beta", "number>0", 1.0, nullable=True),
+              _k("activation_situ_linear_beta", "number>0", None, nullable=True)),
+        hidden_key="routed_expert_hidden_size", top_k_key="num_experts_per_token", moe_layers=FIRST_K_DENSE,
+        block="block_sparse_moe", roles={"w1": "gate", "w3": "up", "w2": "down"}, activation="situ",
+        activation_params=(("activation_situ_beta", "beta"), ("activation_situ_linear_beta", "linear_beta")),
+        activation_key="hidden_act", routing=None, shared=("shared_experts",), wrappers=("kimi_k3",),
+        plan_only="Kimi-K3's experts run SITU (vLLM's SituAndMul: beta * tanh(gate / beta) * sigmoid(gate) * up), "
+                  "which no kernel here runs yet: --dry-run plans the conversion, nothing is written"),
+)
+
+#: family name -> the config ``model_type`` values that name it
+MODEL_TYPES: dict[str, tuple[str, ...]] = {f.name: f.model_types for f in FAMILIES}
+BY_NAME: dict[str, FamilySpec] = {f.name: f for f in FAMILIES}
+#: wrapper model_type -> the families its text_config may hold
+WRAPPERS: dict[str, tuple[str, ...]] = {}
+for _f in FAMILIES:
+    for _w in _f.wrappers:
+        WRAPPERS[_w] = WRAPPERS.get(_w, ()) + (_f.name,)
+
+
+def _check_table() -> None:
+    """The table is consistent with itself (import time: a wrong entry never reaches a user)."""
+    seen: dict[str, str] = {}
+    for f in FAMILIES:
+        for mt in f.model_types:
+            assert mt not in seen, f"model_type {mt} named by {seen[mt]} and {f.name}"
+            seen[mt] = f.name
+        if f.refused:
+            continue
+        names = {k.name for k in f.keys}
+        for key in (f.experts_key, f.intermediate_key, f.top_k_key, f.layers_key, f.hidden_key,
+                    *(k for k, _ in f.activation_params), *((f.mtp_key,) if f.mtp_key else ()),
+                    *((f.activation_key,) if f.activation_key else ())):
+            assert key in names, f"{f.name}: {key} is read but not declared"
+        assert all(k.kind in KINDS for k in f.keys), f.name
+        assert set(f.storage) <= set(STORAGES) and f.moe_layers in LAYER_RULES and f.routing in ROUTINGS, f.name
+
+
+_check_table()
+
+
+# -- reading a declared key ----------------------------------------------------------------------------
+
+_WORDS = {"int>=1": "a positive integer", "int>=0": "an integer >= 0", "int": "an integer",
+          "number": "a finite number", "number>0": "a finite number > 0", "bool": "true or false",
+          "str": "a string", "list[int>=0]": "a list of layer indices (integers >= 0)", "list[str]": "a list of strings"}
+
+
+def _fits(kind: str, v) -> bool:
+    if kind.startswith("int"):
+        return type(v) is int and v >= {"int>=1": 1, "int>=0": 0, "int": -(1 << 62)}[kind]
+    if kind.startswith("number"):
+        return type(v) in (int, float) and math.isfinite(v) and (kind == "number" or v > 0)
+    if kind == "bool":
+        return type(v) is bool
+    if kind == "str":
+        return type(v) is str
+    if kind == "list[int>=0]":
+        return type(v) is list and all(type(x) is int and x >= 0 for x in v)
+    if kind == "list[str]":
+        return type(v) is list and all(type(x) is str for x in v)
+    raise AssertionError(kind)
+
+
+def read_key(cfg: dict, key: Key, section: str = ""):
+    """``cfg[key.name]`` checked against its declaration: absent gives the default (refused when
+    required); null is refused unless the key is nullable (then it gives the default too), so a null is
+    never silently read as a number it does not say; a value of another type is refused."""
+    name = key.present(cfg)
+    where = section + name
+    expected = _WORDS[key.kind] + (" or null" if key.nullable else "")
+    if name not in cfg:
+        if key.default is REQUIRED:
+            raise MoeConvertError("missing", file=CONFIG_NAME, tensor=where, expected=expected)
+        return key.default
+    value = cfg[name]
+    if value is None:
+        if key.nullable and key.default is not REQUIRED:
+            return key.default
+        raise MoeConvertError("must not be null" + (" (transformers refuses it)" if key.default is not REQUIRED else ""),
+                              file=CONFIG_NAME, tensor=where, expected=_WORDS[key.kind])
+    if not _fits(key.kind, value):
+        raise MoeConvertError("invalid value", file=CONFIG_NAME, tensor=where, expected=expected,
+                              found=show_value(value))
+    return value
+
+
+def read_keys(cfg: dict, spec: FamilySpec, section: str = "") -> dict:
+    """Every key ``spec`` declares, read with :func:`read_key` (so an error names the first bad key)."""
+    return {k.name: read_key(cfg, k, section) for k in spec.keys}
+
+
+def table_markdown() -> str:
+    """The table as docs/families.md shows it (a test keeps the page equal to this)."""
+    rows = ["| family | `model_type` | E / top-k / I keys | MoE layers | experts stored | activation, routing "
+            "| shared experts | transformers | vLLM |", "|---|---|---|---|---|---|---|---|---|"]
+    for f in FAMILIES:
+        types = ", ".join(f"`{t}`" for t in f.model_types) + "".join(f" (in `{w}`'s text_config)" for w in f.wrappers)
+        if f.refused:
+            rows.append(f"| {f.name} | {types} | refused: {f.refused} ||||||{', '.join(f.vllm_classes)} |")
+            continue
+        keys = " / ".join(f"`{k}`" for k in (f.experts_key, f.top_k_key, f.intermediate_key))
+        names = "/".join(f.roles) if PER_EXPERT in f.storage else ""
+        stored = "; ".join(f"{st}" + (f" (`{f.block}.experts.E.{{{names}}}`)" if st == PER_EXPERT
+                                      else f" (`{f.block}.experts.gate_up_proj`)") for st in f.storage)
+        routing = f"{f.activation}, {f.routing or 'caller routes'}" + (", router weight on the input"
+                                                                      if f.router_on_input else "")
+        shared = ", ".join(f"`{s}`" for s in f.shared) or "none"
+        name = f.name + (f" (planned only: {f.plan_only})" if f.plan_only else "")
+        hf = ", ".join(f.hf_classes) or "none (the keys of vLLM's config class)"
+        rows.append(f"| {name} | {types} | {keys} | {f.moe_layers} | {stored} | {routing} | {shared} | "
+                    f"{hf} | {', '.join(f.vllm_classes)} |")
+    return "\n".join(rows) + "\n"

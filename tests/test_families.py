@@ -1,0 +1,366 @@
+"""The declared family table (moeconvert/format/families.py), checked against transformers' and vLLM's own
+code, and the new expert storages end to end against transformers' own MoE blocks.
+
+* every family's transformers classes exist, its vLLM classes are in vLLM's registry, and each declared
+  config key accepts null exactly where transformers' config annotation does;
+* every declared key: a null where transformers refuses one, or a value of the wrong type, is refused on
+  one line naming the key (never read as the default);
+* one fixture per new storage (fused ``[E, 2I, H]``, transposed ``[E, H, 2I]`` with the router weight on
+  the input, a new per-expert naming): inspect, repack plain, quantize mxfp4 for marlin, verify, and the
+  runtime's whole MoE block on CPU equal to transformers' block on the same input.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import cli, make_family_checkpoint
+from moeconvert.errors import MoeConvertError
+from moeconvert.format.families import FAMILIES, REQUIRED, Key, read_keys
+
+transformers = pytest.importorskip("transformers")
+
+SERVED = [f for f in FAMILIES if not f.refused]
+
+
+def _annotations(cls) -> dict:
+    ann: dict = {}
+    for c in reversed(cls.__mro__):
+        ann.update(getattr(c, "__annotations__", {}))
+    return ann
+
+
+@pytest.mark.parametrize("fam", [f for f in FAMILIES if f.hf_classes], ids=lambda f: f.name)
+def test_table_facts_match_transformers(fam):
+    import importlib
+
+    config_cls = getattr(transformers, fam.hf_classes[0])
+    modeling = importlib.import_module(config_cls.__module__.replace(".configuration_", ".modeling_"))
+    missing = [n for n in fam.hf_classes[1:] if not hasattr(modeling, n)]
+    assert not missing, f"{fam.name}: transformers {transformers.__version__}'s {modeling.__name__} has no {missing}"
+    ann = _annotations(config_cls)
+    wrong = [k.name for k in fam.keys if k.name in ann and ("None" in str(ann[k.name])) != k.nullable]
+    assert not wrong, f"{fam.name}: nullability disagrees with {fam.hf_classes[0]} for {wrong}"
+    # a key transformers writes under another name (attribute_map) is read under that name too
+    renamed = {k.name: config_cls.attribute_map[k.name] for k in fam.keys if k.name in config_cls.attribute_map}
+    assert all(v in fam.key(k).aliases for k, v in renamed.items()), f"{fam.name}: {renamed} not declared as aliases"
+
+
+#: config values that make each layer rule say something (6 layers), and what some configs need to build
+_RULE_CONFIG = {"sparse-step": dict(decoder_sparse_step=2, mlp_only_layers=[3]), "first-k-dense": dict(first_k_dense_replace=1),
+                "mlp-layer-types": dict(first_k_dense_replace=2), "interleave": dict(interleave_moe_layer_step=2),
+                "range": dict(moe_layer_start_index=1, moe_layer_end_index=4, moe_layer_interval=2), "all": {}}
+_BUILDS_WITH = {"dots1": dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1),
+                "hunyuan-v1-moe": dict(head_dim=128, num_experts=8, moe_topk=2)}
+
+
+@pytest.mark.parametrize("fam", [f for f in SERVED if f.hf_classes], ids=lambda f: f.name)
+def test_moe_layer_rule_is_transformers(fam):
+    # the layers transformers' own decoder builds with routed experts (on the meta device: no weights)
+    from moeconvert.modelmap import sparse_layers
+
+    cfg = transformers.AutoConfig.for_model(fam.model_types[0], num_hidden_layers=6, **_RULE_CONFIG[fam.moe_layers],
+                                            **_BUILDS_WITH.get(fam.name, {}))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    theirs = [i for i, layer in enumerate(model.model.layers)
+              if any(hasattr(getattr(layer, b, None), "experts") for b in ("mlp", "block_sparse_moe", "feed_forward"))]
+    assert list(sparse_layers(fam, read_keys(cfg.to_dict(), fam))) == theirs
+
+
+def test_table_vllm_classes_are_registered():
+    from helpers import vllm_reader
+
+    registry = vllm_reader()("model_executor/models/registry.py")
+    missing = [(f.name, c) for f in FAMILIES for c in f.vllm_classes if f'"{c}"' not in registry]
+    assert not missing, missing
+
+
+_WRONG = {"int>=1": "8", "int>=0": 1.5, "int": "x", "number": "7", "number>0": -1.0, "bool": "yes", "str": 3,
+          "list[int>=0]": [-1], "list[str]": [1]}
+_KEYS = [(f, k) for f in SERVED for k in f.keys]
+
+
+@pytest.mark.parametrize("fam,key", _KEYS, ids=[f"{f.name}.{k.name}" for f, k in _KEYS])
+def test_every_declared_key_is_read_with_its_type(fam, key: Key):
+    good = {k.name: _good(k) for k in fam.keys}
+    assert read_keys(good, fam) == good
+    with pytest.raises(MoeConvertError, match=f"config.json: {key.name}") as e:
+        read_keys({**good, key.name: _WRONG[key.kind]}, fam)
+    assert "\n" not in str(e.value)
+    if key.nullable and key.default is not REQUIRED:
+        assert read_keys({**good, key.name: None}, fam)[key.name] == key.default
+    else:  # transformers refuses a null here: it is never read as the default (gpt-oss swiglu_limit was 7.0)
+        with pytest.raises(MoeConvertError, match=f"config.json: {key.name}: must not be null"):
+            read_keys({**good, key.name: None}, fam)
+
+
+def _good(k: Key):
+    return {"int>=1": 2, "int>=0": 0, "int": -1, "number": 1.5, "number>0": 1.5, "bool": True, "str": "greedy",
+            "list[int>=0]": [], "list[str]": ["sparse"]}[k.kind]
+
+
+# -- end to end: one fixture per new storage --------------------------------------------------------
+
+CASES = {  # id -> (model_type, save the model's fused tensors as it holds them, MoE block module path)
+    "qwen3.5-fused": ("qwen3_5_moe_text", True, "mlp"),
+    "llama4-transposed": ("llama4_text", False, "feed_forward"),
+    "minimax-m2": ("minimax_m2", False, "mlp"),  # block_sparse_moe on disk, mlp in memory
+    "glm-moe-dsa": ("glm_moe_dsa", False, "mlp"),  # DeepSeek-style grouped routing under a new type
+    "qwen3-next": ("qwen3_next", False, "mlp"),  # a shared expert with its sigmoid gate
+}
+
+
+@pytest.fixture(scope="session")
+def family_ckpts(tmp_path_factory):
+    cache: dict = {}
+
+    def make(case: str) -> tuple[Path, torch.nn.Module]:
+        if case not in cache:
+            mt, fused, _ = CASES[case]
+            path = make_family_checkpoint(tmp_path_factory.mktemp(case) / "ckpt", mt, fused=fused)
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            cache[case] = (path, model)
+        return cache[case]
+
+    return make
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_family_through_every_path(case, family_ckpts, tmp_path):
+    from moeconvert.runtime import load
+
+    src, model = family_ckpts(case)
+    mt, fused, block = CASES[case]
+    r = cli("inspect", str(src), "--json", expect=0)
+    report = json.loads(r.out)
+    assert report["family"] in {f.name for f in FAMILIES if mt in f.model_types}
+    plain, mx = tmp_path / "plain", tmp_path / "mx"
+    cli("repack", str(src), str(plain), "--backend", "plain", expect=0)
+    cli("quantize", str(src), str(mx), "--format", "mxfp4", "--backend", "marlin", expect=0)
+    for out in (plain, mx):
+        cli("verify", str(out), "--against", str(src), expect=0)
+    m = load(plain, device="cpu")
+    assert m.moe_layers, "no MoE layer loaded"
+    torch.manual_seed(1)
+    for prefix, layer in m.moe_layers.items():
+        i = layer.entry.raw["layer"]
+        ours = layer.block(x := torch.randn(5, layer.hidden_size, dtype=torch.bfloat16))
+        mod = getattr(model.model.layers[i], block)
+        theirs = mod(x.float().unsqueeze(0))
+        theirs = (theirs[0] if isinstance(theirs, tuple) else theirs).reshape(ours.shape)
+        err = (ours.float() - theirs).abs().max() / theirs.abs().max()
+        assert err < 0.03, f"{prefix}: runtime block differs from transformers' by {err:.3g}"
+
+
+@pytest.mark.parametrize("case", ["llama4-transposed"])
+def test_router_weight_on_input_is_declared(case, family_ckpts, tmp_path):
+    src, _ = family_ckpts(case)
+    cli("repack", str(src), str(tmp_path / "o"), "--backend", "plain", expect=0)
+    layers = json.loads((tmp_path / "o" / "moeconvert.json").read_text())["moe_layers"]
+    assert [x["apply_router_weight_on_input"] for x in layers] == [True] * len(layers)
+
+
+# -- bad input: known model_type, contradictory MoE fields --------------------------------------------
+
+
+def _copy(src: Path, dst: Path, **config) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("case,edit,needle", [
+    ("qwen3.5-fused", {"num_experts": 4}, "config.json num_experts = 4"),
+    ("qwen3.5-fused", {"moe_intermediate_size": 8}, "config.json moe_intermediate_size = 8"),
+    ("llama4-transposed", {"num_local_experts": 16}, "config.json num_local_experts = 16"),
+    ("llama4-transposed", {"interleave_moe_layer_step": 1, "moe_layers": None}, "layer 0 has routed experts"),
+    ("llama4-transposed", {"moe_layers": [0]}, "moe_layers"),
+])
+def test_contradictory_config_refused_on_one_line(case, edit, needle, family_ckpts, tmp_path):
+    src, _ = family_ckpts(case)
+    bad = _copy(src, tmp_path / "bad", **edit)
+    r = cli("repack", str(bad), str(tmp_path / "out"), "--backend", "plain", expect=2)
+    assert needle in r.err and r.err.strip().count("\n") == 0, r.err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("wrapper,text_type,needle", [
+    ("llama4", "qwen3_moe", "text_config of the wrong type for llama4"),
+    ("kimi_k25", "llama4_text", "text_config of the wrong type for kimi_k25"),
+    ("qwen3_5_moe", None, "text_config"),
+])
+def test_wrapper_with_wrong_text_config_refused(wrapper, text_type, needle, family_ckpts, tmp_path):
+    src, _ = family_ckpts("llama4-transposed")
+    text = json.loads((src / "config.json").read_text())
+    text["model_type"] = text_type
+    cfg = {"model_type": wrapper, "text_config": text if text_type else None}
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = cli("inspect", str(bad), expect=2)
+    assert needle in r.err and r.err.strip().count("\n") == 0, r.err
+
+
+def test_refused_family_says_why_in_one_line(family_ckpts, tmp_path):
+    src, _ = family_ckpts("minimax-m2")
+    bad = _copy(src, tmp_path / "bad", model_type="deepseek_v4")
+    r = cli("inspect", str(bad), expect=2)
+    assert "deepseek-v4 is not supported: DeepSeek-V4's routed experts are FP4" in r.err, r.err
+
+
+# -- gpt-oss: a config or source value is never silently read as another ------------------------------
+
+
+@pytest.fixture(scope="session")
+def gptoss(example_ckpt):
+    return example_ckpt("gpt-oss", "bf16", num_layers=1, num_experts=4, hidden_size=64, intermediate_size=64)
+
+
+def test_gptoss_swiglu_limit_null_is_refused(gptoss, tmp_path):
+    # transformers' GptOssConfig refuses null; it used to be read as 7.0 (config.json null, manifest 7.0)
+    bad = _copy(gptoss, tmp_path / "bad", swiglu_limit=None)
+    r = cli("repack", str(bad), str(tmp_path / "out"), "--backend", "plain", expect=2)
+    assert "config.json: swiglu_limit: must not be null" in r.err and r.err.strip().count("\n") == 0, r.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_gptoss_nan_e8m0_scale_is_refused(gptoss, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from helpers import to_gptoss_mxfp4
+
+    mx = tmp_path / "mx"
+    to_gptoss_mxfp4(gptoss, mx)
+    f = next(mx.glob("*.safetensors"))
+    tensors = load_file(f)
+    name = next(k for k in tensors if k.endswith("down_proj_scales"))
+    tensors[name][2, 5, 1] = 255  # e8m0 NaN
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    r = cli("quantize", str(mx), str(tmp_path / "out"), "--backend", "plain", expect=2)
+    assert f"{name}[2, 5, 1]" in r.err and "non-finite e8m0 scale" in r.err, r.err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("drop", [("gate_up_proj_bias",), ("down_proj_bias",), ("gate_up_proj_bias", "down_proj_bias")])
+def test_gptoss_missing_expert_bias_is_refused(gptoss, tmp_path, drop):
+    # transformers' GptOssExperts always has both biases: one missing or both is not a gpt-oss checkpoint
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(gptoss, bad)
+    f = next(bad.glob("*.safetensors"))
+    tensors = {k: v for k, v in load_file(f).items() if not k.endswith(drop)}
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    r = cli("repack", str(bad), str(tmp_path / "out"), "--backend", "plain", expect=2)
+    assert "gpt-oss experts have gate_up_proj_bias and down_proj_bias" in r.err, r.err
+    assert f"experts.{drop[0]}" in r.err and r.err.strip().count("\n") == 0, r.err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["qwen3.5-fused", "llama4-transposed"])
+def test_gptoss_mxfp4_form_is_refused_for_other_fused_families(case, family_ckpts, tmp_path):
+    # the blocks/scales form (quant_method mxfp4) is gpt-oss' own: its reader takes no other storage
+    from safetensors.torch import load_file, save_file
+
+    src, _ = family_ckpts(case)
+    bad = _copy(src, tmp_path / "bad", quantization_config={"quant_method": "mxfp4"})
+    f = next(bad.glob("*.safetensors"))
+    tensors = load_file(f)
+    for k in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        t = tensors.pop(k)
+        tensors[k + "_blocks"] = torch.zeros(*t.shape[:2], t.shape[2] // 32, 16, dtype=torch.uint8)
+        tensors[k + "_scales"] = torch.full((*t.shape[:2], t.shape[2] // 32), 127, dtype=torch.uint8)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    (bad / "model.safetensors.index.json").unlink(missing_ok=True)
+    r = cli("inspect", str(bad), expect=2)
+    storage = {"qwen3.5-fused": "fused", "llama4-transposed": "fused-transposed"}[case]
+    assert f"gpt-oss' MXFP4 blocks/scales form, but the family stores them {storage}" in r.err, r.err
+    assert r.err.strip().count("\n") == 0, r.err
+
+
+def test_docs_page_is_the_table():
+    from moeconvert.format.families import table_markdown
+
+    page = (Path(__file__).parents[1] / "docs" / "families.md").read_text()
+    generated = page.split("<!-- generated: moeconvert.format.families.table_markdown -->\n")[1]
+    assert generated.split("<!-- end generated -->")[0] == table_markdown()
+
+
+def test_kimi_k25_wrapper_converts_its_deepseek_v3_text_model(example_ckpt, tmp_path):
+    # Kimi-K2.5's checkpoint: the DeepSeek-V3 text model under language_model. (transformers' kimi_k25
+    # conversion mapping), its config in text_config (model_type kimi_k2)
+    from safetensors.torch import load_file, save_file
+
+    src = example_ckpt("deepseek-v3", "bf16", num_experts=4, hidden_size=64, intermediate_size=32)
+    k25 = tmp_path / "k25"
+    k25.mkdir()
+    text = json.loads((src / "config.json").read_text())
+    text["model_type"] = "kimi_k2"
+    (k25 / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text}))
+    f = next(src.glob("*.safetensors"))
+    save_file({f"language_model.{k}": v for k, v in load_file(f).items()}, str(k25 / "model.safetensors"),
+              metadata={"format": "pt"})
+    report = json.loads(cli("inspect", str(k25), "--json", expect=0).out)
+    assert report["family"] == "deepseek-v3"
+    assert [x["prefix"] for x in report["moe_layers"]][:1] == ["language_model.model.layers.1.mlp.experts"]
+    cli("repack", str(k25), str(tmp_path / "out"), "--backend", "plain", expect=0)
+    cli("verify", str(tmp_path / "out"), "--against", str(k25), expect=0)
+
+
+def test_kimi_k3_full_shape_is_planned_one_chunk_of_a_layer_per_job(tmp_path):
+    # Kimi-K3 at full size (moeconvert/fullsize.py: 896 experts on a 3584 latent, I 3072, top-16; its keys
+    # and tensor names are those of vLLM 0.33.0's KimiK3Config / KimiLinearConfig and vllm/models/kimi_k3),
+    # two of its 92 MoE layers: the plan is the same per layer, and a 92-layer dry run differs only in count
+    from moeconvert.fullsize import make_header_only
+
+    src = make_header_only(tmp_path / "k3", "kimi-k3", num_layers=2)
+    r = cli("repack", str(src), str(tmp_path / "out"), "--backend", "plain", "--dry-run", "--json", "--no-estimate",
+            expect=0)
+    plan = json.loads(r.out)
+    layer_bytes = 896 * 3 * 3072 * 3584 * 2  # w13 and w2 of every expert, bf16
+    assert plan["moe_layers"] == 2
+    assert [x["tensors"]["w13_weight"]["shape"] for x in plan["layers"]] == [[896, 6144, 3584]] * 2
+    layer_jobs = [j for j in plan["jobs"] if j["kind"] == "layer"]
+    assert sum(j["write_bytes"] for j in layer_jobs) == 2 * layer_bytes
+    assert max(j["peak_bytes"] for j in plan["jobs"]) < layer_bytes // 50  # a chunk of experts, never a layer
+    # nothing runs SITU here yet: a real run is refused before anything is written
+    err = cli("repack", str(src), str(tmp_path / "real"), "--backend", "plain", expect=2).err
+    assert "kimi-k3 is planned, not converted" in err and err.strip().count("\n") == 0, err
+    assert not (tmp_path / "real").exists()
+
+
+@pytest.mark.parametrize("case", ["qwen3.5-fused", "llama4-transposed"])
+def test_fused_experts_are_read_one_chunk_at_a_time_and_cut_for_tp(case, family_ckpts, monkeypatch):
+    # each read of a fused tensor covers the chunk's experts only (never the whole 3-D tensor), and the
+    # block equals transformers' own expert weights: gate rows then up rows, down [H, I], cut per TP rank
+    from moeconvert.canonical import Partition
+    from moeconvert.decode import decode_chunk
+    from moeconvert.modelmap import map_model
+    from moeconvert.sources import Source, open_source
+
+    src, model = family_ckpts(case)
+    source = open_source(str(src))
+    layer = map_model(source).layers[-1]
+    reads = []
+    real_read = Source.read
+    monkeypatch.setattr(Source, "read", lambda self, name, rows=None: reads.append(rows) or real_read(self, name, rows))
+    block = decode_chunk(source, layer, Partition(), 2, 5)
+    assert reads and all(r == (2, 5) for r in reads), reads
+    experts = getattr(model.model.layers[layer.layer], CASES[case][2]).experts
+    gate_up, down = experts.gate_up_proj[2:5], experts.down_proj[2:5]
+    if case == "llama4-transposed":  # stored x @ W: [E, H, 2I], [E, I, H]
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    I = layer.intermediate_size
+    assert torch.equal(block.w13.float(), gate_up.float()) and torch.equal(block.w2.float(), down.float())
+    rank1 = decode_chunk(source, layer, Partition(tp_size=2, tp_rank=1), 2, 5)
+    half = slice(I // 2, I)
+    assert torch.equal(rank1.w13, torch.cat([block.w13[:, half], block.w13[:, I:][:, half]], 1))
+    assert torch.equal(rank1.w2, block.w2[:, :, half])
