@@ -7,6 +7,9 @@ tokens against ``runtime/reference.py`` on the source's own weights (decoded fro
 the way the folder's manifest says for a bf16 source); ``--bench SRC`` prints ``moeconvert bench
 vllm-startup``'s result.
 
+``python vllm_plugin_child.py FOLDERS.json --whole-models``: ``--whole-model`` for each ``[folder, load
+format]`` of the list, in this one process, printed as a JSON list.
+
 ``python vllm_plugin_child.py FOLDER [--tp-size N] [--pretend-vllm VERSION] [--layout-lists V1,V2] [--skip SUFFIX] [--direct] [--whole-model]``: builds every MoE layer the folder's manifest holds
 with vLLM's own ``FusedMoEFactory`` on the CPU platform (one-process gloo group), the quantization config
 taken from the folder's config.json through vLLM's registry (after the plugin's ``register``), loads the
@@ -22,7 +25,7 @@ import sys
 from pathlib import Path
 
 GPU_MODES = ("--forward", "--bench", "--generate")
-if not any(m in sys.argv for m in GPU_MODES) and not sys.argv[1].endswith(".json"):
+if not any(m in sys.argv for m in GPU_MODES) and (not sys.argv[1].endswith(".json") or "--whole-models" in sys.argv):
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
@@ -30,7 +33,7 @@ def main() -> None:
     folder = Path(sys.argv[1])
     if "--generate" in sys.argv:
         return _generate(folder)
-    if folder.suffix == ".json":  # a list of [mode, folder, source]: many GPU checks in one vLLM process
+    if folder.suffix == ".json" and "--whole-models" not in sys.argv:  # a list of [mode, folder, source]: many GPU checks in one vLLM process
         print(json.dumps([_gpu(mode, Path(f), Path(s)) for mode, f, s in json.loads(folder.read_text())]))
         return
     for mode in GPU_MODES:
@@ -65,9 +68,13 @@ def main() -> None:
 
     load_general_plugins()  # vLLM's own plugin loader: it finds our entry point and runs register()
     out: dict = {"layers": {}}
+    if "--whole-models" in sys.argv:  # FOLDERS.json, a list of [folder, load format]: each whole model in turn
+        print(json.dumps([_whole_model(Path(f), {"layers": {}}, fmt) for f, fmt in json.loads(folder.read_text())]))
+        return
     if "--whole-model" in sys.argv:
         load_format = sys.argv[sys.argv.index("--load-format") + 1] if "--load-format" in sys.argv else "auto"
-        return _whole_model(folder, out, load_format)
+        print(json.dumps(_whole_model(folder, out, load_format)))
+        return
     skip = "." + sys.argv[sys.argv.index("--skip") + 1] if "--skip" in sys.argv else None
     try:
         cfg = quant_config_for(folder)  # vLLM's registry, from config.json; then our manifest is read
@@ -125,6 +132,8 @@ def _report(experts, loaded: list[str], before: dict | None = None) -> dict:
             "scale_is_param": _over(scale, experts.w13_weight_scale),
             # what vLLM's activation gets: swigluoai's alpha, beta, clamp limit (None: the kernel's own)
             "activation": [experts.activation.value, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit],
+            # what the model class set on its layer (vLLM's Llama4MoE: True); the plugin's methods pass it on
+            "router_weight_on_input": getattr(experts, "apply_router_weight_on_input", None),
             "weights_are_params": all(_over(w, p) for w, p in zip(experts.quant_method._kernel_weights(experts),
                                                                   (experts.w13_weight, experts.w2_weight)))}
 
@@ -375,7 +384,7 @@ def _plain_torch_linear_layers() -> None:
     torch.cpu._is_amx_tile_supported = lambda: False
 
 
-def _whole_model(folder: Path, out: dict, load_format: str = "auto") -> None:
+def _whole_model(folder: Path, out: dict, load_format: str = "auto") -> dict:
     """What ``vllm serve FOLDER [--load-format F]`` does up to its first forward: vLLM's ModelConfig reads
     config.json (and picks the plugin's method from it), vLLM's loader for ``load_format`` (its default one,
     or the plugin's ``moeconvert``) builds the whole model and loads every tensor of the folder (through the
@@ -400,7 +409,7 @@ def _whole_model(folder: Path, out: dict, load_format: str = "auto") -> None:
                     out["layers"][name.removesuffix(".routed_experts")] = _report(module, loaded)
     except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
         out["error"] = f"{type(e).__name__}: {e}"
-    print(json.dumps(out))
+    return out
 
 
 def _reference_weights(src: Path, prefix: str, manifest: dict):
