@@ -475,6 +475,18 @@ def test_vllm_loads_each_proven_familys_whole_model(example_ckpt, tmp_path):
                 assert layer["params"][f"routed_experts.{suffix}"]["sha256"] == want, (family, suffix)
 
 
+def test_a_family_the_plugin_is_not_proven_on_keeps_the_sources_config_and_says_why(tmp_path):
+    """Qwen3-Next converts to a layout the plugin serves, but the plugin is not proven on the family: the folder
+    keeps the source's config.json (vLLM then never picks the plugin for it) and one warning says why."""
+    from helpers import make_family_checkpoint
+
+    src = make_family_checkpoint(tmp_path / "src", "qwen3_next")
+    run = cli("quantize", src, tmp_path / "out", "--format", "mxfp4", "--backend", "marlin", expect=0)
+    assert (tmp_path / "out" / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    line = next(w for w in run.err.splitlines() if "config.json: copied as it is" in w)
+    assert "the vLLM plugin has not been proven on qwen3-next models" in line, run.err
+
+
 def test_the_plugin_is_a_vllm_entry_point():
     from importlib.metadata import entry_points
 
