@@ -447,7 +447,8 @@ def test_the_table_says_proven_of_exactly_the_families_proven_here():
 def test_vllm_loads_each_proven_familys_whole_model(example_ckpt, tmp_path):
     """One vLLM process: for each family, vLLM's own model class (its registry's, from config.json) builds
     the whole model and loads the folder through its own ``load_weights``; every MoE layer must then hold the
-    file's bytes, with the router weight where the manifest says it goes."""
+    file's bytes, with the router weight where the manifest says it goes. A family the table does not say
+    the plugin is proven on is refused at start-up."""
     from helpers import make_family_checkpoint
 
     jobs = []
@@ -456,8 +457,9 @@ def test_vllm_loads_each_proven_familys_whole_model(example_ckpt, tmp_path):
             make_family_checkpoint(tmp_path / f"{family}-src", name)
         cli(verb[0], src, tmp_path / family, *verb[1:], expect=0)
         jobs.append([str(tmp_path / family), "auto"])
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    results = _child(tmp_path / "jobs.json", "--whole-models")
+    unproven = [str(tmp_path / "mixtral"), "auto", "mixtral"]  # the table saying it is not proven on mixtral
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs + [unproven]))
+    *results, refused = _child(tmp_path / "jobs.json", "--whole-models")
     for family, got in zip(FAMILY_FOLDERS, results):
         assert "error" not in got, (family, got["error"])
         assert got["quantization"] == "moeconvert", family
@@ -473,6 +475,9 @@ def test_vllm_loads_each_proven_familys_whole_model(example_ckpt, tmp_path):
             for suffix, entry in m["tensors"].items():
                 want = hashlib.sha256(files[entry["name"]].contiguous().view(torch.uint8).numpy()).hexdigest()
                 assert layer["params"][f"routed_experts.{suffix}"]["sha256"] == want, (family, suffix)
+    # vLLM refuses the config at start-up (its config validation wraps the plugin's one line)
+    assert "moeconvert: the vLLM plugin has not been proven on mixtral models (it is on qwen2-moe, " in refused["error"], refused["error"]
+    assert not refused["layers"]
 
 
 def test_a_family_the_plugin_is_not_proven_on_keeps_the_sources_config_and_says_why(tmp_path):

@@ -8,7 +8,8 @@ the way the folder's manifest says for a bf16 source); ``--bench SRC`` prints ``
 vllm-startup``'s result.
 
 ``python vllm_plugin_child.py FOLDERS.json --whole-models``: ``--whole-model`` for each ``[folder, load
-format]`` of the list, in this one process, printed as a JSON list.
+format]`` of the list, in this one process, printed as a JSON list (``[folder, load format, family]``: as if the
+plugin were not proven on that family).
 
 ``python vllm_plugin_child.py FOLDER [--tp-size N] [--pretend-vllm VERSION] [--layout-lists V1,V2] [--skip SUFFIX] [--direct] [--whole-model]``: builds every MoE layer the folder's manifest holds
 with vLLM's own ``FusedMoEFactory`` on the CPU platform (one-process gloo group), the quantization config
@@ -69,7 +70,8 @@ def main() -> None:
     load_general_plugins()  # vLLM's own plugin loader: it finds our entry point and runs register()
     out: dict = {"layers": {}}
     if "--whole-models" in sys.argv:  # FOLDERS.json, a list of [folder, load format]: each whole model in turn
-        print(json.dumps([_whole_model(Path(f), {"layers": {}}, fmt) for f, fmt in json.loads(folder.read_text())]))
+        print(json.dumps([_whole_model_as_unproven(Path(f), fmt, *unproven)
+                          for f, fmt, *unproven in json.loads(folder.read_text())]))
         return
     if "--whole-model" in sys.argv:
         load_format = sys.argv[sys.argv.index("--load-format") + 1] if "--load-format" in sys.argv else "auto"
@@ -410,6 +412,23 @@ def _whole_model(folder: Path, out: dict, load_format: str = "auto") -> dict:
     except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
         out["error"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def _whole_model_as_unproven(folder: Path, load_format: str, family: str | None = None) -> dict:
+    """:func:`_whole_model`; with ``family``, as if the family table did not say the plugin is proven on it
+    (the start-up refusal, in this same process)."""
+    import dataclasses
+
+    from moeconvert.format.families import BY_NAME
+
+    if family is None:
+        return _whole_model(folder, {"layers": {}}, load_format)
+    was = BY_NAME[family]
+    BY_NAME[family] = dataclasses.replace(was, plugin_proven=False)
+    try:
+        return _whole_model(folder, {"layers": {}}, load_format)
+    finally:
+        BY_NAME[family] = was
 
 
 def _reference_weights(src: Path, prefix: str, manifest: dict):

@@ -7,7 +7,7 @@ config.json, and says why.
 
 from __future__ import annotations
 
-from moeconvert.format.families import BY_NAME, FAMILIES
+from moeconvert.format.families import BY_NAME
 from moeconvert.integrations.vllm.methods.spec import served, spec_for
 
 #: the load format a folder of these families must be served with, and why
@@ -42,7 +42,7 @@ def load_format_refusal(family: str, prefix: str, have: str | None) -> str | Non
 
 def proven_families() -> list[str]:
     """The families the plugin has been proven on (``FamilySpec.plugin_proven``)."""
-    return [f.name for f in FAMILIES if f.plugin_proven]
+    return [f.name for f in BY_NAME.values() if f.plugin_proven]
 
 
 def vllm_prefix(family: str, prefix: str) -> str:
