@@ -544,8 +544,10 @@ FAMILY_CONFIGS: dict[str, dict] = {
                              linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"]),
     "llama4_text": dict(_TINY, num_hidden_layers=2, intermediate_size=16, intermediate_size_mlp=64,
                         num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=2),
+    # rotary_dim, scoring_func, use_routing_bias: MiniMax-M2's published config.json writes them and vLLM's
+    # MiniMaxM2 model reads them (transformers' config class keeps them as they are)
     "minimax_m2": dict(_TINY, num_hidden_layers=2, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
-                       bos_token_id=1, eos_token_id=2),
+                       bos_token_id=1, eos_token_id=2, rotary_dim=8, scoring_func="sigmoid", use_routing_bias=True),
     "glm_moe_dsa": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, n_routed_experts=8,
                         num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
                         kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, index_head_dim=16,

@@ -514,6 +514,82 @@ def test_a_folder_the_plugin_would_refuse_keeps_the_sources_config_and_says_why(
             "silu") in line, run.err
 
 
+# -- the model families the plugin is proven on ----------------------------------------------------
+
+#: family -> (how its tiny checkpoint is made: example_ckpt's family and scheme, or a transformers model_type,
+#: the conversion). DeepSeek-V2's from bf16: vLLM's CPU build has no WNA16 kernel for its quantized attention
+FAMILY_FOLDERS = {
+    "mixtral": (("example", "mixtral", "w4a16"), ["repack", "--backend", "marlin"]),
+    "qwen2-moe": (("example", "qwen2-moe", "w4a16"), ["repack", "--backend", "marlin"]),
+    "deepseek-v2": (("example", "deepseek-v2", "bf16"), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    "glm4-moe": (("example", "glm4-moe", "w4a16"), ["repack", "--backend", "marlin"]),
+    # block_sparse_moe.experts.N.w1/w2/w3, as vLLM's MiniMaxM2 loader maps them
+    "minimax-m2": (("transformers", "minimax_m2", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    # fused and transposed in the checkpoint; the folder's w13_weight / w2_weight go through vLLM's Llama4
+    # loader by its expert mapping; vLLM's Llama4MoE sets apply_router_weight_on_input on its layer itself
+    "llama4": (("transformers", "llama4_text", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+}
+#: families the plugin is proven on by the tests above (the whole model, or the loader's own weight_loader calls)
+PROVEN_ABOVE = {"qwen3-moe": test_vllm_loads_the_whole_model_from_the_folder,
+                "deepseek-v3": test_deepseek_v3_loads_through_each_parameters_own_loader,
+                "gpt-oss": test_vllm_serves_a_gpt_oss_folder_with_the_moeconvert_load_format}
+
+
+def test_the_table_says_proven_of_exactly_the_families_proven_here():
+    from moeconvert.format.families import FAMILIES
+
+    assert {f.name for f in FAMILIES if f.plugin_proven} == set(FAMILY_FOLDERS) | set(PROVEN_ABOVE)
+
+
+@needs_vllm
+def test_vllm_loads_each_proven_familys_whole_model(example_ckpt, tmp_path):
+    """One vLLM process: for each family, vLLM's own model class (its registry's, from config.json) builds
+    the whole model and loads the folder through its own ``load_weights``; every MoE layer must then hold the
+    file's bytes, with the router weight where the manifest says it goes. A family the table does not say
+    the plugin is proven on is refused at start-up."""
+    from helpers import make_family_checkpoint
+
+    jobs = []
+    for family, ((kind, name, scheme), verb) in FAMILY_FOLDERS.items():
+        src = example_ckpt(name, scheme=scheme) if kind == "example" else \
+            make_family_checkpoint(tmp_path / f"{family}-src", name)
+        cli(verb[0], src, tmp_path / family, *verb[1:], expect=0)
+        jobs.append([str(tmp_path / family), "auto"])
+    unproven = [str(tmp_path / "mixtral"), "auto", "mixtral"]  # the table saying it is not proven on mixtral
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs + [unproven]))
+    *results, refused = _child(tmp_path / "jobs.json", "--whole-models")
+    for family, got in zip(FAMILY_FOLDERS, results):
+        assert "error" not in got, (family, got["error"])
+        assert got["quantization"] == "moeconvert", family
+        out = tmp_path / family
+        files = _file_tensors(out)
+        manifest = json.loads((out / "moeconvert.json").read_text())
+        assert manifest["family"] == family
+        assert sorted(got["layers"]) == sorted(m["prefix"] for m in manifest["moe_layers"]), family
+        for m in manifest["moe_layers"]:
+            layer = got["layers"][m["prefix"]]
+            assert layer["loaded"] == sorted(f"routed_experts.{s}" for s in m["tensors"]), (family, m["prefix"])
+            assert layer["router_weight_on_input"] == m.get("apply_router_weight_on_input", False), family
+            for suffix, entry in m["tensors"].items():
+                want = hashlib.sha256(files[entry["name"]].contiguous().view(torch.uint8).numpy()).hexdigest()
+                assert layer["params"][f"routed_experts.{suffix}"]["sha256"] == want, (family, suffix)
+    # vLLM refuses the config at start-up (its config validation wraps the plugin's one line)
+    assert "moeconvert: the vLLM plugin has not been proven on mixtral models (it is on qwen2-moe, " in refused["error"], refused["error"]
+    assert not refused["layers"]
+
+
+def test_a_family_the_plugin_is_not_proven_on_keeps_the_sources_config_and_says_why(tmp_path):
+    """Qwen3-Next converts to a layout the plugin serves, but the plugin is not proven on the family: the folder
+    keeps the source's config.json (vLLM then never picks the plugin for it) and one warning says why."""
+    from helpers import make_family_checkpoint
+
+    src = make_family_checkpoint(tmp_path / "src", "qwen3_next")
+    run = cli("quantize", src, tmp_path / "out", "--format", "mxfp4", "--backend", "marlin", expect=0)
+    assert (tmp_path / "out" / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    line = next(w for w in run.err.splitlines() if "config.json: copied as it is" in w)
+    assert "the vLLM plugin has not been proven on qwen3-next models" in line, run.err
+
+
 def test_the_plugin_is_a_vllm_entry_point():
     from importlib.metadata import entry_points
 

@@ -7,6 +7,10 @@ tokens against ``runtime/reference.py`` on the source's own weights (decoded fro
 the way the folder's manifest says for a bf16 source); ``--bench SRC`` prints ``moeconvert bench
 vllm-startup``'s result.
 
+``python vllm_plugin_child.py FOLDERS.json --whole-models``: ``--whole-model`` for each ``[folder, load
+format]`` of the list, in this one process, printed as a JSON list (``[folder, load format, family]``: as if the
+plugin were not proven on that family).
+
 ``python vllm_plugin_child.py FOLDER [--tp-size N] [--pretend-vllm VERSION] [--layout-lists V1,V2] [--skip SUFFIX] [--direct] [--whole-model]``: builds every MoE layer the folder's manifest holds
 with vLLM's own ``FusedMoEFactory`` on the CPU platform (one-process gloo group), the quantization config
 taken from the folder's config.json through vLLM's registry (after the plugin's ``register``), loads the
@@ -22,7 +26,7 @@ import sys
 from pathlib import Path
 
 GPU_MODES = ("--forward", "--bench", "--generate")
-if "--sources" in sys.argv or not any(m in sys.argv for m in GPU_MODES) and not sys.argv[1].endswith(".json"):
+if "--sources" in sys.argv or "--whole-models" in sys.argv or not any(m in sys.argv for m in GPU_MODES) and not sys.argv[1].endswith(".json"):
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
@@ -30,7 +34,7 @@ def main() -> None:
     folder = Path(sys.argv[1])
     if "--generate" in sys.argv:
         return _generate(folder)
-    if folder.suffix == ".json" and "--sources" not in sys.argv:  # a list of [mode, folder, source]: many GPU checks in one vLLM process
+    if folder.suffix == ".json" and "--sources" not in sys.argv and "--whole-models" not in sys.argv:  # a list of [mode, folder, source]: many GPU checks in one vLLM process
         print(json.dumps([_gpu(mode, Path(f), Path(s)) for mode, f, s in json.loads(folder.read_text())]))
         return
     for mode in GPU_MODES:
@@ -61,9 +65,14 @@ def main() -> None:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # vLLM's own plugin loader: it finds our entry point and runs register()
+    if "--whole-models" in sys.argv:  # FOLDERS.json, a list of [folder, load format]: each whole model in turn
+        print(json.dumps([_whole_model_as_unproven(Path(f), fmt, *unproven)
+                          for f, fmt, *unproven in json.loads(folder.read_text())]))
+        return
     if "--whole-model" in sys.argv:
         load_format = sys.argv[sys.argv.index("--load-format") + 1] if "--load-format" in sys.argv else "auto"
-        return _whole_model(folder, {"layers": {}}, load_format)
+        print(json.dumps(_whole_model(folder, {"layers": {}}, load_format)))
+        return
     if "--sources" in sys.argv:  # FOLDER is a JSON list of [folder, source, linear prefixes]
         print(json.dumps([_served_source(Path(f), Path(src), prefixes)
                           for f, src, prefixes in json.loads(folder.read_text())]))
@@ -226,6 +235,8 @@ def _report(experts, loaded: list[str], before: dict | None = None) -> dict:
             # NVFP4: the kernel's per-expert global scales (g1 / g2 alphas) are the parameters themselves
             "global_scales_are_params": [qc.g1_alphas is getattr(experts, "w13_weight_scale_2", None),
                                          qc.g2_alphas is getattr(experts, "w2_weight_scale_2", None)],
+            # what the model class set on its layer (vLLM's Llama4MoE: True); the plugin's methods pass it on
+            "router_weight_on_input": getattr(experts, "apply_router_weight_on_input", None),
             "weights_are_params": all(_over(w, p) for w, p in zip(experts.quant_method._kernel_weights(experts),
                                                                   (experts.w13_weight, experts.w2_weight)))}
 
@@ -476,7 +487,7 @@ def _plain_torch_linear_layers() -> None:
     torch.cpu._is_amx_tile_supported = lambda: False
 
 
-def _whole_model(folder: Path, out: dict, load_format: str = "auto") -> None:
+def _whole_model(folder: Path, out: dict, load_format: str = "auto") -> dict:
     """What ``vllm serve FOLDER [--load-format F]`` does up to its first forward: vLLM's ModelConfig reads
     config.json (and picks the plugin's method from it), vLLM's loader for ``load_format`` (its default one,
     or the plugin's ``moeconvert``) builds the whole model and loads every tensor of the folder (through the
@@ -501,7 +512,24 @@ def _whole_model(folder: Path, out: dict, load_format: str = "auto") -> None:
                     out["layers"][name.removesuffix(".routed_experts")] = _report(module, loaded)
     except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
         out["error"] = f"{type(e).__name__}: {e}"
-    print(json.dumps(out))
+    return out
+
+
+def _whole_model_as_unproven(folder: Path, load_format: str, family: str | None = None) -> dict:
+    """:func:`_whole_model`; with ``family``, as if the family table did not say the plugin is proven on it
+    (the start-up refusal, in this same process)."""
+    import dataclasses
+
+    from moeconvert.format.families import BY_NAME
+
+    if family is None:
+        return _whole_model(folder, {"layers": {}}, load_format)
+    was = BY_NAME[family]
+    BY_NAME[family] = dataclasses.replace(was, plugin_proven=False)
+    try:
+        return _whole_model(folder, {"layers": {}}, load_format)
+    finally:
+        BY_NAME[family] = was
 
 
 def _reference_weights(src: Path, prefix: str, manifest: dict):

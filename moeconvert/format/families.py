@@ -79,6 +79,11 @@ class Key:
                     next((n for n in (self.name, *self.aliases) if n in cfg), self.name))
 
 
+#: the vLLM versions whose model registry (``vllm/model_executor/models/registry.py``) names a class; a
+#: family's ``vllm_versions`` defaults to these (tests/test_families.py checks each entry against the
+#: registries in the wheels)
+VLLM_REGISTRIES = ("0.33.0", "0.34.0")
+
 KINDS = ("int>=1", "int>=0", "int", "number", "number>0", "bool", "str", "list[int>=0]", "list[str]")
 
 
@@ -118,6 +123,14 @@ class FamilySpec:
     refused: str | None = None
     #: one line: why conversions of this family are planned (``--dry-run``) but not written
     plan_only: str | None = None
+    #: the vLLM versions (of :data:`VLLM_REGISTRIES`) whose model registry names every one of ``vllm_classes``
+    vllm_versions: tuple[str, ...] = VLLM_REGISTRIES
+    #: the block name in the prefix vLLM's model class gives the MoE layer, where it is not ``block`` (vLLM's
+    #: MiniMaxM2DecoderLayer holds ``block_sparse_moe`` but builds it with the prefix ``....mlp``)
+    vllm_block: str | None = None
+    #: the vLLM plugin was proven on this family on vLLM's CPU platform (tests/test_vllm_plugin.py: vLLM's
+    #: layer holds the bytes its own processing makes from the source); the plugin refuses any other
+    plugin_proven: bool = False
 
     def key(self, name: str) -> Key:
         return next(k for k in self.keys if k.name == name)
@@ -153,28 +166,28 @@ FAMILIES: tuple[FamilySpec, ...] = (
         keys=(_H, _k("num_local_experts", "int>=1"), _k("intermediate_size", "int>=1"),
               _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None)),
         experts_key="num_local_experts", intermediate_key="intermediate_size", block="block_sparse_moe",
-        roles={"w1": "gate", "w3": "up", "w2": "down"}),
+        roles={"w1": "gate", "w3": "up", "w2": "down"}, plugin_proven=True),
     FamilySpec(
         "qwen2-moe", ("qwen2_moe",), ("Qwen2MoeConfig", "Qwen2MoeSparseMoeBlock"), ("Qwen2MoeForCausalLM",),
         keys=(_H, _k("num_experts", "int>=1", aliases=("num_local_experts",)), _k("moe_intermediate_size", "int>=1"),
               _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
               _k("decoder_sparse_step", "int>=1", 1), _k("mlp_only_layers", "list[int>=0]", [], nullable=True),
               *_QWEN_ROUTING),
-        moe_layers=SPARSE_STEP, shared=("shared_expert", "shared_expert_gate")),
+        moe_layers=SPARSE_STEP, shared=("shared_expert", "shared_expert_gate"), plugin_proven=True),
     FamilySpec(
         "qwen3-moe", ("qwen3_moe",), ("Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock"), ("Qwen3MoeForCausalLM",),
         keys=(_H, _k("num_experts", "int>=1", aliases=("num_local_experts",)), _k("moe_intermediate_size", "int>=1"),
               _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
               _k("decoder_sparse_step", "int>=1", 1), _k("mlp_only_layers", "list[int>=0]", [], nullable=True),
               *_QWEN_ROUTING),
-        moe_layers=SPARSE_STEP),
+        moe_layers=SPARSE_STEP, plugin_proven=True),
     _deepseek_style("deepseek-v2", ("deepseek_v2",), ("DeepseekV2Config", "DeepseekV2Moe"), ("DeepseekV2ForCausalLM",),
-                    routing="softmax_group_limited",
+                    routing="softmax_group_limited", plugin_proven=True,
                     nullable=("topk_method", "num_experts_per_tok", "norm_topk_prob", "n_group", "topk_group")),
     _deepseek_style("deepseek-v3", ("deepseek_v3", "kimi_k2"), ("DeepseekV3Config", "DeepseekV3MoE"),
-                    ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"), wrappers=("kimi_k25",),
+                    ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"), wrappers=("kimi_k25",), plugin_proven=True,
                     nullable=("first_k_dense_replace", "num_experts_per_tok", "norm_topk_prob", "n_group", "topk_group")),
-    _deepseek_style("glm4-moe", ("glm4_moe",), ("Glm4MoeConfig", "Glm4MoeMoE"), ("Glm4MoeForCausalLM",)),
+    _deepseek_style("glm4-moe", ("glm4_moe",), ("Glm4MoeConfig", "Glm4MoeMoE"), ("Glm4MoeForCausalLM",), plugin_proven=True),
     FamilySpec(
         "gpt-oss", ("gpt_oss",), ("GptOssConfig", "GptOssExperts"), ("GptOssForCausalLM",),
         keys=(_H, _k("num_local_experts", "int>=1"), _k("intermediate_size", "int>=1"),
@@ -184,7 +197,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
         experts_key="num_local_experts", intermediate_key="intermediate_size", storage=(FUSED_INTERLEAVED,),
         roles={"gate_up_proj": "gate_up", "down_proj": "down"}, activation="swigluoai",
         activation_params=(("swiglu_alpha", "alpha"), ("swiglu_limit", "limit")), routing="topk_softmax", router=("router",),
-        expert_bias=True),
+        expert_bias=True, plugin_proven=True),
     # -- added with the declared table ----------------------------------------------------------------
     FamilySpec(
         "qwen3.5-moe", ("qwen3_5_moe_text",),
@@ -211,7 +224,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
         roles={"w1": "gate", "w3": "up", "w2": "down"},
         # sigmoid scores, e_score_correction_bias for the choice, unbiased weights renormalised: the grouped
         # router with one group
-        routing="grouped", router=("gate", "e_score_correction_bias")),
+        routing="grouped", router=("gate", "e_score_correction_bias"), vllm_block="mlp", plugin_proven=True),
     FamilySpec(
         "llama4", ("llama4_text",), ("Llama4TextConfig", "Llama4TextExperts", "Llama4TextMoe", "Llama4Router"),
         ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
@@ -220,16 +233,18 @@ FAMILIES: tuple[FamilySpec, ...] = (
               _k("interleave_moe_layer_step", "int>=1", 1), _k("moe_layers", "list[int>=0]", None, nullable=True)),
         experts_key="num_local_experts", intermediate_key="intermediate_size", moe_layers=INTERLEAVE,
         block="feed_forward", storage=(FUSED_TRANSPOSED,), expert_bias=False, routing="topk_sigmoid", router_on_input=True,
-        router=("router",), shared=("shared_expert",), wrappers=("llama4",)),
+        router=("router",), shared=("shared_expert",), wrappers=("llama4",), plugin_proven=True),
     _deepseek_style("glm-moe-dsa", ("glm_moe_dsa",), ("GlmMoeDsaConfig", "GlmMoeDsaMoE"), ("GlmMoeDsaForCausalLM",),
                     rule=MLP_LAYER_TYPES, extra=(_k("mlp_layer_types", "list[str]", None, nullable=True),)),
     _deepseek_style("glm4-moe-lite", ("glm4_moe_lite",), ("Glm4MoeLiteConfig", "Glm4MoeLiteMoE"),
                     ("Glm4MoeLiteForCausalLM",), rule=MLP_LAYER_TYPES,
                     # transformers' Glm4MoeLiteConfig: layer 0 dense when mlp_layer_types is not given
                     first_dense=1, extra=(_k("mlp_layer_types", "list[str]", None, nullable=True),)),
+    # vLLM 0.33.0 / 0.34.0 list Dots1ForCausalLM among the models they no longer support (registry.py's
+    # _PREVIOUSLY_SUPPORTED_MODELS, last in 0.23.0): no vLLM the plugin serves has it
     _deepseek_style("dots1", ("dots1",), ("Dots1Config", "Dots1MoE", "Dots1TopkRouter"), ("Dots1ForCausalLM",),
                     nullable=("n_routed_experts", "first_k_dense_replace", "num_experts_per_tok", "n_group",
-                              "topk_group", "norm_topk_prob", "n_shared_experts")),
+                              "topk_group", "norm_topk_prob", "n_shared_experts"), vllm_versions=()),
     FamilySpec(
         "ernie4.5-moe", ("ernie4_5_moe",), ("Ernie4_5_MoeConfig", "Ernie4_5_MoeSparseMoeBlock"),
         ("Ernie4_5_MoeForCausalLM",),
@@ -240,6 +255,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
         experts_key="moe_num_experts", top_k_key="moe_k", moe_layers=LAYER_RANGE,
         # softmax then the moe_statics bias for the choice, renormalised with moe_norm_min: not reproduced
         routing=None, shared=("shared_experts",)),
+    # vLLM serves it through its transformers backend (registry.py maps it to TransformersMoEForCausalLM)
     FamilySpec(
         "hunyuan-v1-moe", ("hunyuan_v1_moe",), ("HunYuanMoEV1Config", "HunYuanMoEV1Experts"),
         ("HunYuanMoEV1ForCausalLM",),
@@ -361,11 +377,11 @@ def read_keys(cfg: dict, spec: FamilySpec, section: str = "") -> dict:
 def table_markdown() -> str:
     """The table as docs/families.md shows it (a test keeps the page equal to this)."""
     rows = ["| family | `model_type` | E / top-k / I keys | MoE layers | experts stored | activation, routing "
-            "| shared experts | transformers | vLLM |", "|---|---|---|---|---|---|---|---|---|"]
+            "| shared experts | transformers | vLLM | vLLM plugin |", "|---|---|---|---|---|---|---|---|---|---|"]
     for f in FAMILIES:
         types = ", ".join(f"`{t}`" for t in f.model_types) + "".join(f" (in `{w}`'s text_config)" for w in f.wrappers)
         if f.refused:
-            rows.append(f"| {f.name} | {types} | refused: {f.refused} ||||||{', '.join(f.vllm_classes)} |")
+            rows.append(f"| {f.name} | {types} | refused: {f.refused} ||||||{_vllm_cell(f)} | refused |")
             continue
         keys = " / ".join(f"`{k}`" for k in (f.experts_key, f.top_k_key, f.intermediate_key))
         names = "/".join(f.roles) if PER_EXPERT in f.storage else ""
@@ -377,5 +393,10 @@ def table_markdown() -> str:
         name = f.name + (f" (planned only: {f.plan_only})" if f.plan_only else "")
         hf = ", ".join(f.hf_classes) or "none (the keys of vLLM's config class)"
         rows.append(f"| {name} | {types} | {keys} | {f.moe_layers} | {stored} | {routing} | {shared} | "
-                    f"{hf} | {', '.join(f.vllm_classes)} |")
+                    f"{hf} | {_vllm_cell(f)} | {'served' if f.plugin_proven and f.vllm_versions else 'refused'} |")
     return "\n".join(rows) + "\n"
+
+
+def _vllm_cell(f: FamilySpec) -> str:
+    """The vLLM classes serving a family, and the vLLM versions whose registry has them."""
+    return f"{', '.join(f.vllm_classes)} ({', '.join(f.vllm_versions) or 'in no vLLM ' + ' / '.join(VLLM_REGISTRIES)})"

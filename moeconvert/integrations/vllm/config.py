@@ -18,7 +18,7 @@ from moeconvert.errors import MoeConvertError
 from moeconvert.format.manifest import made_for_versions
 from moeconvert.integrations.vllm import SUPPORTED_VLLM
 from moeconvert.integrations.vllm.methods.spec import alternatives, convert_again, eplb_refusal, layout_fits
-from moeconvert.integrations.vllm.scope import load_format, load_format_refusal, method_name, refusal
+from moeconvert.integrations.vllm.scope import load_format, load_format_refusal, method_name, refusal, vllm_prefix
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # our stacked names under a layer's experts container -> the parameter of vLLM's RoutedExperts child
@@ -250,8 +250,11 @@ class MoeconvertConfig(QuantizationConfig):
             if mine != theirs:
                 raise _refuse(key, f"{_show(theirs)}, what moeconvert.json says", mine, layout["name"])
         kind = (manifest["scheme"] or {}).get("kind")
+        import vllm
+
         why = refusal(manifest["layout"]["name"], kind, manifest["family"],
-                      [(m["activation"], m.get("activation_params") or {}) for m in manifest["moe_layers"]])
+                      [(m["activation"], m.get("activation_params") or {}) for m in manifest["moe_layers"]],
+                      vllm_version=vllm.__version__)
         if why is not None:
             raise ValueError(f"moeconvert: {why}")
         self._check_served(manifest, kind or manifest["moe_layers"][0]["scheme"]["kind"])
@@ -261,7 +264,8 @@ class MoeconvertConfig(QuantizationConfig):
         if manifest["dtype"] != self.raw["dtype"]:
             raise ValueError(f"moeconvert: config.json says dtype {self.raw['dtype']}, the manifest {manifest['dtype']}")
         self.manifest = manifest
-        self.layers = {m["prefix"]: m for m in manifest["moe_layers"]}
+        # keyed by the prefix vLLM builds the layer with (MiniMax-M2's differs from its module path)
+        self.layers = {vllm_prefix(manifest["family"], m["prefix"]): m for m in manifest["moe_layers"]}
 
     @staticmethod
     def _check_served(manifest: dict, kind: str) -> None:

@@ -7,6 +7,7 @@ config.json, and says why.
 
 from __future__ import annotations
 
+from moeconvert.format.families import BY_NAME
 from moeconvert.integrations.vllm.methods.spec import served, spec_for
 
 #: the load format a folder of these families must be served with, and why
@@ -39,10 +40,43 @@ def load_format_refusal(family: str, prefix: str, have: str | None) -> str | Non
             f"(this vLLM loads with {have!r})")
 
 
-def refusal(layout: str, kind: str | None, family: str, activations: list[tuple[str, dict]]) -> str | None:
+def proven_families() -> list[str]:
+    """The families the plugin has been proven on (``FamilySpec.plugin_proven``)."""
+    return [f.name for f in BY_NAME.values() if f.plugin_proven]
+
+
+def vllm_prefix(family: str, prefix: str) -> str:
+    """The prefix vLLM's model class gives the MoE layer the manifest holds at ``prefix``."""
+    f = BY_NAME[family]
+    return prefix if f.vllm_block is None else prefix.replace(f".{f.block}.", f".{f.vllm_block}.")
+
+
+def family_refusal(family: str, vllm_version: str | None = None) -> str | None:
+    """Why the plugin does not serve a folder of ``family`` on vLLM ``vllm_version`` (None: on the vLLM the
+    folder is made for, which the layout's own list decides); None when it does. The family table
+    answers: the vLLM versions whose model registry has the family's classes, and whether the plugin
+    was proven on it."""
+    f = BY_NAME[family]
+    if vllm_version is not None and vllm_version not in f.vllm_versions:
+        has = (f"vLLM {', '.join(f.vllm_versions)} has it" if f.vllm_versions
+               else "nor has any vLLM version the plugin serves")
+        return (f"vLLM {vllm_version} has no {family} model ({' / '.join(f.vllm_classes)} is not in its model "
+                f"registry; {has})")
+    if not f.plugin_proven:
+        return (f"the vLLM plugin has not been proven on {family} models (it is on {', '.join(proven_families())}; "
+                f"docs/families.md): serve the source checkpoint, or load the folder with moeconvert.runtime")
+    return None
+
+
+def refusal(layout: str, kind: str | None, family: str, activations: list[tuple[str, dict]],
+            vllm_version: str | None = None) -> str | None:
     """Why the plugin does not serve a folder of this layout, scheme kind, model family and expert
-    activations (``(activation, its parameters)`` per MoE layer); None when it does. The method's own
-    spec answers (``methods/spec.py``)."""
+    activations (``(activation, its parameters)`` per MoE layer) on vLLM ``vllm_version``; None when it
+    does. The family table answers for the family (:func:`family_refusal`), the method's own spec for
+    the rest (``methods/spec.py``)."""
+    why = family_refusal(family, vllm_version)
+    if why is not None:
+        return why
     spec = spec_for(layout, kind)
     if spec is None:
         return f"the vLLM plugin serves {served()} folders; this one is {layout} {kind or 'of mixed schemes'}"
