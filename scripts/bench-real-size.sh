@@ -16,6 +16,8 @@ shift
 layouts=("$@")
 [ ${#layouts[@]} -gt 0 ] || layouts=(marlin humming)
 PY=${PYTHON:-python3}
+speed=--throughput
+[ "${THROUGHPUT:-1}" = 1 ] || speed=
 RUNS=${RUNS:-2}
 mkdir -p "$work"
 log() { echo "[$(date +%H:%M:%S)] $*"; }
@@ -44,7 +46,7 @@ for layout in "${layouts[@]}"; do
   fi
   log "bench vllm-serve $layout, $RUNS run(s) each, alternating"
   "$PY" -m moeconvert bench vllm-serve "$work/src" "$work/$layout" --runs "$RUNS" --moe-backend "$backend" \
-      --max-model-len 2048 --throughput --json > "$work/bench-$layout.json" 2>"$work/bench-$layout.err"
+      --max-model-len 2048 $speed --json > "$work/bench-$layout.json" 2>"$work/bench-$layout.err"
   log "bench $layout done (exit $?): $(head -c 2000 "$work/bench-$layout.json")"
 done
 log "all done"
