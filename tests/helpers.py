@@ -19,6 +19,7 @@ import functools
 import importlib.util
 import inspect
 import io
+import json
 import math
 import os
 import re
@@ -88,6 +89,25 @@ def assert_refused(src, out, *phrases, extra=(), backend: str = "plain") -> str:
     assert not out.exists() or not any(out.iterdir())
     assert not [p for p in out.parent.iterdir() if "moeconvert-partial" in p.name]
     return lines[0]
+
+
+def damaged_copy(ckpt: Path, tmp_path: Path, replace=None, quantization_config=None) -> Path:
+    """A copy of the one-shard checkpoint ``ckpt`` in ``tmp_path / "src"``, its tensors passed through
+    ``replace`` (all tensors in, the changed ones out) and its ``quantization_config`` through
+    ``quantization_config`` (edited in place)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    src = tmp_path / "src"
+    shutil.copytree(ckpt, src)
+    if replace:
+        resave(src, replace=replace(load_file(src / "model.safetensors")))
+    if quantization_config:
+        cfg = json.loads((src / "config.json").read_text())
+        quantization_config(cfg["quantization_config"])
+        (src / "config.json").write_text(json.dumps(cfg))
+    return src
 
 
 def resave(src: Path, drop=(), replace=None) -> None:

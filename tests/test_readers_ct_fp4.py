@@ -20,7 +20,7 @@ from moeconvert.mxfp4 import dequantize_mxfp4, dequantize_nvfp4
 from moeconvert.schemes import MXFP4Scheme, NVFP4Scheme
 from moeconvert.sources import open_source
 
-from helpers import assert_refused, cli, resave, same_bits, st_tensors
+from helpers import assert_refused, cli, damaged_copy, resave, same_bits, st_tensors
 
 pytest.importorskip("compressed_tensors")
 E, H, I = 4, 256, 128
@@ -184,15 +184,8 @@ def test_the_runtime_runs_a_marlin_nvfp4_folder_as_the_checkpoint_computes(examp
 
 
 def _damaged(ckpt, tmp_path, edit_tensors=None, edit_config=None):
-    src = tmp_path / "src"
-    shutil.copytree(ckpt, src)
-    if edit_tensors:
-        resave(src, replace=edit_tensors(load_file(src / "model.safetensors")))
-    if edit_config:
-        cfg = json.loads((src / "config.json").read_text())
-        edit_config(cfg["quantization_config"]["config_groups"]["group_0"])
-        (src / "config.json").write_text(json.dumps(cfg))
-    return src
+    group = (lambda qc: edit_config(qc["config_groups"]["group_0"])) if edit_config else None
+    return damaged_copy(ckpt, tmp_path, replace=edit_tensors, quantization_config=group)
 
 
 EXPERT = "model.layers.1.mlp.experts.2"

@@ -7,7 +7,6 @@ bf16 experts online. The checkpoint is DeepSeek-V3's format, made by transformer
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from moeconvert.readers.fp8_block import dequantize_fp8_block
 from moeconvert.schemes import FloatScheme
 from moeconvert.sources import open_source
 
-from helpers import assert_refused, cli, resave, same_bits, st_tensors
+from helpers import assert_refused, cli, damaged_copy, same_bits, st_tensors
 
 E = 4
 
@@ -79,15 +78,7 @@ EXPERT = "model.layers.2.mlp.experts.1"
 
 
 def _copy(fp8, tmp_path, replace=None, config=None):
-    src = tmp_path / "src"
-    shutil.copytree(fp8, src)
-    if replace:
-        resave(src, replace=replace(load_file(src / "model.safetensors")))
-    if config:
-        cfg = json.loads((src / "config.json").read_text())
-        config(cfg["quantization_config"])
-        (src / "config.json").write_text(json.dumps(cfg))
-    return src
+    return damaged_copy(fp8, tmp_path, replace=replace, quantization_config=config)
 
 
 def _nan_scale(t):
