@@ -239,6 +239,16 @@ def test_split_gate_and_up_global_scales_are_refused_naming_the_expert():
         LAYOUT.encode(canonical(t), layer(3, 128, 64))
 
 
+def test_repack_refuses_split_global_scales_in_one_line_writing_nothing(example_ckpt, tmp_path):
+    from helpers import assert_refused, damaged_copy
+
+    name = "model.layers.1.mlp.experts.3.up_proj.weight_global_scale"
+    src = damaged_copy(example_ckpt("qwen3-moe", scheme="nvfp4", intermediate_size=80), tmp_path,
+                       replace=lambda t: {name: t[name] * 2})
+    assert_refused(src, tmp_path / "out", "w13 global scales of local expert 3",
+                   "gate and up NVFP4 global scales differ", backend="humming")
+
+
 def test_check_states_what_vllm_holds():
     assert LAYOUT.check(layer(2, 144, 80), SCHEME) == []
     problems = LAYOUT.check(dataclasses.replace(layer(2, 136, 40, "float32"), has_bias=True, activation="swigluoai"),
@@ -246,3 +256,41 @@ def test_check_states_what_vllm_holds():
     for needle in ("hidden_size H = 136", "intermediate_size I = 40", "float32", "swigluoai", "biases"):
         assert sum(needle in p for p in problems) == 1, needle
     assert len(problems) == 5
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: humming's CUDA transform, called as vLLM's convert_to_humming_moe_kernel_format calls it
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E,H,I,dtype", CASES + [(4, 2048, 768, "bfloat16")])
+def test_encode_equals_hummings_cuda_transform(E, H, I, dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (humming's weight repack is a CUDA kernel)")
+    pytest.importorskip("humming")
+    from humming.schema import BaseWeightSchema, HummingInputSchema
+    from humming.transform import prepare_and_transform_humming_tensors
+
+    shape = layer(E, H, I, dtype)
+    t = checkpoint(E, H, I, seed=E + H + I)
+    ours = LAYOUT.encode(canonical(t), shape)
+    meta = LAYOUT.layer_metadata(shape, SCHEME)
+    for sub, d in hn.sublayers(shape).items():
+        tensors = {k.removeprefix(f"{sub}_"): v.cuda() for k, v in t.items() if k.startswith(f"{sub}_")}
+        ws = BaseWeightSchema.from_config(dict(hn.VLLM_QUANT_CONFIG))
+        stacks = [d.N // 2] * 2 if sub == "w13" else [d.N]
+        hs, converted = ws.convert_humming(tensors=tensors, shape_n_stacks=stacks, shape_k_stacks=[d.K],
+                                           param_dtype=DTYPES[dtype], num_experts=E)
+        converted.pop("input_global_scale", None)
+        cfg, out = prepare_and_transform_humming_tensors(
+            tensors=converted, shape_n=d.N, shape_k=d.K, pad_n_to_multiple=256, pad_k_to_multiple=128,
+            input_schema=HummingInputSchema(), weight_schema=hs, has_bias=False, num_experts=E,
+            torch_dtype=DTYPES[dtype], device=torch.device("cuda"))
+        if cfg.sm_version != 90:
+            pytest.skip(f"the layout holds humming's SM90 bytes; this GPU is SM{cfg.sm_version}")
+        for key in hl.CONFIG_FIELDS:
+            assert meta[sub][key] == hl.config_value(cfg, key), (sub, key)
+        pairs = {"weight": f"{sub}_weight", "weight_scale": f"{sub}_weight_scale", "weight_scale_2": hn.GLOBAL[sub]}
+        assert set(out) == set(pairs), (sub, set(out))
+        for theirs, mine in pairs.items():
+            assert same_bits(out[theirs].cpu(), ours[mine]), (sub, theirs)
