@@ -458,6 +458,7 @@ def test_the_reference_computes_an_nvfp4_folder_as_the_source_dequantized(nvfp4_
     here, in float32, from the source checkpoint's own fields (SiLU-and-mul, the routing weights)."""
     from helpers import st_tensors
 
+    assert ("humming", "nvfp4") in dispatch.reads("humming")
     src, out = nvfp4_folder
     source = st_tensors(src)
     with warnings.catch_warnings():
