@@ -15,8 +15,8 @@ parallelism), called through humming's ``humming.forward`` (never vLLM's Python)
 5. the weighted sum over the k slots, in float32, cast to the model dtype.
 
 The schemas and LayerConfigs come from the layout's ``humming_sublayers`` (``moeconvert.layouts.humming``,
-``humming_mxfp4``, ``humming_nvfp4``; the vLLM plugin builds its own there too) and are checked against the manifest's; the
-tensors are ``layer.tensors`` as the folder holds them (docs/layouts/humming.md).
+``humming_mxfp4``, ``humming_nvfp4``; the vLLM plugin builds its own there too) and are checked against the
+manifest's; the tensors are ``layer.tensors`` as the folder holds them (docs/layouts/humming.md).
 """
 
 from __future__ import annotations

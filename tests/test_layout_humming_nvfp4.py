@@ -130,9 +130,10 @@ def vllm_humming_nvfp4(version: str, mods: dict, monkeypatch) -> types.SimpleNam
                      prepare_and_transform_humming_tensors=mods["transform"].prepare_and_transform_humming_tensors)
     # the functions import these inside their bodies: vLLM's humming facade, the humming utils package, and
     # 0.34.0's direct-reload switch (off unless the user asks for it)
+    convert = ns["convert_to_humming_moe_kernel_format"]
     fakes = {"vllm.utils.humming": facade,
              "vllm.model_executor.layers.quantization.utils.humming":
-                 _module("humming_utils", convert_to_humming_moe_kernel_format=ns["convert_to_humming_moe_kernel_format"]),
+                 _module("humming_utils", convert_to_humming_moe_kernel_format=convert),
              "vllm.model_executor.model_loader.reload.direct": _module("direct", direct_reload_enabled=lambda: False)}
     for name, module in fakes.items():
         parts = name.split(".")

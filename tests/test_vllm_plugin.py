@@ -892,11 +892,12 @@ def humming_folders(example_ckpt, tmp_path_factory):
 def test_vllm_serves_a_humming_folder_as_its_own_humming_path_leaves_the_source(humming_folders, name):
     """On vLLM's CPU platform (the device's answers given as an SM90 GPU's: tests/vllm_plugin_child.py
     ``_humming_on_a_cpu``), the plugin's ``HummingWNA16Method`` (NVFP4: ``HummingNVFP4Method``) holds the
-    folder's bytes in the parameters it made, and the weight / input schemas, the humming ``LayerConfig`` of each sublayer, vLLM's humming
-    quant config and experts class equal, field by field, what vLLM's own compressed-tensors method leaves
-    after ``convert_to_humming_moe_kernel_format`` on the source layer (NVFP4: ``CompressedTensorsW4A4Nvfp4MoEMethod``
-    with its HUMMING backend; run on the CPU up to humming's CUDA weight repack, which is the one step not run
-    there); the scales and NVFP4's secondary scales, which humming transforms in torch, are byte for byte vLLM's."""
+    folder's bytes in the parameters it made, and the weight / input schemas, the humming ``LayerConfig`` of
+    each sublayer, vLLM's humming quant config and experts class equal, field by field, what vLLM's own
+    compressed-tensors method leaves after ``convert_to_humming_moe_kernel_format`` on the source layer
+    (NVFP4: ``CompressedTensorsW4A4Nvfp4MoEMethod`` with its HUMMING backend; run on the CPU up to humming's
+    CUDA weight repack, which is the one step not run there); the scales and NVFP4's secondary scales, which
+    humming transforms in torch, are byte for byte vLLM's."""
     src, out = humming_folders[name]
     got = _child(out, "--humming", "--against", str(src))
     assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
