@@ -24,6 +24,11 @@ layout for which GPU", says where; tests/test_advice.py reads those places in vL
   otherwise: their MoE method (``CompressedTensorsW4A4Mxfp4MoEMethod``) runs CUTLASS MXFP4 where vLLM's
   compiled ops support it (``mxfp4_experts_quant_supported``: SM100 kernels), which no layout here
   writes, and Marlin everywhere else.
+- **NVFP4 weights** (compressed-tensors ``nvfp4-pack-quantized``). vLLM walks FlashInfer TRT-LLM, FlashInfer
+  CuteDSL, FlashInfer CUTLASS, vLLM's CUTLASS, Marlin, humming (``select_nvfp4_moe_backend``), humming moved
+  ahead of Marlin on SM90. The FlashInfer and CUTLASS NVFP4 MoE kernels need SM100 or later: on Hopper
+  humming (16-bit activations), which the humming NVFP4 layout holds; on SM100 FlashInfer, which no layout
+  here writes; on SM80-89 Marlin (on SM120 the CUTLASS kernels come first, which no layout here writes).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ class Advice:
 
 def advise(kind: str, family: str, bits: int | None = None, group_size: int | None = None,
            symmetric: bool | None = None, has_bias: bool = False, source_format: str | None = None) -> list[Advice]:
-    """The layout to convert to on each GPU family for experts of scheme ``kind`` ("wna16", "mxfp4";
+    """The layout to convert to on each GPU family for experts of scheme ``kind`` ("wna16", "mxfp4", "nvfp4";
     anything else: none, the source is not quantized) of a model of ``family``. ``bits``,
     ``group_size`` (-1 channelwise), ``symmetric`` and ``has_bias`` describe WNA16 experts (every layer's:
     a checkpoint whose layers differ is judged by the caller per layer). ``source_format``: the reader
@@ -74,6 +79,17 @@ def advise(kind: str, family: str, bits: int | None = None, group_size: int | No
                    "FlashInfer TRT-LLM's int4 experts take only symmetric int4, group 32, no biases: "
                    f"these are {_describe(bits, group_size, symmetric, has_bias)}"),
             Advice("older", "marlin", "Marlin (MarlinExperts)", "vLLM's first choice there for WNA16 experts"),
+        ]
+    if kind == "nvfp4":
+        return [
+            Advice("hopper", "humming", "humming (HummingGroupedExperts), 16-bit activations",
+                   "vLLM moves humming ahead of Marlin on SM90; FlashInfer's and vLLM's CUTLASS NVFP4 MoE kernels "
+                   "need SM100 (docs/layouts/humming.md, \"NVFP4\")"),
+            Advice("blackwell", None, "FlashInfer TRT-LLM NVFP4 (then CuteDSL, CUTLASS)",
+                   "vLLM's first choice on SM100; no layout here writes it"),
+            Advice("older", "marlin", "Marlin NVFP4 (MarlinExperts)",
+                   "vLLM's first NVFP4 choice on SM80-89 (on SM120 its CUTLASS kernels come first, which no "
+                   "layout here writes)"),
         ]
     if kind == "mxfp4" and source_format == "mxfp4-pack-quantized":
         return [

@@ -1,5 +1,6 @@
 """The runtime kernel ``humming``: humming-kernels' own Python API on ``humming`` folders (WNA16 int4 / int8,
-symmetric, group scales, unsigned or sign-magnitude codes; MXFP4), on the SM90 GPUs the bytes are laid out for.
+symmetric, group scales, unsigned or sign-magnitude codes; MXFP4; NVFP4 with its fp32 secondary scale per
+expert), on the SM90 GPUs the bytes are laid out for.
 
 The computation is the one vLLM 0.33.0's ``HummingIndexedExperts`` runs (what it picks without expert
 parallelism), called through humming's ``humming.forward`` (never vLLM's Python):
@@ -14,8 +15,8 @@ parallelism), called through humming's ``humming.forward`` (never vLLM's Python)
 5. the weighted sum over the k slots, in float32, cast to the model dtype.
 
 The schemas and LayerConfigs come from the layout's ``humming_sublayers`` (``moeconvert.layouts.humming``,
-``humming_mxfp4``; the vLLM plugin builds its own there too) and are checked against the manifest's; the
-tensors are ``layer.tensors`` as the folder holds them (docs/layouts/humming.md).
+``humming_mxfp4``, ``humming_nvfp4``; the vLLM plugin builds its own there too) and are checked against the
+manifest's; the tensors are ``layer.tensors`` as the folder holds them (docs/layouts/humming.md).
 """
 
 from __future__ import annotations
@@ -190,8 +191,10 @@ def _gemm(cfg, x: torch.Tensor, t: dict, sub: str, out: torch.Tensor, routes, to
 
     names = NAMES[sub]
     sorted_ids, expert_ids, npad = routes
+    # NVFP4's secondary scale is the GEMM's weight_scale_2, as vLLM's humming experts pass its g1 / g2 alphas
     return humming_forward(cfg, inputs=x, weight=t[names.weight], weight_scale=t[names.weight_scale],
-                           zero_point=t.get(names.zero_point), bias=t.get(names.bias), outputs=out,
+                           zero_point=t.get(names.zero_point), bias=t.get(names.bias),
+                           weight_scale_2=t.get(f"{sub}_weight_scale_2"), outputs=out,
                            sorted_ids=sorted_ids, expert_ids=expert_ids, num_tokens_padded=npad, locks=st["locks"],
                            top_k=top_k, valid_shape_m=valid_m, compute_config=st["compute_str"],
                            tuning_config=st["tuning_str"][sub])

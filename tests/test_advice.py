@@ -76,6 +76,12 @@ def test_mxfp4_targets(example_ckpt):
                                                                "older": "marlin"}
 
 
+def test_nvfp4_goes_to_humming_on_hopper(example_ckpt):
+    (group,) = _advice(example_ckpt("qwen3-moe", scheme="nvfp4", intermediate_size=80))
+    assert _by_gpu(group) == {"hopper": ("humming", True, True), "blackwell": (None, False, False),
+                              "older": ("marlin", True, True)}
+
+
 def test_an_unquantized_checkpoint_gets_no_layout_advice(example_ckpt):
     (group,) = _advice(example_ckpt("qwen3-moe", "bf16"))
     assert group["scheme"] == "bfloat16" and group["gpus"] == []

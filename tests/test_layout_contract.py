@@ -139,7 +139,9 @@ def make_block(scheme: Scheme, shape: LayerShape, experts: int, seed: int | None
             kw.update(w13_zero=ints(codes, E, 2 * I, G13), w2_zero=ints(codes, E, H, G2))
     elif isinstance(scheme, NVFP4Scheme):
         # any e2m1 pair; any finite e4m3 scale, negatives included, each expert's largest 448 (its layout's
-        # tests cover layers whose scales stay smaller); per-expert fp32 multipliers, gate's and up's apart
+        # tests cover layers whose scales stay smaller); per-expert fp32 multipliers, gate's equal to up's as
+        # llm-compressor writes them (the humming layout holds no other; Marlin's use of the gate's alone when
+        # they differ is checked against vLLM in test_layout_marlin_nvfp4.py)
         def scale(*size):
             b = ints(256, *size)
             b[(b & 0x7F) == 0x7F] = 0x7E  # no NaN
@@ -148,7 +150,8 @@ def make_block(scheme: Scheme, shape: LayerShape, experts: int, seed: int | None
 
         glob = lambda *s: torch.zeros(s) if gen is None else torch.rand(s, generator=gen) * 1e-3 + 1e-6
         kw = dict(w13=ints(256, E, 2 * I, H // 2), w2=ints(256, E, H, I // 2),
-                  w13_scale=scale(E, 2 * I, H // 16), w2_scale=scale(E, H, I // 16), w13_global=glob(E, 2),
+                  w13_scale=scale(E, 2 * I, H // 16), w2_scale=scale(E, H, I // 16),
+                  w13_global=glob(E, 1).expand(-1, 2).contiguous(),
                   w2_global=glob(E))
     else:  # every byte: any e2m1 pair, any e8m0 scale (255 is NaN, compared by its bits)
         kw = dict(w13=ints(256, E, 2 * I, H // 2), w2=ints(256, E, H, I // 2),

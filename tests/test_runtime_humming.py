@@ -424,3 +424,76 @@ def test_humming_dispatch_runs_an_mxfp4_folder_as_the_reference(mxfp4_folder, M)
         print(f"\nmxfp4 {layer.prefix} M={M}: humming vs reference rel err {err:.2e}")
         assert got.shape == x.shape and got.dtype == torch.bfloat16 and torch.isfinite(got).all()
         assert err < 2e-2
+
+
+# ---------------------------------------------------------------------------------------------------
+# NVFP4 humming folders (``repack`` of a compressed-tensors ``nvfp4-pack-quantized`` checkpoint)
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the OCP e2m1 magnitudes; the top bit of a nibble is the sign
+
+
+@pytest.fixture(scope="module")
+def nvfp4_folder(example_ckpt, tmp_path_factory):
+    """(source, its humming NVFP4 folder): qwen3-moe NVFP4 (8 experts, H 256), I 80 (humming pads w13's N to
+    256 and w2's K to 128; vLLM pads nothing for this path); the source is the plugin tests' own."""
+    src = example_ckpt("qwen3-moe", scheme="nvfp4", intermediate_size=80)
+    out = tmp_path_factory.mktemp("nvfp4") / "out"
+    cli("repack", src, out, "--backend", "humming", expect=0)
+    return src, out
+
+
+def _source_expert(t: dict, name: str) -> torch.Tensor:
+    """One projection of the source, dequantized here from compressed-tensors' own fields: ``weight_packed``
+    (two e2m1 codes a byte, low nibble first), ``weight_scale`` (e4m3, one per 16 along K) and
+    ``weight_global_scale`` (a divisor): ``e2m1 * scale / global``, in float32."""
+    packed = t[f"{name}.weight_packed"]
+    codes = torch.stack((packed & 0xF, packed >> 4), -1).reshape(packed.shape[0], -1).long()
+    value = torch.tensor(E2M1)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    scale = t[f"{name}.weight_scale"].float().repeat_interleave(16, 1)
+    return value * scale / t[f"{name}.weight_global_scale"].float()
+
+
+def test_the_reference_computes_an_nvfp4_folder_as_the_source_dequantized(nvfp4_folder, fresh):
+    """On the CPU the runtime runs its reference over the folder's bytes; its output is the MoE computed
+    here, in float32, from the source checkpoint's own fields (SiLU-and-mul, the routing weights)."""
+    from helpers import st_tensors
+
+    assert ("humming", "nvfp4") in dispatch.reads("humming")
+    src, out = nvfp4_folder
+    source = st_tensors(src)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KernelFallbackWarning)
+        model = load(out, device="cpu")
+    x = (torch.randn(9, 256, generator=torch.Generator().manual_seed(2)) * 4).to(torch.bfloat16)
+    layers = list(model)
+    assert len(layers) == 2
+    for layer in layers:
+        assert layer.kernel == "reference" and layer.entry.layout.name == "humming"
+        w, ids = layer.route(layer.router_logits(x))
+        got = layer(x, w, ids).float()
+        want = torch.zeros(9, 256)
+        experts = {int(e): [_source_expert(source, f"{layer.prefix}.{int(e)}.{p}")
+                            for p in ("gate_proj", "up_proj", "down_proj")] for e in ids.unique()}
+        for m in range(9):
+            for slot in range(ids.shape[1]):
+                gate, up, down = experts[int(ids[m, slot])]
+                h = torch.nn.functional.silu(gate @ x[m].float()) * (up @ x[m].float())
+                want[m] += float(w[m, slot]) * (down @ h)
+        assert rel(got, want) < 1e-2, rel(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 7, 64, 300])
+def test_humming_dispatch_runs_an_nvfp4_folder_as_the_reference(nvfp4_folder, M):
+    """humming's grouped GEMM on the folder's e2m1 words, e4m3 scales and fp32 secondary scales."""
+    _require_humming_gpu()
+    _, out = nvfp4_folder
+    model = load(out, device="cuda")
+    for layer in model:
+        assert layer.kernel == "humming", layer.kernel_note
+        assert {layer.entry.metadata[s]["bs_dtype"] for s in ("w13", "w2")} == {"float8e4m3"}
+        x, got, want = kernel_and_reference(layer, M, torch.bfloat16)
+        err = rel(got, want)
+        print(f"\nnvfp4 {layer.prefix} M={M}: humming vs reference rel err {err:.2e}")
+        assert got.shape == x.shape and got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+        assert err < 2e-2

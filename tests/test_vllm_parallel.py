@@ -118,13 +118,13 @@ def test_every_layout_the_plugin_serves_declares_its_tp_cuts():
 
     served = [cls for classes in _registry().values() for cls in classes if cls.vllm_method]
     assert served and all(cls.tp_cuts is not Layout.tp_cuts for cls in served), served
-    # the layouts SCHEMES above proves the cuts of: every served one but humming's (WNA16, MXFP4) and Marlin
-    # NVFP4, which declare that no TP rank is a slice of their full tensors (each rank is padded and tiled, or
+    # the layouts SCHEMES above proves the cuts of: every served one but humming's (WNA16, MXFP4, NVFP4) and
+    # Marlin NVFP4, which declare that no TP rank is a slice of their full tensors (each rank is padded and tiled, or
     # scaled, on its own)
     assert {cls.__name__ for cls in served} == {"MarlinLayout", "MarlinMXFP4Layout", "TritonWNA16Layout",
                                                 "TritonMXFP4Layout", "HummingLayout", "HummingMXFP4Layout",
                                                 "TritonFastWNA16Layout", "TritonFastMXFP4Layout",
-                                                "MarlinNVFP4Layout"}
+                                                "MarlinNVFP4Layout", "HummingNVFP4Layout"}
     from moeconvert.canonical import LayerShape
     from moeconvert.layouts import get_layout
     from moeconvert.layouts.base import NotASlice
@@ -137,6 +137,8 @@ def test_every_layout_the_plugin_serves_declares_its_tp_cuts():
     assert isinstance(cut, NotASlice) and cut.convertible and "pads and tiles each rank's sublayers" in str(cut)
     from moeconvert.schemes import NVFP4Scheme
 
+    cut = get_layout("humming", "nvfp4").tp_cuts(LayerShape(8, 256, 256, dtype="bfloat16"), NVFP4Scheme(), 2)
+    assert isinstance(cut, NotASlice) and cut.convertible and "pads and tiles each rank's sublayers" in str(cut)
     cut = get_layout("marlin", "nvfp4").tp_cuts(LayerShape(8, 256, 256, dtype="bfloat16"), NVFP4Scheme(), 2)
     assert isinstance(cut, NotASlice) and cut.convertible and "pads each rank's NVFP4 I on its own" in str(cut)
 

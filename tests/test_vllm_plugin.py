@@ -860,7 +860,13 @@ HUMMING = {  # name: (example arguments, the weight dtype humming gives both sub
     # MXFP4 (quantize --format mxfp4 from bf16): I 160 -> 192 as vLLM pads it for HUMMING, then humming pads
     # w13's N 384 -> 512 and w2's K 192 -> 256 (scale 1.0 there, 0 in vLLM's own padding)
     "humming-mxfp4": (dict(scheme="bf16", intermediate_size=160), "float4e2m1"),
+    # compressed-tensors NVFP4 (repack): I 80, not padded by vLLM; humming pads w13's N 160 -> 256, w2's K 80 -> 128
+    "humming-nvfp4": (dict(scheme="nvfp4", intermediate_size=80), "float4e2m1"),
 }
+#: the plugin's method and vLLM's own compressed-tensors method for each humming folder served against its source
+AGAINST_SOURCE = {name: ("HummingWNA16Method", "CompressedTensorsWNA16MoEMethod") for name in HUMMING
+                  if name.startswith("humming-w")}
+AGAINST_SOURCE["humming-nvfp4"] = ("HummingNVFP4Method", "CompressedTensorsW4A4Nvfp4MoEMethod")
 
 
 @pytest.fixture(scope="module")
@@ -881,19 +887,17 @@ def humming_folders(example_ckpt, tmp_path_factory):
     return made
 
 
-WNA16_HUMMING = sorted(n for n in HUMMING if HUMMING[n][1] != "float4e2m1")
-
-
 @needs_vllm
-@pytest.mark.parametrize("name", WNA16_HUMMING)
+@pytest.mark.parametrize("name", sorted(AGAINST_SOURCE))
 def test_vllm_serves_a_humming_folder_as_its_own_humming_path_leaves_the_source(humming_folders, name):
     """On vLLM's CPU platform (the device's answers given as an SM90 GPU's: tests/vllm_plugin_child.py
-    ``_humming_on_a_cpu``), the plugin's ``HummingWNA16Method`` holds the folder's bytes in the parameters
-    it made, and the weight / input schemas, the humming ``LayerConfig`` of each sublayer, vLLM's humming
-    quant config and experts class equal, field by field, what vLLM's own compressed-tensors method leaves
-    after ``convert_to_humming_moe_kernel_format`` on the source layer (run on the CPU up to humming's CUDA
-    weight repack, which is the one step not run there); the scales, which humming transforms in torch,
-    are byte for byte vLLM's."""
+    ``_humming_on_a_cpu``), the plugin's ``HummingWNA16Method`` (NVFP4: ``HummingNVFP4Method``) holds the
+    folder's bytes in the parameters it made, and the weight / input schemas, the humming ``LayerConfig`` of
+    each sublayer, vLLM's humming quant config and experts class equal, field by field, what vLLM's own
+    compressed-tensors method leaves after ``convert_to_humming_moe_kernel_format`` on the source layer
+    (NVFP4: ``CompressedTensorsW4A4Nvfp4MoEMethod`` with its HUMMING backend; run on the CPU up to humming's
+    CUDA weight repack, which is the one step not run there); the scales and NVFP4's secondary scales, which
+    humming transforms in torch, are byte for byte vLLM's."""
     src, out = humming_folders[name]
     got = _child(out, "--humming", "--against", str(src))
     assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
@@ -903,7 +907,7 @@ def test_vllm_serves_a_humming_folder_as_its_own_humming_path_leaves_the_source(
     assert sorted(got["layers"]) == sorted(got["source"]) == sorted(m["prefix"] for m in manifest["moe_layers"])
     for m in manifest["moe_layers"]:
         ours, theirs = got["layers"][m["prefix"]], got["source"][m["prefix"]]
-        assert ours["method"] == "HummingWNA16Method" and theirs["method"] == "CompressedTensorsWNA16MoEMethod"
+        assert (ours["method"], theirs["method"]) == AGAINST_SOURCE[name]
         assert ours["loaded"] == sorted(f"routed_experts.{s}" for s in m["tensors"])
         for suffix, entry in m["tensors"].items():
             param = ours["params"][f"routed_experts.{suffix}"]

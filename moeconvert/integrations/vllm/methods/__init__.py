@@ -2,8 +2,8 @@
 
 One module per kernel family, each method declaring what it serves in one spec (``spec.py``, read
 without vLLM by the converter too): ``marlin`` (vLLM's Marlin: WNA16, MXFP4, NVFP4), ``triton_wna16``
-(vLLM's Triton WNA16), ``triton_mxfp4`` (triton_kernels, gpt-oss), ``humming`` (humming-kernels, WNA16
-and MXFP4) and ``triton_fast`` (moeconvert's own kernel). What they share is in ``base``:
+(vLLM's Triton WNA16), ``triton_mxfp4`` (triton_kernels, gpt-oss), ``humming`` (humming-kernels, WNA16,
+MXFP4 and NVFP4) and ``triton_fast`` (moeconvert's own kernel). What they share is in ``base``:
 ``create_weights`` makes each parameter with the shape and dtype the manifest records, cut for this rank
 (``RankShare``); each parameter's loader copies the rank's bytes of the file's tensor into it as they are;
 ``process_weights_after_loading`` checks every tensor arrived and builds the kernel over the parameters:

@@ -1,4 +1,5 @@
-"""humming-kernels' grouped GEMM as vLLM builds it (``select_humming_moe_experts``): WNA16 and MXFP4 folders."""
+"""humming-kernels' grouped GEMM as vLLM builds it (``select_humming_moe_experts``): WNA16, MXFP4 and NVFP4
+folders."""
 
 from __future__ import annotations
 
@@ -223,3 +224,50 @@ class HummingMXFP4Method(MXFP4Method, HummingWNA16Method):
                                            w2_scale=layer.w2_weight_scale, w1_bias=getattr(layer, "w13_bias", None),
                                            w2_bias=getattr(layer, "w2_bias", None),
                                            swiglu_limit=getattr(layer, "swiglu_limit", None), layer=layer)
+
+
+class HummingNVFP4Method(HummingWNA16Method):
+    """``humming`` NVFP4 (compressed-tensors ``nvfp4-pack-quantized`` sources): vLLM's humming experts over
+    humming-kernels' grouped GEMM with e2m1 weights, e4m3 group-16 scales and one fp32 secondary scale per
+    expert, built as vLLM's ``CompressedTensorsW4A4Nvfp4MoEMethod`` builds them for its HUMMING backend (what
+    vLLM picks for NVFP4 experts on SM90, ahead of Marlin) after ``convert_to_humming_moe_kernel_format``, with
+    16-bit activations, over the parameters the folder holds. The schemas and LayerConfigs come from humming's
+    own compressed-tensors NVFP4 schema and ``prepare_layer_config`` (``layouts/humming_nvfp4.py``), checked
+    against the manifest's; the refusals are the WNA16 method's (docs/layouts/humming.md, "NVFP4")."""
+
+    def __init__(self, moe, entry: dict, manifest: dict, share: RankShare | None = None):
+        FinalLayoutMethod.__init__(self, moe, entry, manifest, share)
+        self.made_for = manifest["layout"]["made_for"]
+        self.metadata = share.stored["layout_metadata"] if share and share.stored else entry["layout_metadata"]
+
+    def _vllm_state_problem(self) -> str | None:
+        return None
+
+    def _weight_key(self, params_dtype: torch.dtype):
+        # vLLM's compressed-tensors NVFP4 method selects its experts with the static NVFP4 weight key
+        from vllm.model_executor.layers.quantization.utils.quant_utils import kNvfp4Static
+
+        return kNvfp4Static
+
+    def _weight_schema(self, sub: str):
+        from moeconvert.layouts.humming_nvfp4 import nvfp4_weight_schema
+
+        # the NVFP4 schema holds no dtype of the model's (e4m3 scales, fp32 secondary scale)
+        return nvfp4_weight_schema(torch.bfloat16)
+
+    def _configs(self, **kw):
+        from moeconvert.layouts.humming_nvfp4 import HummingNVFP4Layout
+
+        return HummingNVFP4Layout().humming_sublayers(self.metadata, None, **kw)
+
+    # get_fused_moe_quant_config: the WNA16 method's, as vLLM's make_nvfp4_moe_quant_config for HUMMING is
+    # get_humming_moe_quant_config with the layer's swiglu constants
+
+    def _make_kernel(self, layer):
+        from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend, make_nvfp4_moe_kernel
+
+        kernel = make_nvfp4_moe_kernel(moe_quant_config=self.moe_quant_config, moe_config=self.moe,
+                                       experts_cls=self.experts_cls, backend=NvFp4MoeBackend.HUMMING,
+                                       routing_tables=layer._expert_routing_tables())
+        kernel.fused_experts.process_weights_after_loading(layer)  # as vLLM's NVFP4 method does
+        return kernel

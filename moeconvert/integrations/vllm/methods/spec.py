@@ -94,6 +94,10 @@ SPECS: dict[str, MethodSpec] = {s.name: s for s in (
                no_eplb=_WNA16_EPLB.format(what="humming WNA16")),
     # EPLB as vLLM's Mxfp4MoEMethod
     MethodSpec("HummingMXFP4Method", "humming", "humming", ("mxfp4",), "humming-kernels' grouped GEMM", ("silu",)),
+    # vLLM's compressed-tensors NVFP4 method with its HUMMING backend (SM90): [gate; up] for SiLU-and-mul only
+    MethodSpec("HummingNVFP4Method", "humming", "humming", ("nvfp4",), "humming-kernels' grouped GEMM", ("silu",),
+               no_eplb="vLLM 0.33.0's CompressedTensorsW4A4Nvfp4MoEMethod moves experts between ranks for its "
+                       "FlashInfer backends only, not humming (supports_eplb)"),
     # moeconvert's own kernel applies both in GEMM1's epilogue, swigluoai with the manifest's alpha and limit
     MethodSpec("TritonFastMethod", "triton_fast", "triton-fast", ("wna16", "mxfp4"), "moeconvert's Triton kernel",
                ("silu", "swigluoai"), any_swigluoai_constants=True,
