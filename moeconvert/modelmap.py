@@ -37,6 +37,11 @@ _FUSED = re.compile(
     r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe|feed_forward)\.experts)"
     r"\.(?P<proj>gate_up_proj|down_proj)(?P<suffix>|_bias|_blocks|_scales)$"
 )
+# A fused projection with a further suffix (``experts.gate_up_proj.qweight``, ``experts.down_proj_weight_scale``):
+# a quantized fused form, which no reader takes
+_FUSED_OTHER = re.compile(
+    r"^(?:.*\.)?layers\.\d+\.(?:mlp|block_sparse_moe|feed_forward)\.experts\.(?:gate_up_proj|down_proj)[._]\w"
+)
 
 # Any layer's tensors (attention, norms, experts, MTP): bounds what num_hidden_layers may claim.
 _ANY_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -193,6 +198,11 @@ def map_model(source: Source) -> ModelMap:
                               found=show_value(values[fam.activation_key]))
     fmt = source_format(raw_cfg)
     sizes = _sizes(cfg, values, fam, section)
+    odd = next((n for n in source.tensors if _FUSED_OTHER.match(n) and not _FUSED.match(n)), None)
+    if odd is not None:
+        raise MoeConvertError("quantized experts stored fused (3-D) are not read: quantized experts are read per "
+                              "expert", file=source.tensors[odd].file.name, tensor=odd,
+                              expected=_expected_names(fam, per_expert=True))
     fused = any(m and m["block"] == fam.block for m in map(_FUSED.match, source.tensors))
     if fused and not set(fam.storage) - {PER_EXPERT}:
         name = next(n for n in source.tensors if _FUSED.match(n))
@@ -235,8 +245,8 @@ def _check_sparse_layers(source: Source, fam: Family, values: dict, section: str
                                   file=str(source.ident), tensor=f"layers.{i}")
 
 
-def _expected_names(fam: Family) -> str:
-    if PER_EXPERT not in fam.storage:
+def _expected_names(fam: Family, per_expert: bool = False) -> str:
+    if PER_EXPERT not in fam.storage and not per_expert:
         return f"model.layers.L.{fam.block}.experts.{{gate_up_proj,down_proj}}"
     return f"…layers.L.{fam.block}.experts.E.{{" + ",".join(fam.roles) + "}.weight"
 

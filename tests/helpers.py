@@ -579,15 +579,16 @@ FAMILY_CONFIGS: dict[str, dict] = {
 }
 
 
-def make_family_checkpoint(out: Path, model_type: str, *, fused: bool = False, seed: int = 0) -> Path:
+def make_family_checkpoint(out: Path, model_type: str, *, fused: bool = False, seed: int = 0, **config) -> Path:
     """A tiny random checkpoint of ``model_type`` written by transformers: ``save_pretrained``'s own files,
     or with ``fused`` the model's tensors as it holds them (3-D experts: how published Qwen3.5 checkpoints
-    store them, since save_pretrained splits them per expert) with save_pretrained's config.json."""
+    store them, since save_pretrained splits them per expert) with save_pretrained's config.json;
+    ``config`` overrides the tiny config's keywords."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(model_type, **FAMILY_CONFIGS[model_type])
+    cfg = AutoConfig.for_model(model_type, **{**FAMILY_CONFIGS[model_type], **config})
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     with torch.no_grad():  # some experts are created empty (uninitialised): draw every parameter
         for p in model.parameters():
@@ -600,6 +601,39 @@ def make_family_checkpoint(out: Path, model_type: str, *, fused: bool = False, s
     else:
         model.save_pretrained(out)
     return out
+
+
+def wrap_text_model(src: Path, dst: Path, wrapper: str, architecture: str) -> Path:
+    """``src`` (a text model's checkpoint: ``model.*`` tensors) as its multimodal wrapper publishes it:
+    config.json ``{"model_type": wrapper, "text_config": ..., "quantization_config": ...}`` and the text
+    model's tensors under ``model.language_model.`` (transformers' Qwen3.5-MoE / Qwen3-VL checkpoint
+    mapping; e.g. Qwen/Qwen3.5-35B-A3B-GPTQ-Int4 loads experts from ``model.language_model.layers.L.mlp.experts``)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    save_file({("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads((src / "config.json").read_text())
+    text.pop("architectures", None)
+    cfg = {"model_type": wrapper, "architectures": [architecture], "text_config": text}
+    if "quantization_config" in text:
+        cfg["quantization_config"] = text.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    return dst
+
+
+def rtn_dequantized(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> torch.Tensor:
+    """What the round-to-nearest codes :func:`make_int_checkpoint` writes for ``w [N, K]`` stand for:
+    ``(u - zero) * scale`` per group, in float32."""
+    u, scale, zero = _rtn(w, bits, group_size, sym)
+    N, K = w.shape
+    g = K if group_size == -1 else group_size
+    return ((u.reshape(N, K // g, g) - zero[..., None]).float() * scale.float()[..., None]).reshape(N, K)
 
 
 def to_gptoss_mxfp4(src: Path, dst: Path) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli, make_family_checkpoint
+from helpers import cli, make_family_checkpoint, make_int_checkpoint, rtn_dequantized, wrap_text_model
 from moeconvert.errors import MoeConvertError
 from moeconvert.format.families import FAMILIES, REQUIRED, Key, read_keys
 
@@ -148,6 +148,82 @@ def test_family_through_every_path(case, family_ckpts, tmp_path):
         theirs = (theirs[0] if isinstance(theirs, tuple) else theirs).reshape(ours.shape)
         err = (ours.float() - theirs).abs().max() / theirs.abs().max()
         assert err < 0.03, f"{prefix}: runtime block differs from transformers' by {err:.3g}"
+
+
+# -- quantized Qwen3.5-MoE: as GPTQModel publishes it (Qwen/Qwen3.5-397B-A17B-GPTQ-Int4, -35B-A3B-GPTQ-Int4) --
+# GPTQModel quantizes each expert as its own module (its qwen3_5_moe definition lists mlp.experts.{i}.gate_proj
+# ...), so the experts are stored per expert, under the multimodal wrapper's model.language_model. prefix:
+# model.language_model.layers.L.mlp.experts.E.gate_proj.{qweight,qzeros,scales,g_idx}. vLLM's Qwen3.5-MoE
+# (vllm/model_executor/models/qwen3_5.py) loads that prefix through its wrapper, and its RoutedExperts loader
+# takes per-expert 2-D tensors and fused 3-D ones alike.
+
+
+@pytest.fixture(scope="module")
+def qwen35_gptq(tmp_path_factory):
+    base = tmp_path_factory.mktemp("qwen35-gptq")
+    # H 128, I 64: the smallest sizes Marlin takes
+    bf16 = make_family_checkpoint(base / "bf16", "qwen3_5_moe_text", hidden_size=128, moe_intermediate_size=64)
+    gptq = make_int_checkpoint(bf16, base / "gptq", "gptq", bits=4, group_size=32)
+    return bf16, wrap_text_model(gptq, base / "wrapped", "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration")
+
+
+def test_qwen35_gptq_through_every_path(qwen35_gptq, tmp_path):
+    from moeconvert.runtime import load
+
+    bf16, src = qwen35_gptq
+    report = json.loads(cli("inspect", str(src), "--json", expect=0).out)
+    assert report["family"] == "qwen3.5-moe"
+    assert [(x["prefix"], x["format"]) for x in report["moe_layers"]] == [
+        (f"model.language_model.layers.{i}.mlp.experts", "gptq") for i in (0, 1)]
+    out = tmp_path / "marlin"
+    cli("repack", str(src), str(out), "--backend", "marlin", expect=0)
+    cli("verify", str(out), "--against", str(src), expect=0)
+    # transformers' own Qwen3.5-MoE block holding the weights the GPTQ codes stand for
+    model = transformers.AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32)
+    I = model.config.moe_intermediate_size
+    with torch.no_grad():
+        for layer in model.model.layers:
+            ex = layer.mlp.experts
+            for e in range(ex.num_experts):
+                for w, cut in ((ex.gate_up_proj, slice(0, I)), (ex.gate_up_proj, slice(I, 2 * I)), (ex.down_proj, slice(None))):
+                    w[e, cut] = rtn_dequantized(w[e, cut], 4, 32, sym=True)
+    m = load(out, device="cpu")
+    assert len(m.moe_layers) == 2
+    torch.manual_seed(1)
+    for prefix, layer in m.moe_layers.items():
+        ours = layer.block(x := torch.randn(5, layer.hidden_size, dtype=torch.bfloat16))
+        theirs = model.model.layers[layer.entry.raw["layer"]].mlp(x.float().unsqueeze(0))
+        theirs = (theirs[0] if isinstance(theirs, tuple) else theirs).reshape(ours.shape)
+        err = (ours.float() - theirs).abs().max() / theirs.abs().max()
+        assert err < 0.03, f"{prefix}: runtime block differs from transformers' by {err:.3g}"
+
+
+_GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
+
+
+@pytest.mark.parametrize("case", ["qwen3.5-fused", "llama4-transposed"])
+@pytest.mark.parametrize("form", ["float", "qweight"])
+def test_quantized_fused_experts_refused_naming_the_tensor(case, form, family_ckpts, tmp_path):
+    # no quantizer we know of writes fused 3-D quantized experts (GPTQModel, AutoRound and llm-compressor
+    # quantize one module per expert): a GPTQ config over fused tensors, or a fused tensor with a quantized
+    # suffix, is refused on one line naming the tensor
+    from safetensors.torch import load_file, save_file
+
+    src, _ = family_ckpts(case)
+    bad = _copy(src, tmp_path / "bad", quantization_config=_GPTQ)
+    f = next(bad.glob("*.safetensors"))
+    if form == "qweight":
+        tensors = load_file(f)
+        for k in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            E, N, K = tensors.pop(k).shape
+            tensors[k + ".qweight"] = torch.zeros(E, K // 8, N, dtype=torch.int32)
+        save_file(tensors, str(f), metadata={"format": "pt"})
+        (bad / "model.safetensors.index.json").unlink(missing_ok=True)
+    r = cli("repack", str(bad), str(tmp_path / "out"), "--backend", "marlin", expect=2)
+    layer = {"qwen3.5-fused": 0, "llama4-transposed": 1}[case]  # the first MoE layer
+    tensor = f"layers.{layer}.{CASES[case][2]}.experts." + ("down_proj.qweight" if form == "qweight" else "gate_up_proj:")
+    assert tensor in r.err and "stored fused (3-D) are not read" in r.err, r.err
+    assert r.err.strip().count("\n") == 0 and not (tmp_path / "out").exists(), r.err
 
 
 @pytest.mark.parametrize("case", ["llama4-transposed"])

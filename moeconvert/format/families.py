@@ -386,7 +386,9 @@ def table_markdown() -> str:
         keys = " / ".join(f"`{k}`" for k in (f.experts_key, f.top_k_key, f.intermediate_key))
         names = "/".join(f.roles) if PER_EXPERT in f.storage else ""
         stored = "; ".join(f"{st}" + (f" (`{f.block}.experts.E.{{{names}}}`)" if st == PER_EXPERT
-                                      else f" (`{f.block}.experts.gate_up_proj`)") for st in f.storage)
+                                      else f" (`{f.block}.experts.gate_up_proj`"
+                                      + (", float only" if st in (FUSED, FUSED_TRANSPOSED) else "") + ")")
+                           for st in f.storage)
         routing = f"{f.activation}, {f.routing or 'caller routes'}" + (", router weight on the input"
                                                                       if f.router_on_input else "")
         shared = ", ".join(f"`{s}`" for s in f.shared) or "none"
