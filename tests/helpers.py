@@ -572,6 +572,15 @@ FAMILY_CONFIGS: dict[str, dict] = {
                         num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
                         kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, index_head_dim=16,
                         index_n_heads=2),
+    # first_k_dense_replace: GLM-4.7-Flash's config.json writes it and vLLM's Glm4MoeLite model reads it
+    # (transformers' config class keeps it as it is, and says the same with mlp_layer_types)
+    "glm4_moe_lite": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, n_routed_experts=8,
+                          num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=32,
+                          first_k_dense_replace=1,
+                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+    "ernie4_5_moe": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, moe_num_experts=8,
+                         moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1),
+    "hunyuan_v1_moe": dict(_TINY, num_hidden_layers=2, intermediate_size=32, num_experts=8, moe_topk=2),
     "qwen3_next": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, num_experts=8,
                        num_experts_per_tok=2, shared_expert_intermediate_size=32, norm_topk_prob=True,
                        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
