@@ -63,17 +63,27 @@ def sparse_layers(fam: Family, values: dict, section: str = "") -> "SparseLayers
         return SparseLayers(n, first=step - 1, step=step, skip=frozenset(values["mlp_only_layers"] or ()))
     if rule == FIRST_K_DENSE:
         # transformers' DeepSeek decoder layer: sparse when i >= first_k_dense_replace and i % moe_layer_freq == 0
-        k, freq = values["first_k_dense_replace"], values["moe_layer_freq"]
+        # (a family whose model reads no layer frequency, Bailing's, declares none: every layer from k on)
+        k, freq = values["first_k_dense_replace"], values.get("moe_layer_freq", 1)
         return SparseLayers(n, first=-(-k // freq) * freq, step=freq)
     if rule == MLP_LAYER_TYPES:
         types = values["mlp_layer_types"]
         if types is None:  # transformers' default: the first first_k_dense_replace layers dense
-            return SparseLayers(n, first=values["first_k_dense_replace"], step=1)
-        if len(types) != n or any(t not in ("dense", "sparse") for t in types):
+            sparse = SparseLayers(n, first=values["first_k_dense_replace"], step=1)
+        elif len(types) != n or any(t not in ("dense", "sparse") for t in types):
             raise MoeConvertError("invalid value", file=CONFIG_NAME, tensor=f"{section}mlp_layer_types",
                                   expected=f'{n} entries ({section}num_hidden_layers), each "dense" or "sparse"',
                                   found=show_value(types))
-        return SparseLayers(n, first=0, step=1, skip=frozenset(i for i, t in enumerate(types) if t != "sparse"))
+        else:
+            sparse = SparseLayers(n, first=0, step=1, skip=frozenset(i for i, t in enumerate(types) if t != "sparse"))
+        flags = values.get("moe_layer_freq")
+        # MiMo-V2: vLLM's MiMoV2FlashDecoderLayer.is_moe_layer reads a per-layer list instead; both must agree
+        if isinstance(flags, list) and (len(flags) < n or any(bool(flags[i]) != (i in sparse) for i in range(n))):
+            raise MoeConvertError("moe_layer_freq disagrees with mlp_layer_types", file=CONFIG_NAME,
+                                  tensor=f"{section}moe_layer_freq",
+                                  expected=f"at least {n} entries, nonzero exactly at the sparse layers",
+                                  found=show_value(flags))
+        return sparse
     if rule == INTERLEAVE:
         # vLLM's Llama4DecoderLayer: MoE when (i + 1) % interleave_moe_layer_step == 0; transformers'
         # moe_layers list, when written, must say the same

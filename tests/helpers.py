@@ -581,6 +581,9 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "ernie4_5_moe": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, moe_num_experts=8,
                          moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1),
     "hunyuan_v1_moe": dict(_TINY, num_hidden_layers=2, intermediate_size=32, num_experts=8, moe_topk=2),
+    # moe_layer_freq: MiMo-V2-Flash's config.json writes it and vLLM's MiMoV2 model reads it
+    "mimo_v2_flash": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, n_routed_experts=8,
+                          num_experts_per_tok=2, n_group=2, topk_group=1, v_head_dim=16, moe_layer_freq=[0, 1]),
     "qwen3_next": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, num_experts=8,
                        num_experts_per_tok=2, shared_expert_intermediate_size=32, norm_topk_prob=True,
                        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
@@ -609,6 +612,53 @@ def make_family_checkpoint(out: Path, model_type: str, *, fused: bool = False, s
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     else:
         model.save_pretrained(out)
+    return out
+
+
+def make_bailing_checkpoint(out: Path, *, E: int = 8, H: int = 64, I: int = 32, seed: int = 0) -> Path:
+    """A tiny Ling 2.0 (``bailing_moe_v2``) checkpoint: transformers has no class for it, so its config holds
+    the fields vLLM 0.33.0's BailingMoE / BailingMoeBlock read (vllm/model_executor/models/bailing_moe.py:
+    num_experts, num_experts_per_tok, moe_intermediate_size, num_shared_experts, first_k_dense_replace,
+    score_function, moe_router_enable_expert_bias, n_group, topk_group, routed_scaling_factor,
+    norm_topk_prob), and its tensors the names that model's load_weights maps: layer 0 dense
+    (``mlp.{gate,up,down}_proj``), layer 1 MoE (``mlp.gate.weight``, ``mlp.gate.expert_bias``,
+    ``mlp.experts.E.{gate,up,down}_proj.weight``, ``mlp.shared_experts.*``), attention as
+    ``attention.query_key_value`` / ``attention.dense``, embeddings as ``model.word_embeddings``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
+
+    heads, kv, hd, vocab = 4, 2, 16, 128
+    t = {"model.word_embeddings.weight": w(vocab, H), "model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
+         "lm_head.weight": w(vocab, H)}
+    for L in range(2):
+        p = f"model.layers.{L}"
+        t.update({f"{p}.input_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+                  f"{p}.post_attention_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+                  f"{p}.attention.query_key_value.weight": w((heads + 2 * kv) * hd, H),
+                  f"{p}.attention.dense.weight": w(H, heads * hd)})
+    t.update({f"model.layers.0.mlp.{n}.weight": w(*s) for n, s in
+              (("gate_proj", (4 * I, H)), ("up_proj", (4 * I, H)), ("down_proj", (H, 4 * I)))})
+    moe = "model.layers.1.mlp"
+    t[f"{moe}.gate.weight"] = w(E, H)
+    t[f"{moe}.gate.expert_bias"] = torch.zeros(E, dtype=torch.float32)
+    for n, s in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+        t[f"{moe}.shared_experts.{n}.weight"] = w(*s)
+        t.update({f"{moe}.experts.{e}.{n}.weight": w(*s) for e in range(E)})
+    out.mkdir(parents=True)
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = dict(model_type="bailing_moe_v2", architectures=["BailingMoeV2ForCausalLM"], vocab_size=vocab, hidden_size=H,
+               intermediate_size=4 * I, moe_intermediate_size=I, num_experts=E, num_shared_experts=1,
+               num_experts_per_tok=2, num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=heads,
+               num_key_value_heads=kv, head_dim=hd, hidden_act="silu", score_function="sigmoid",
+               moe_router_enable_expert_bias=True, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+               norm_topk_prob=True, use_bias=False, use_qkv_bias=False, rms_norm_eps=1e-6, torch_dtype="bfloat16")
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli, make_family_checkpoint, make_int_checkpoint, rtn_dequantized, wrap_text_model
+from helpers import (cli, make_bailing_checkpoint, make_family_checkpoint, make_int_checkpoint, rtn_dequantized,
+                     wrap_text_model)
 from moeconvert.errors import MoeConvertError
 from moeconvert.format.families import FAMILIES, REQUIRED, Key, read_keys
 
@@ -105,6 +106,7 @@ CASES = {  # id -> (model_type, save the model's fused tensors as it holds them,
     "minimax-m2": ("minimax_m2", False, "mlp"),  # block_sparse_moe on disk, mlp in memory
     "glm-moe-dsa": ("glm_moe_dsa", False, "mlp"),  # DeepSeek-style grouped routing under a new type
     "qwen3-next": ("qwen3_next", False, "mlp"),  # a shared expert with its sigmoid gate
+    "mimo-v2": ("mimo_v2_flash", False, "mlp"),  # grouped sigmoid routing; vLLM's per-layer moe_layer_freq
 }
 
 
@@ -226,6 +228,41 @@ def test_quantized_fused_experts_refused_naming_the_tensor(case, form, family_ck
     assert r.err.strip().count("\n") == 0 and not (tmp_path / "out").exists(), r.err
 
 
+def test_bailing_moe_through_every_path(tmp_path):
+    # Ling 2.0: no transformers class; its config fields and tensor names are those vLLM 0.33.0's
+    # vllm/model_executor/models/bailing_moe.py reads (helpers.make_bailing_checkpoint). The caller routes: each
+    # layer's experts run on given ids and weights, against SwiGLU experts written out here from the source
+    from safetensors.torch import load_file
+
+    from moeconvert.runtime import load
+
+    src = make_bailing_checkpoint(tmp_path / "src")
+    report = json.loads(cli("inspect", str(src), "--json", expect=0).out)
+    assert report["family"] == "bailing-moe"
+    assert [x["prefix"] for x in report["moe_layers"]] == ["model.layers.1.mlp.experts"]
+    plain, mx = tmp_path / "plain", tmp_path / "mx"
+    cli("repack", str(src), str(plain), "--backend", "plain", expect=0)
+    cli("quantize", str(src), str(mx), "--format", "mxfp4", "--backend", "marlin", expect=0)
+    for out in (plain, mx):
+        cli("verify", str(out), "--against", str(src), expect=0)
+    layer = load(plain, device="cpu").moe_layers["model.layers.1.mlp.experts"]
+    t = {k: v.float() for k, v in load_file(src / "model.safetensors").items()}
+    torch.manual_seed(1)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(5)]).to(torch.int32)
+    weights = torch.rand(5, 2)
+    want = torch.zeros(5, 64)
+    for m in range(5):
+        for j in range(2):
+            e = f"model.layers.1.mlp.experts.{int(ids[m, j])}"
+            h = torch.nn.functional.silu(x[m].float() @ t[f"{e}.gate_proj.weight"].T) * (x[m].float() @ t[f"{e}.up_proj.weight"].T)
+            want[m] += weights[m, j] * (h @ t[f"{e}.down_proj.weight"].T)
+    got = layer(x, weights, ids).float()
+    assert (got - want).abs().max() / want.abs().max() < 0.03
+    manifest = json.loads((plain / "moeconvert.json").read_text())["moe_layers"][0]
+    assert {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.expert_bias"} <= set(manifest["router"])
+
+
 @pytest.mark.parametrize("case", ["llama4-transposed"])
 def test_router_weight_on_input_is_declared(case, family_ckpts, tmp_path):
     src, _ = family_ckpts(case)
@@ -251,6 +288,7 @@ def _copy(src: Path, dst: Path, **config) -> Path:
     ("llama4-transposed", {"num_local_experts": 16}, "config.json num_local_experts = 16"),
     ("llama4-transposed", {"interleave_moe_layer_step": 1, "moe_layers": None}, "layer 0 has routed experts"),
     ("llama4-transposed", {"moe_layers": [0]}, "moe_layers"),
+    ("mimo-v2", {"moe_layer_freq": [1, 1]}, "config.json: moe_layer_freq: moe_layer_freq disagrees with mlp_layer_types"),
 ])
 def test_contradictory_config_refused_on_one_line(case, edit, needle, family_ckpts, tmp_path):
     src, _ = family_ckpts(case)
@@ -277,11 +315,15 @@ def test_wrapper_with_wrong_text_config_refused(wrapper, text_type, needle, fami
     assert needle in r.err and r.err.strip().count("\n") == 0, r.err
 
 
-def test_refused_family_says_why_in_one_line(family_ckpts, tmp_path):
+@pytest.mark.parametrize("model_type,needle", [
+    ("deepseek_v4", "deepseek-v4 is not supported: DeepSeek-V4's routed experts are FP4"),
+    ("step3p5", "step3p5 is not supported: Step-3.5 stores its routed experts as three 3-D tensors"),
+])
+def test_refused_family_says_why_in_one_line(model_type, needle, family_ckpts, tmp_path):
     src, _ = family_ckpts("minimax-m2")
-    bad = _copy(src, tmp_path / "bad", model_type="deepseek_v4")
+    bad = _copy(src, tmp_path / "bad", model_type=model_type)
     r = cli("inspect", str(bad), expect=2)
-    assert "deepseek-v4 is not supported: DeepSeek-V4's routed experts are FP4" in r.err, r.err
+    assert needle in r.err and r.err.strip().count("\n") == 0, r.err
 
 
 # -- gpt-oss: a config or source value is never silently read as another ------------------------------

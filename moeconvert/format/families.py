@@ -272,6 +272,39 @@ FAMILIES: tuple[FamilySpec, ...] = (
               _k("moe_topk", "int>=1", None), _k("num_hidden_layers", "int>=1", None)),
         intermediate_key="intermediate_size", top_k_key="moe_topk", routing=None, router=("gate",),
         shared=("shared_mlp",), plugin_proven=True),
+    # MiMo-V2-Flash: transformers' MiMoV2Flash classes; vLLM's MiMoV2MoE (vllm/model_executor/models/mimo_v2.py)
+    # routes the same way (sigmoid, gate.e_score_correction_bias for the choice, n_group / topk_group) and its
+    # MiMoV2FlashDecoderLayer.is_moe_layer reads the published per-layer moe_layer_freq list, which must agree
+    # with transformers' mlp_layer_types
+    FamilySpec(
+        "mimo-v2", ("mimo_v2_flash",), ("MiMoV2FlashConfig", "MiMoV2FlashMoE", "MiMoV2FlashTopkRouter"),
+        ("MiMoV2FlashForCausalLM",),
+        keys=(_H, _k("n_routed_experts", "int>=1", aliases=("num_local_experts",)), _k("moe_intermediate_size", "int>=1"),
+              _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
+              # transformers' MiMoV2FlashConfig: layer 0 dense when mlp_layer_types is not given
+              _k("first_k_dense_replace", "int>=0", 1), _k("mlp_layer_types", "list[str]", None, nullable=True),
+              _k("moe_layer_freq", "list[int>=0]", None, nullable=True), _k("norm_topk_prob", "bool", True),
+              # the published config.json writes null (transformers reads it as 1.0)
+              _k("routed_scaling_factor", "number>0", 1.0, nullable=True), _k("n_group", "int>=1", 1),
+              _k("topk_group", "int>=1", 1)),
+        experts_key="n_routed_experts", moe_layers=MLP_LAYER_TYPES, routing="grouped"),
+    # No transformers class: the keys are those vLLM 0.33.0's BailingMoE reads from the checkpoint's own config
+    # (vllm/model_executor/models/bailing_moe.py; Ling-lite writes model_type bailing_moe, Ling 2.0
+    # bailing_moe_v2), the tensor names those its BailingMoeModel loads (mlp.experts.E.{gate,up,down}_proj,
+    # mlp.gate.weight and mlp.gate.expert_bias, mlp.shared_experts), the MoE layer rule its BailingMoeBlock's
+    # (layer_idx >= first_k_dense_replace; no layer frequency). Its router is softmax or sigmoid with the expert
+    # bias as score_function says, grouped when n_group is set: the caller routes.
+    FamilySpec(
+        "bailing-moe", ("bailing_moe", "bailing_moe_v2"), (), ("BailingMoeForCausalLM", "BailingMoeV2ForCausalLM"),
+        keys=(_H, _k("num_experts", "int>=1"), _k("moe_intermediate_size", "int>=1"),
+              _k("num_experts_per_tok", "int>=1"), _k("num_hidden_layers", "int>=1"),
+              _k("first_k_dense_replace", "int>=0")),
+        moe_layers=FIRST_K_DENSE, routing=None, shared=("shared_experts",)),
+    FamilySpec(
+        "step3p5", ("step3p5",), ("Step3p7TextConfig",), ("Step3p5ForCausalLM",),
+        refused="Step-3.5 stores its routed experts as three 3-D tensors moe.{gate,up,down}_proj.weight (vLLM's "
+                "Step3p5 loader), a storage the table does not have, and clamps the SwiGLU of some MoE layers only "
+                "(swiglu_limits, vLLM's swiglustep): an activation per layer, not per family"),
     FamilySpec(
         "deepseek-v4", ("deepseek_v4",), ("DeepseekV4Config",), ("DeepseekV4ForCausalLM",),
         refused="DeepSeek-V4's routed experts are FP4 in a format no source reader reads yet, and its first "
@@ -401,7 +434,7 @@ def table_markdown() -> str:
                                                                       if f.router_on_input else "")
         shared = ", ".join(f"`{s}`" for s in f.shared) or "none"
         name = f.name + (f" (planned only: {f.plan_only})" if f.plan_only else "")
-        hf = ", ".join(f.hf_classes) or "none (the keys of vLLM's config class)"
+        hf = ", ".join(f.hf_classes) or "none (the keys vLLM's model reads)"
         rows.append(f"| {name} | {types} | {keys} | {f.moe_layers} | {stored} | {routing} | {shared} | "
                     f"{hf} | {_vllm_cell(f)} | {_plugin_cell(f)} |")
     return "\n".join(rows) + "\n"
