@@ -404,6 +404,7 @@ def _map_per_expert(source: Source, fam: Family, values: dict, fmt: SourceFormat
             has_bias=has_bias,
             bias_dtype=float_dtype_name(source.tensors[first["gate"]["bias"]].dtype) if has_bias else None,
             fused=False, format=reader.name, format_config=fmt.config, experts=ex_list, router=router, shared=shared,
+            router_on_input=fam.router_on_input,
         ))
     return layers
 

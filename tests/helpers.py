@@ -615,6 +615,35 @@ def make_family_checkpoint(out: Path, model_type: str, *, fused: bool = False, s
     return out
 
 
+def split_fused_experts(src: Path, dst: Path, transposed: bool) -> Path:
+    """``src`` with each fused ``experts.gate_up_proj`` / ``experts.down_proj`` split into one
+    ``experts.E.{gate_proj,up_proj,down_proj}.weight [N, K]`` per expert, as llm-compressor's calibration
+    modules save Llama 4 / Qwen3.5 experts (one MLP per expert); ``transposed``: stored ``x @ W``
+    (``[E, H, 2I]``, ``[E, I, H]``: Llama 4), else ``[E, 2I, H]``, ``[E, H, I]``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    out = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for k, t in load_file(f).items():
+            if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                t = t.transpose(1, 2) if transposed else t  # [E, N, K]
+                module, proj = k.rsplit(".", 1)
+                if proj == "down_proj":
+                    out.update({f"{module}.{e}.down_proj.weight": t[e].contiguous() for e in range(t.shape[0])})
+                    continue
+                I = t.shape[1] // 2
+                for e in range(t.shape[0]):
+                    out[f"{module}.{e}.gate_proj.weight"] = t[e, :I].contiguous()
+                    out[f"{module}.{e}.up_proj.weight"] = t[e, I:].contiguous()
+            else:
+                out[k] = t
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
 def make_bailing_checkpoint(out: Path, *, E: int = 8, H: int = 64, I: int = 32, seed: int = 0) -> Path:
     """A tiny Ling 2.0 (``bailing_moe_v2``) checkpoint: transformers has no class for it, so its config holds
     the fields vLLM 0.33.0's BailingMoE / BailingMoeBlock read (vllm/model_executor/models/bailing_moe.py:

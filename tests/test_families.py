@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from helpers import (cli, make_bailing_checkpoint, make_family_checkpoint, make_int_checkpoint, rtn_dequantized,
-                     wrap_text_model)
+                     split_fused_experts, wrap_text_model)
 from moeconvert.errors import MoeConvertError
 from moeconvert.format.families import FAMILIES, REQUIRED, Key, read_keys
 
@@ -160,41 +160,56 @@ def test_family_through_every_path(case, family_ckpts, tmp_path):
 # takes per-expert 2-D tensors and fused 3-D ones alike.
 
 
-@pytest.fixture(scope="module")
-def qwen35_gptq(tmp_path_factory):
-    base = tmp_path_factory.mktemp("qwen35-gptq")
-    # H 128, I 64: the smallest sizes Marlin takes
-    bf16 = make_family_checkpoint(base / "bf16", "qwen3_5_moe_text", hidden_size=128, moe_intermediate_size=64)
-    gptq = make_int_checkpoint(bf16, base / "gptq", "gptq", bits=4, group_size=32)
-    return bf16, wrap_text_model(gptq, base / "wrapped", "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration")
+#: id -> (model_type, the tiny config's overrides (H 128, I 64: the smallest sizes Marlin takes), experts held
+#: transposed (x @ W), the MoE block's module, the multimodal wrapper and its architecture or None)
+GPTQ_CASES = {
+    "qwen3.5-moe": ("qwen3_5_moe_text", dict(hidden_size=128, moe_intermediate_size=64), False, "mlp",
+                    ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration")),
+    # llm-compressor's Llama 4 form: one MLP per expert (its calibration module unfuses Llama4TextExperts)
+    "llama4": ("llama4_text", dict(hidden_size=128, intermediate_size=64), True, "feed_forward", None),
+}
 
 
-def test_qwen35_gptq_through_every_path(qwen35_gptq, tmp_path):
+@pytest.mark.parametrize("case", list(GPTQ_CASES))
+def test_quantized_fused_family_per_expert_through_every_path(case, tmp_path):
     from moeconvert.runtime import load
 
-    bf16, src = qwen35_gptq
+    mt, config, transposed, block, wrapper = GPTQ_CASES[case]
+    bf16 = make_family_checkpoint(tmp_path / "bf16", mt, fused=transposed, **config)
+    per_expert = split_fused_experts(bf16, tmp_path / "split", transposed) if transposed else bf16
+    src = make_int_checkpoint(per_expert, tmp_path / "gptq", "gptq", bits=4, group_size=32)
+    if wrapper:
+        src = wrap_text_model(src, tmp_path / "wrapped", *wrapper)
     report = json.loads(cli("inspect", str(src), "--json", expect=0).out)
-    assert report["family"] == "qwen3.5-moe"
-    assert [(x["prefix"], x["format"]) for x in report["moe_layers"]] == [
-        (f"model.language_model.layers.{i}.mlp.experts", "gptq") for i in (0, 1)]
+    text = "model.language_model." if wrapper else "model."
+    assert report["family"] == case
+    assert [x["format"] for x in report["moe_layers"]] == ["gptq"] * len(report["moe_layers"])
+    assert all(x["prefix"].startswith(text + "layers.") and x["prefix"].endswith(f".{block}.experts")
+               for x in report["moe_layers"]), report["moe_layers"]
     out = tmp_path / "marlin"
     cli("repack", str(src), str(out), "--backend", "marlin", expect=0)
     cli("verify", str(out), "--against", str(src), expect=0)
-    # transformers' own Qwen3.5-MoE block holding the weights the GPTQ codes stand for
+    manifest = json.loads((out / "moeconvert.json").read_text())["moe_layers"]
+    assert [x.get("apply_router_weight_on_input", False) for x in manifest] == [case == "llama4"] * len(manifest)
+    # transformers' own MoE block holding the weights the GPTQ codes stand for
     model = transformers.AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32)
-    I = model.config.moe_intermediate_size
     with torch.no_grad():
         for layer in model.model.layers:
-            ex = layer.mlp.experts
-            for e in range(ex.num_experts):
-                for w, cut in ((ex.gate_up_proj, slice(0, I)), (ex.gate_up_proj, slice(I, 2 * I)), (ex.down_proj, slice(None))):
-                    w[e, cut] = rtn_dequantized(w[e, cut], 4, 32, sym=True)
+            ex = getattr(getattr(layer, block), "experts", None)
+            if ex is None:
+                continue
+            I = ex.gate_up_proj.shape[2 if transposed else 1] // 2
+            for e in range(ex.gate_up_proj.shape[0]):
+                gu = ex.gate_up_proj[e].T if transposed else ex.gate_up_proj[e]  # [2I, H] views
+                dn = ex.down_proj[e].T if transposed else ex.down_proj[e]  # [H, I]
+                for w in (gu[:I], gu[I:], dn):
+                    w.copy_(rtn_dequantized(w, 4, 32, sym=True))
     m = load(out, device="cpu")
-    assert len(m.moe_layers) == 2
+    assert len(m.moe_layers) == len(manifest)
     torch.manual_seed(1)
     for prefix, layer in m.moe_layers.items():
         ours = layer.block(x := torch.randn(5, layer.hidden_size, dtype=torch.bfloat16))
-        theirs = model.model.layers[layer.entry.raw["layer"]].mlp(x.float().unsqueeze(0))
+        theirs = getattr(model.model.layers[layer.entry.raw["layer"]], block)(x.float().unsqueeze(0))
         theirs = (theirs[0] if isinstance(theirs, tuple) else theirs).reshape(ours.shape)
         err = (ours.float() - theirs).abs().max() / theirs.abs().max()
         assert err < 0.03, f"{prefix}: runtime block differs from transformers' by {err:.3g}"

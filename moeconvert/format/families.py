@@ -235,7 +235,10 @@ FAMILIES: tuple[FamilySpec, ...] = (
               _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
               _k("interleave_moe_layer_step", "int>=1", 1), _k("moe_layers", "list[int>=0]", None, nullable=True)),
         experts_key="num_local_experts", intermediate_key="intermediate_size", moe_layers=INTERLEAVE,
-        block="feed_forward", storage=(FUSED_TRANSPOSED,), expert_bias=False, routing="topk_sigmoid", router_on_input=True,
+        # quantized checkpoints hold the experts per expert (llm-compressor's Llama 4 calibration module unfuses
+        # them into one MLP per expert); vLLM's Llama4Model.load_weights maps both forms
+        block="feed_forward", storage=(FUSED_TRANSPOSED, PER_EXPERT), expert_bias=False, routing="topk_sigmoid",
+        router_on_input=True,
         router=("router",), shared=("shared_expert",), wrappers=("llama4",), plugin_proven=True),
     _deepseek_style("glm-moe-dsa", ("glm_moe_dsa",), ("GlmMoeDsaConfig", "GlmMoeDsaMoE"), ("GlmMoeDsaForCausalLM",),
                     rule=MLP_LAYER_TYPES, extra=(_k("mlp_layer_types", "list[str]", None, nullable=True),),

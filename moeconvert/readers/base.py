@@ -144,8 +144,8 @@ class Reader:
         """Checks a fused layer's tensors (``names``: gate_up / down -> suffix -> tensor), stored as
         ``storage`` says, against the config's sizes (``sizes``: E, H, I and the keys that gave them,
         modelmap.ConfigSizes); returns its scheme."""
-        # the quantizers of the fused families (GPTQModel, AutoRound, llm-compressor) write quantized
-        # experts per expert (experts.E.gate_proj.qweight ...), as vLLM's per-expert loaders read them
+        # the quantizers we know of for the fused families (GPTQModel's qwen3_5_moe, llm-compressor's Qwen3.5
+        # and Llama 4 calibration modules) write quantized experts per expert (experts.E.gate_proj.qweight ...)
         name = next(iter(names["gate_up"].values()), prefix)
         raise MoeConvertError(f"experts stored fused (3-D) are not read for {self.title} checkpoints: quantized "
                               "experts are read per expert", file=source.tensors[name].file.name
