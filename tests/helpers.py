@@ -581,9 +581,13 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "ernie4_5_moe": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, moe_num_experts=8,
                          moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1),
     "hunyuan_v1_moe": dict(_TINY, num_hidden_layers=2, intermediate_size=32, num_experts=8, moe_topk=2),
-    # moe_layer_freq: MiMo-V2-Flash's config.json writes it and vLLM's MiMoV2 model reads it
+    # moe_layer_freq, hybrid_layer_pattern, layernorm_epsilon, swa_*, sliding_window_size: MiMo-V2-Flash's config.json
+    # writes them and vLLM's MiMoV2 model reads them (transformers' config class keeps them as they are)
     "mimo_v2_flash": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, n_routed_experts=8,
-                          num_experts_per_tok=2, n_group=2, topk_group=1, v_head_dim=16, moe_layer_freq=[0, 1]),
+                          num_experts_per_tok=2, n_group=2, topk_group=1, v_head_dim=16, moe_layer_freq=[0, 1],
+                          hybrid_layer_pattern=[0, 1], layernorm_epsilon=1e-5, swa_num_attention_heads=4,
+                          swa_num_key_value_heads=2, swa_head_dim=16, swa_v_head_dim=16, sliding_window_size=128,
+                          add_swa_attention_sink_bias=True),
     "qwen3_next": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, num_experts=8,
                        num_experts_per_tok=2, shared_expert_intermediate_size=32, norm_topk_prob=True,
                        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,

@@ -536,6 +536,7 @@ FAMILY_FOLDERS = {
     # moe_statics.e_score_correction_bias goes to the gate (vLLM's Ernie4_5_MoeModel.load_weights)
     "ernie4.5-moe": (("transformers", "ernie4_5_moe", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
     "hunyuan-v1-moe": (("transformers", "hunyuan_v1_moe", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    "mimo-v2": (("transformers", "mimo_v2_flash", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
 }
 #: the class vLLM builds where it is not one of the family's (vLLM's registry maps HunYuanMoEV1ForCausalLM to its
 #: transformers backend)

@@ -290,7 +290,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
               # the published config.json writes null (transformers reads it as 1.0)
               _k("routed_scaling_factor", "number>0", 1.0, nullable=True), _k("n_group", "int>=1", 1),
               _k("topk_group", "int>=1", 1)),
-        experts_key="n_routed_experts", moe_layers=MLP_LAYER_TYPES, routing="grouped"),
+        experts_key="n_routed_experts", moe_layers=MLP_LAYER_TYPES, routing="grouped", plugin_proven=True),
     # No transformers class: the keys are those vLLM 0.33.0's BailingMoE reads from the checkpoint's own config
     # (vllm/model_executor/models/bailing_moe.py; Ling-lite writes model_type bailing_moe, Ling 2.0
     # bailing_moe_v2), the tensor names those its BailingMoeModel loads (mlp.experts.E.{gate,up,down}_proj,
@@ -302,7 +302,9 @@ FAMILIES: tuple[FamilySpec, ...] = (
         keys=(_H, _k("num_experts", "int>=1"), _k("moe_intermediate_size", "int>=1"),
               _k("num_experts_per_tok", "int>=1"), _k("num_hidden_layers", "int>=1"),
               _k("first_k_dense_replace", "int>=0")),
-        moe_layers=FIRST_K_DENSE, routing=None, shared=("shared_experts",)),
+        moe_layers=FIRST_K_DENSE, routing=None, shared=("shared_experts",),
+        plugin_unprovable="vLLM builds its config from the checkpoint's own remote code (--trust-remote-code: "
+                          "transformers has no bailing_moe class), which no checkpoint made here can ship"),
     FamilySpec(
         "step3p5", ("step3p5",), ("Step3p7TextConfig",), ("Step3p5ForCausalLM",),
         refused="Step-3.5 stores its routed experts as three 3-D tensors moe.{gate,up,down}_proj.weight (vLLM's "
