@@ -37,6 +37,11 @@ _FUSED = re.compile(
     r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe|feed_forward)\.experts)"
     r"\.(?P<proj>gate_up_proj|down_proj)(?P<suffix>|_bias|_blocks|_scales)$"
 )
+# A fused projection with a further suffix (``experts.gate_up_proj.qweight``, ``experts.down_proj_weight_scale``):
+# a quantized fused form, which no reader takes
+_FUSED_OTHER = re.compile(
+    r"^(?:.*\.)?layers\.\d+\.(?:mlp|block_sparse_moe|feed_forward)\.experts\.(?:gate_up_proj|down_proj)[._]\w"
+)
 
 # Any layer's tensors (attention, norms, experts, MTP): bounds what num_hidden_layers may claim.
 _ANY_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -58,17 +63,27 @@ def sparse_layers(fam: Family, values: dict, section: str = "") -> "SparseLayers
         return SparseLayers(n, first=step - 1, step=step, skip=frozenset(values["mlp_only_layers"] or ()))
     if rule == FIRST_K_DENSE:
         # transformers' DeepSeek decoder layer: sparse when i >= first_k_dense_replace and i % moe_layer_freq == 0
-        k, freq = values["first_k_dense_replace"], values["moe_layer_freq"]
+        # (a family whose model reads no layer frequency, Bailing's, declares none: every layer from k on)
+        k, freq = values["first_k_dense_replace"], values.get("moe_layer_freq", 1)
         return SparseLayers(n, first=-(-k // freq) * freq, step=freq)
     if rule == MLP_LAYER_TYPES:
         types = values["mlp_layer_types"]
         if types is None:  # transformers' default: the first first_k_dense_replace layers dense
-            return SparseLayers(n, first=values["first_k_dense_replace"], step=1)
-        if len(types) != n or any(t not in ("dense", "sparse") for t in types):
+            sparse = SparseLayers(n, first=values["first_k_dense_replace"], step=1)
+        elif len(types) != n or any(t not in ("dense", "sparse") for t in types):
             raise MoeConvertError("invalid value", file=CONFIG_NAME, tensor=f"{section}mlp_layer_types",
                                   expected=f'{n} entries ({section}num_hidden_layers), each "dense" or "sparse"',
                                   found=show_value(types))
-        return SparseLayers(n, first=0, step=1, skip=frozenset(i for i, t in enumerate(types) if t != "sparse"))
+        else:
+            sparse = SparseLayers(n, first=0, step=1, skip=frozenset(i for i, t in enumerate(types) if t != "sparse"))
+        flags = values.get("moe_layer_freq")
+        # MiMo-V2: vLLM's MiMoV2FlashDecoderLayer.is_moe_layer reads a per-layer list instead; both must agree
+        if isinstance(flags, list) and (len(flags) < n or any(bool(flags[i]) != (i in sparse) for i in range(n))):
+            raise MoeConvertError("moe_layer_freq disagrees with mlp_layer_types", file=CONFIG_NAME,
+                                  tensor=f"{section}moe_layer_freq",
+                                  expected=f"at least {n} entries, nonzero exactly at the sparse layers",
+                                  found=show_value(flags))
+        return sparse
     if rule == INTERLEAVE:
         # vLLM's Llama4DecoderLayer: MoE when (i + 1) % interleave_moe_layer_step == 0; transformers'
         # moe_layers list, when written, must say the same
@@ -193,6 +208,11 @@ def map_model(source: Source) -> ModelMap:
                               found=show_value(values[fam.activation_key]))
     fmt = source_format(raw_cfg)
     sizes = _sizes(cfg, values, fam, section)
+    odd = next((n for n in source.tensors if _FUSED_OTHER.match(n) and not _FUSED.match(n)), None)
+    if odd is not None:
+        raise MoeConvertError("quantized experts stored fused (3-D) are not read: quantized experts are read per "
+                              "expert", file=source.tensors[odd].file.name, tensor=odd,
+                              expected=_expected_names(fam, per_expert=True))
     fused = any(m and m["block"] == fam.block for m in map(_FUSED.match, source.tensors))
     if fused and not set(fam.storage) - {PER_EXPERT}:
         name = next(n for n in source.tensors if _FUSED.match(n))
@@ -235,8 +255,8 @@ def _check_sparse_layers(source: Source, fam: Family, values: dict, section: str
                                   file=str(source.ident), tensor=f"layers.{i}")
 
 
-def _expected_names(fam: Family) -> str:
-    if PER_EXPERT not in fam.storage:
+def _expected_names(fam: Family, per_expert: bool = False) -> str:
+    if PER_EXPERT not in fam.storage and not per_expert:
         return f"model.layers.L.{fam.block}.experts.{{gate_up_proj,down_proj}}"
     return f"…layers.L.{fam.block}.experts.E.{{" + ",".join(fam.roles) + "}.weight"
 
@@ -384,6 +404,7 @@ def _map_per_expert(source: Source, fam: Family, values: dict, fmt: SourceFormat
             has_bias=has_bias,
             bias_dtype=float_dtype_name(source.tensors[first["gate"]["bias"]].dtype) if has_bias else None,
             fused=False, format=reader.name, format_config=fmt.config, experts=ex_list, router=router, shared=shared,
+            router_on_input=fam.router_on_input,
         ))
     return layers
 

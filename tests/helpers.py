@@ -572,6 +572,22 @@ FAMILY_CONFIGS: dict[str, dict] = {
                         num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
                         kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, index_head_dim=16,
                         index_n_heads=2),
+    # first_k_dense_replace: GLM-4.7-Flash's config.json writes it and vLLM's Glm4MoeLite model reads it
+    # (transformers' config class keeps it as it is, and says the same with mlp_layer_types)
+    "glm4_moe_lite": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, n_routed_experts=8,
+                          num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=32,
+                          first_k_dense_replace=1,
+                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+    "ernie4_5_moe": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, moe_num_experts=8,
+                         moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1),
+    "hunyuan_v1_moe": dict(_TINY, num_hidden_layers=2, intermediate_size=32, num_experts=8, moe_topk=2),
+    # moe_layer_freq, hybrid_layer_pattern, layernorm_epsilon, swa_*, sliding_window_size: MiMo-V2-Flash's config.json
+    # writes them and vLLM's MiMoV2 model reads them (transformers' config class keeps them as they are)
+    "mimo_v2_flash": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, n_routed_experts=8,
+                          num_experts_per_tok=2, n_group=2, topk_group=1, v_head_dim=16, moe_layer_freq=[0, 1],
+                          hybrid_layer_pattern=[0, 1], layernorm_epsilon=1e-5, swa_num_attention_heads=4,
+                          swa_num_key_value_heads=2, swa_head_dim=16, swa_v_head_dim=16, sliding_window_size=128,
+                          add_swa_attention_sink_bias=True),
     "qwen3_next": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, num_experts=8,
                        num_experts_per_tok=2, shared_expert_intermediate_size=32, norm_topk_prob=True,
                        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
@@ -579,15 +595,16 @@ FAMILY_CONFIGS: dict[str, dict] = {
 }
 
 
-def make_family_checkpoint(out: Path, model_type: str, *, fused: bool = False, seed: int = 0) -> Path:
+def make_family_checkpoint(out: Path, model_type: str, *, fused: bool = False, seed: int = 0, **config) -> Path:
     """A tiny random checkpoint of ``model_type`` written by transformers: ``save_pretrained``'s own files,
     or with ``fused`` the model's tensors as it holds them (3-D experts: how published Qwen3.5 checkpoints
-    store them, since save_pretrained splits them per expert) with save_pretrained's config.json."""
+    store them, since save_pretrained splits them per expert) with save_pretrained's config.json;
+    ``config`` overrides the tiny config's keywords."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(model_type, **FAMILY_CONFIGS[model_type])
+    cfg = AutoConfig.for_model(model_type, **{**FAMILY_CONFIGS[model_type], **config})
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     with torch.no_grad():  # some experts are created empty (uninitialised): draw every parameter
         for p in model.parameters():
@@ -600,6 +617,115 @@ def make_family_checkpoint(out: Path, model_type: str, *, fused: bool = False, s
     else:
         model.save_pretrained(out)
     return out
+
+
+def split_fused_experts(src: Path, dst: Path, transposed: bool) -> Path:
+    """``src`` with each fused ``experts.gate_up_proj`` / ``experts.down_proj`` split into one
+    ``experts.E.{gate_proj,up_proj,down_proj}.weight [N, K]`` per expert, as llm-compressor's calibration
+    modules save Llama 4 / Qwen3.5 experts (one MLP per expert); ``transposed``: stored ``x @ W``
+    (``[E, H, 2I]``, ``[E, I, H]``: Llama 4), else ``[E, 2I, H]``, ``[E, H, I]``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    out = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for k, t in load_file(f).items():
+            if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                t = t.transpose(1, 2) if transposed else t  # [E, N, K]
+                module, proj = k.rsplit(".", 1)
+                if proj == "down_proj":
+                    out.update({f"{module}.{e}.down_proj.weight": t[e].contiguous() for e in range(t.shape[0])})
+                    continue
+                I = t.shape[1] // 2
+                for e in range(t.shape[0]):
+                    out[f"{module}.{e}.gate_proj.weight"] = t[e, :I].contiguous()
+                    out[f"{module}.{e}.up_proj.weight"] = t[e, I:].contiguous()
+            else:
+                out[k] = t
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def make_bailing_checkpoint(out: Path, *, E: int = 8, H: int = 64, I: int = 32, seed: int = 0) -> Path:
+    """A tiny Ling 2.0 (``bailing_moe_v2``) checkpoint: transformers has no class for it, so its config holds
+    the fields vLLM 0.33.0's BailingMoE / BailingMoeBlock read (vllm/model_executor/models/bailing_moe.py:
+    num_experts, num_experts_per_tok, moe_intermediate_size, num_shared_experts, first_k_dense_replace,
+    score_function, moe_router_enable_expert_bias, n_group, topk_group, routed_scaling_factor,
+    norm_topk_prob), and its tensors the names that model's load_weights maps: layer 0 dense
+    (``mlp.{gate,up,down}_proj``), layer 1 MoE (``mlp.gate.weight``, ``mlp.gate.expert_bias``,
+    ``mlp.experts.E.{gate,up,down}_proj.weight``, ``mlp.shared_experts.*``), attention as
+    ``attention.query_key_value`` / ``attention.dense``, embeddings as ``model.word_embeddings``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
+
+    heads, kv, hd, vocab = 4, 2, 16, 128
+    t = {"model.word_embeddings.weight": w(vocab, H), "model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
+         "lm_head.weight": w(vocab, H)}
+    for L in range(2):
+        p = f"model.layers.{L}"
+        t.update({f"{p}.input_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+                  f"{p}.post_attention_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+                  f"{p}.attention.query_key_value.weight": w((heads + 2 * kv) * hd, H),
+                  f"{p}.attention.dense.weight": w(H, heads * hd)})
+    t.update({f"model.layers.0.mlp.{n}.weight": w(*s) for n, s in
+              (("gate_proj", (4 * I, H)), ("up_proj", (4 * I, H)), ("down_proj", (H, 4 * I)))})
+    moe = "model.layers.1.mlp"
+    t[f"{moe}.gate.weight"] = w(E, H)
+    t[f"{moe}.gate.expert_bias"] = torch.zeros(E, dtype=torch.float32)
+    for n, s in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+        t[f"{moe}.shared_experts.{n}.weight"] = w(*s)
+        t.update({f"{moe}.experts.{e}.{n}.weight": w(*s) for e in range(E)})
+    out.mkdir(parents=True)
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = dict(model_type="bailing_moe_v2", architectures=["BailingMoeV2ForCausalLM"], vocab_size=vocab, hidden_size=H,
+               intermediate_size=4 * I, moe_intermediate_size=I, num_experts=E, num_shared_experts=1,
+               num_experts_per_tok=2, num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=heads,
+               num_key_value_heads=kv, head_dim=hd, hidden_act="silu", score_function="sigmoid",
+               moe_router_enable_expert_bias=True, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+               norm_topk_prob=True, use_bias=False, use_qkv_bias=False, rms_norm_eps=1e-6, torch_dtype="bfloat16")
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
+def wrap_text_model(src: Path, dst: Path, wrapper: str, architecture: str) -> Path:
+    """``src`` (a text model's checkpoint: ``model.*`` tensors) as its multimodal wrapper publishes it:
+    config.json ``{"model_type": wrapper, "text_config": ..., "quantization_config": ...}`` and the text
+    model's tensors under ``model.language_model.`` (transformers' Qwen3.5-MoE / Qwen3-VL checkpoint
+    mapping; e.g. Qwen/Qwen3.5-35B-A3B-GPTQ-Int4 loads experts from ``model.language_model.layers.L.mlp.experts``)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    save_file({("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads((src / "config.json").read_text())
+    text.pop("architectures", None)
+    cfg = {"model_type": wrapper, "architectures": [architecture], "text_config": text}
+    if "quantization_config" in text:
+        cfg["quantization_config"] = text.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    return dst
+
+
+def rtn_dequantized(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> torch.Tensor:
+    """What the round-to-nearest codes :func:`make_int_checkpoint` writes for ``w [N, K]`` stand for:
+    ``(u - zero) * scale`` per group, in float32."""
+    u, scale, zero = _rtn(w, bits, group_size, sym)
+    N, K = w.shape
+    g = K if group_size == -1 else group_size
+    return ((u.reshape(N, K // g, g) - zero[..., None]).float() * scale.float()[..., None]).reshape(N, K)
 
 
 def to_gptoss_mxfp4(src: Path, dst: Path) -> None:

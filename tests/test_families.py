@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli, make_family_checkpoint
+from helpers import (cli, make_bailing_checkpoint, make_family_checkpoint, make_int_checkpoint, rtn_dequantized,
+                     split_fused_experts, wrap_text_model)
 from moeconvert.errors import MoeConvertError
 from moeconvert.format.families import FAMILIES, REQUIRED, Key, read_keys
 
@@ -105,6 +106,7 @@ CASES = {  # id -> (model_type, save the model's fused tensors as it holds them,
     "minimax-m2": ("minimax_m2", False, "mlp"),  # block_sparse_moe on disk, mlp in memory
     "glm-moe-dsa": ("glm_moe_dsa", False, "mlp"),  # DeepSeek-style grouped routing under a new type
     "qwen3-next": ("qwen3_next", False, "mlp"),  # a shared expert with its sigmoid gate
+    "mimo-v2": ("mimo_v2_flash", False, "mlp"),  # grouped sigmoid routing; vLLM's per-layer moe_layer_freq
 }
 
 
@@ -150,6 +152,132 @@ def test_family_through_every_path(case, family_ckpts, tmp_path):
         assert err < 0.03, f"{prefix}: runtime block differs from transformers' by {err:.3g}"
 
 
+# -- quantized Qwen3.5-MoE: as GPTQModel publishes it (Qwen/Qwen3.5-397B-A17B-GPTQ-Int4, -35B-A3B-GPTQ-Int4) --
+# GPTQModel quantizes each expert as its own module (its qwen3_5_moe definition lists mlp.experts.{i}.gate_proj
+# ...), so the experts are stored per expert, under the multimodal wrapper's model.language_model. prefix:
+# model.language_model.layers.L.mlp.experts.E.gate_proj.{qweight,qzeros,scales,g_idx}. vLLM's Qwen3.5-MoE
+# (vllm/model_executor/models/qwen3_5.py) loads that prefix through its wrapper, and its RoutedExperts loader
+# takes per-expert 2-D tensors and fused 3-D ones alike.
+
+
+#: id -> (model_type, the tiny config's overrides (H 128, I 64: the smallest sizes Marlin takes), experts held
+#: transposed (x @ W), the MoE block's module, the multimodal wrapper and its architecture or None)
+GPTQ_CASES = {
+    "qwen3.5-moe": ("qwen3_5_moe_text", dict(hidden_size=128, moe_intermediate_size=64), False, "mlp",
+                    ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration")),
+    # llm-compressor's Llama 4 form: one MLP per expert (its calibration module unfuses Llama4TextExperts)
+    "llama4": ("llama4_text", dict(hidden_size=128, intermediate_size=64), True, "feed_forward", None),
+}
+
+
+@pytest.mark.parametrize("case", list(GPTQ_CASES))
+def test_quantized_fused_family_per_expert_through_every_path(case, tmp_path):
+    from moeconvert.runtime import load
+
+    mt, config, transposed, block, wrapper = GPTQ_CASES[case]
+    bf16 = make_family_checkpoint(tmp_path / "bf16", mt, fused=transposed, **config)
+    per_expert = split_fused_experts(bf16, tmp_path / "split", transposed) if transposed else bf16
+    src = make_int_checkpoint(per_expert, tmp_path / "gptq", "gptq", bits=4, group_size=32)
+    if wrapper:
+        src = wrap_text_model(src, tmp_path / "wrapped", *wrapper)
+    report = json.loads(cli("inspect", str(src), "--json", expect=0).out)
+    text = "model.language_model." if wrapper else "model."
+    assert report["family"] == case
+    assert [x["format"] for x in report["moe_layers"]] == ["gptq"] * len(report["moe_layers"])
+    assert all(x["prefix"].startswith(text + "layers.") and x["prefix"].endswith(f".{block}.experts")
+               for x in report["moe_layers"]), report["moe_layers"]
+    out = tmp_path / "marlin"
+    cli("repack", str(src), str(out), "--backend", "marlin", expect=0)
+    cli("verify", str(out), "--against", str(src), expect=0)
+    manifest = json.loads((out / "moeconvert.json").read_text())["moe_layers"]
+    assert [x.get("apply_router_weight_on_input", False) for x in manifest] == [case == "llama4"] * len(manifest)
+    # transformers' own MoE block holding the weights the GPTQ codes stand for
+    model = transformers.AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            ex = getattr(getattr(layer, block), "experts", None)
+            if ex is None:
+                continue
+            I = ex.gate_up_proj.shape[2 if transposed else 1] // 2
+            for e in range(ex.gate_up_proj.shape[0]):
+                gu = ex.gate_up_proj[e].T if transposed else ex.gate_up_proj[e]  # [2I, H] views
+                dn = ex.down_proj[e].T if transposed else ex.down_proj[e]  # [H, I]
+                for w in (gu[:I], gu[I:], dn):
+                    w.copy_(rtn_dequantized(w, 4, 32, sym=True))
+    m = load(out, device="cpu")
+    assert len(m.moe_layers) == len(manifest)
+    torch.manual_seed(1)
+    for prefix, layer in m.moe_layers.items():
+        ours = layer.block(x := torch.randn(5, layer.hidden_size, dtype=torch.bfloat16))
+        theirs = getattr(model.model.layers[layer.entry.raw["layer"]], block)(x.float().unsqueeze(0))
+        theirs = (theirs[0] if isinstance(theirs, tuple) else theirs).reshape(ours.shape)
+        err = (ours.float() - theirs).abs().max() / theirs.abs().max()
+        assert err < 0.03, f"{prefix}: runtime block differs from transformers' by {err:.3g}"
+
+
+_GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
+
+
+@pytest.mark.parametrize("case", ["qwen3.5-fused", "llama4-transposed"])
+@pytest.mark.parametrize("form", ["float", "qweight"])
+def test_quantized_fused_experts_refused_naming_the_tensor(case, form, family_ckpts, tmp_path):
+    # no quantizer we know of writes fused 3-D quantized experts (GPTQModel, AutoRound and llm-compressor
+    # quantize one module per expert): a GPTQ config over fused tensors, or a fused tensor with a quantized
+    # suffix, is refused on one line naming the tensor
+    from safetensors.torch import load_file, save_file
+
+    src, _ = family_ckpts(case)
+    bad = _copy(src, tmp_path / "bad", quantization_config=_GPTQ)
+    f = next(bad.glob("*.safetensors"))
+    if form == "qweight":
+        tensors = load_file(f)
+        for k in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            E, N, K = tensors.pop(k).shape
+            tensors[k + ".qweight"] = torch.zeros(E, K // 8, N, dtype=torch.int32)
+        save_file(tensors, str(f), metadata={"format": "pt"})
+        (bad / "model.safetensors.index.json").unlink(missing_ok=True)
+    r = cli("repack", str(bad), str(tmp_path / "out"), "--backend", "marlin", expect=2)
+    layer = {"qwen3.5-fused": 0, "llama4-transposed": 1}[case]  # the first MoE layer
+    tensor = f"layers.{layer}.{CASES[case][2]}.experts." + ("down_proj.qweight" if form == "qweight" else "gate_up_proj:")
+    assert tensor in r.err and "stored fused (3-D) are not read" in r.err, r.err
+    assert r.err.strip().count("\n") == 0 and not (tmp_path / "out").exists(), r.err
+
+
+def test_bailing_moe_through_every_path(tmp_path):
+    # Ling 2.0: no transformers class; its config fields and tensor names are those vLLM 0.33.0's
+    # vllm/model_executor/models/bailing_moe.py reads (helpers.make_bailing_checkpoint). The caller routes: each
+    # layer's experts run on given ids and weights, against SwiGLU experts written out here from the source
+    from safetensors.torch import load_file
+
+    from moeconvert.runtime import load
+
+    src = make_bailing_checkpoint(tmp_path / "src")
+    report = json.loads(cli("inspect", str(src), "--json", expect=0).out)
+    assert report["family"] == "bailing-moe"
+    assert [x["prefix"] for x in report["moe_layers"]] == ["model.layers.1.mlp.experts"]
+    plain, mx = tmp_path / "plain", tmp_path / "mx"
+    cli("repack", str(src), str(plain), "--backend", "plain", expect=0)
+    cli("quantize", str(src), str(mx), "--format", "mxfp4", "--backend", "marlin", expect=0)
+    for out in (plain, mx):
+        cli("verify", str(out), "--against", str(src), expect=0)
+    layer = load(plain, device="cpu").moe_layers["model.layers.1.mlp.experts"]
+    t = {k: v.float() for k, v in load_file(src / "model.safetensors").items()}
+    torch.manual_seed(1)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(5)]).to(torch.int32)
+    weights = torch.rand(5, 2)
+    want = torch.zeros(5, 64)
+    for m in range(5):
+        for j in range(2):
+            e = f"model.layers.1.mlp.experts.{int(ids[m, j])}"
+            h = torch.nn.functional.silu(x[m].float() @ t[f"{e}.gate_proj.weight"].T) * (x[m].float() @ t[f"{e}.up_proj.weight"].T)
+            want[m] += weights[m, j] * (h @ t[f"{e}.down_proj.weight"].T)
+    got = layer(x, weights, ids).float()
+    assert (got - want).abs().max() / want.abs().max() < 0.03
+    manifest = json.loads((plain / "moeconvert.json").read_text())["moe_layers"][0]
+    assert {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.expert_bias"} <= set(manifest["router"])
+
+
 @pytest.mark.parametrize("case", ["llama4-transposed"])
 def test_router_weight_on_input_is_declared(case, family_ckpts, tmp_path):
     src, _ = family_ckpts(case)
@@ -175,6 +303,7 @@ def _copy(src: Path, dst: Path, **config) -> Path:
     ("llama4-transposed", {"num_local_experts": 16}, "config.json num_local_experts = 16"),
     ("llama4-transposed", {"interleave_moe_layer_step": 1, "moe_layers": None}, "layer 0 has routed experts"),
     ("llama4-transposed", {"moe_layers": [0]}, "moe_layers"),
+    ("mimo-v2", {"moe_layer_freq": [1, 1]}, "config.json: moe_layer_freq: moe_layer_freq disagrees with mlp_layer_types"),
 ])
 def test_contradictory_config_refused_on_one_line(case, edit, needle, family_ckpts, tmp_path):
     src, _ = family_ckpts(case)
@@ -201,11 +330,15 @@ def test_wrapper_with_wrong_text_config_refused(wrapper, text_type, needle, fami
     assert needle in r.err and r.err.strip().count("\n") == 0, r.err
 
 
-def test_refused_family_says_why_in_one_line(family_ckpts, tmp_path):
+@pytest.mark.parametrize("model_type,needle", [
+    ("deepseek_v4", "deepseek-v4 is not supported: DeepSeek-V4's routed experts are FP4"),
+    ("step3p5", "step3p5 is not supported: Step-3.5 stores its routed experts as three 3-D tensors"),
+])
+def test_refused_family_says_why_in_one_line(model_type, needle, family_ckpts, tmp_path):
     src, _ = family_ckpts("minimax-m2")
-    bad = _copy(src, tmp_path / "bad", model_type="deepseek_v4")
+    bad = _copy(src, tmp_path / "bad", model_type=model_type)
     r = cli("inspect", str(bad), expect=2)
-    assert "deepseek-v4 is not supported: DeepSeek-V4's routed experts are FP4" in r.err, r.err
+    assert needle in r.err and r.err.strip().count("\n") == 0, r.err
 
 
 # -- gpt-oss: a config or source value is never silently read as another ------------------------------

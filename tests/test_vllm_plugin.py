@@ -528,7 +528,19 @@ FAMILY_FOLDERS = {
     # fused and transposed in the checkpoint; the folder's w13_weight / w2_weight go through vLLM's Llama4
     # loader by its expert mapping; vLLM's Llama4MoE sets apply_router_weight_on_input on its layer itself
     "llama4": (("transformers", "llama4_text", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    # vLLM's own Qwen3_5MoeForCausalLM (its module imports torchvision: tests/vllm_stubs says why the child may
+    # stand it in), the experts per expert as save_pretrained writes them
+    "qwen3.5-moe": (("transformers", "qwen3_5_moe_text", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    "qwen3-next": (("transformers", "qwen3_next", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    "glm4-moe-lite": (("transformers", "glm4_moe_lite", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    # moe_statics.e_score_correction_bias goes to the gate (vLLM's Ernie4_5_MoeModel.load_weights)
+    "ernie4.5-moe": (("transformers", "ernie4_5_moe", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    "hunyuan-v1-moe": (("transformers", "hunyuan_v1_moe", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    "mimo-v2": (("transformers", "mimo_v2_flash", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
 }
+#: the class vLLM builds where it is not one of the family's (vLLM's registry maps HunYuanMoEV1ForCausalLM to its
+#: transformers backend)
+VLLM_BACKEND = {"hunyuan-v1-moe": "TransformersMoEForCausalLM"}
 #: families the plugin is proven on by the tests above (the whole model, or the loader's own weight_loader calls)
 PROVEN_ABOVE = {"qwen3-moe": test_vllm_loads_the_whole_model_from_the_folder,
                 "deepseek-v3": test_deepseek_v3_loads_through_each_parameters_own_loader,
@@ -558,9 +570,14 @@ def test_vllm_loads_each_proven_familys_whole_model(example_ckpt, tmp_path):
     unproven = [str(tmp_path / "mixtral"), "auto", "mixtral"]  # the table saying it is not proven on mixtral
     (tmp_path / "jobs.json").write_text(json.dumps(jobs + [unproven]))
     *results, refused = _child(tmp_path / "jobs.json", "--whole-models")
+    from moeconvert.format.families import BY_NAME
+
     for family, got in zip(FAMILY_FOLDERS, results):
         assert "error" not in got, (family, got["error"])
         assert got["quantization"] == "moeconvert", family
+        # vLLM's own model class, never its transformers fallback standing in for one it could not import
+        assert got["model_class"] in ((VLLM_BACKEND[family],) if family in VLLM_BACKEND else BY_NAME[family].vllm_classes), \
+            (family, got["model_class"])
         out = tmp_path / family
         files = _file_tensors(out)
         manifest = json.loads((out / "moeconvert.json").read_text())
@@ -579,15 +596,17 @@ def test_vllm_loads_each_proven_familys_whole_model(example_ckpt, tmp_path):
 
 
 def test_a_family_the_plugin_is_not_proven_on_keeps_the_sources_config_and_says_why(tmp_path):
-    """Qwen3-Next converts to a layout the plugin serves, but the plugin is not proven on the family: the folder
-    keeps the source's config.json (vLLM then never picks the plugin for it) and one warning says why."""
+    """GLM-5 (glm_moe_dsa) converts to a layout the plugin serves, but the plugin is not proven on the family
+    (vLLM's CPU platform cannot build its sparse attention): the folder keeps the source's config.json (vLLM
+    then never picks the plugin for it) and one warning says why."""
     from helpers import make_family_checkpoint
 
-    src = make_family_checkpoint(tmp_path / "src", "qwen3_next")
+    src = make_family_checkpoint(tmp_path / "src", "glm_moe_dsa")
     run = cli("quantize", src, tmp_path / "out", "--format", "mxfp4", "--backend", "marlin", expect=0)
     assert (tmp_path / "out" / "config.json").read_bytes() == (src / "config.json").read_bytes()
     line = next(w for w in run.err.splitlines() if "config.json: copied as it is" in w)
-    assert "the vLLM plugin has not been proven on qwen3-next models" in line, run.err
+    assert "the vLLM plugin has not been proven on glm-moe-dsa models (its DeepSeek sparse attention has no " \
+           "backend on vLLM's CPU platform" in line, run.err
 
 
 def test_the_plugin_is_a_vllm_entry_point():

@@ -28,6 +28,13 @@ from pathlib import Path
 GPU_MODES = ("--forward", "--bench", "--generate")
 if "--sources" in sys.argv or "--whole-models" in sys.argv or not any(m in sys.argv for m in GPU_MODES) and not sys.argv[1].endswith(".json"):
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:  # tests/vllm_stubs/torchvision says why
+        stubs = str(Path(__file__).parent / "vllm_stubs")
+        sys.path.insert(0, stubs)
+        # vLLM inspects model classes in a subprocess of its own (registry.py's _run_in_subprocess)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [stubs, os.environ.get("PYTHONPATH")]))
 
 
 def main() -> None:
@@ -506,6 +513,7 @@ def _whole_model(folder: Path, out: dict, load_format: str = "auto") -> dict:
         out["quantization"] = mc.quantization
         with one_process("cpu", model_config=mc, load_format=load_format) as vc:
             model = get_model(vllm_config=vc)
+            out["model_class"] = type(model).__name__
             for name, module in model.named_modules():
                 if isinstance(module, RoutedExperts):
                     loaded = sorted(f"routed_experts.{s}" for s in module.quant_method.loaded)

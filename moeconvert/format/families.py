@@ -131,6 +131,9 @@ class FamilySpec:
     #: the vLLM plugin was proven on this family on vLLM's CPU platform (tests/test_vllm_plugin.py: vLLM's
     #: layer holds the bytes its own processing makes from the source); the plugin refuses any other
     plugin_proven: bool = False
+    #: one line: why the plugin cannot be proven on this family on vLLM's CPU platform (what it lacks), where
+    #: that is known; the plugin's refusal says it
+    plugin_unprovable: str | None = None
 
     def key(self, name: str) -> Key:
         return next(k for k in self.keys if k.name == name)
@@ -207,14 +210,14 @@ FAMILIES: tuple[FamilySpec, ...] = (
               _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None)),
         # published checkpoints keep the experts fused as the model holds them; save_pretrained splits them
         storage=(FUSED, PER_EXPERT), expert_bias=False, routing="softmax", shared=("shared_expert", "shared_expert_gate"),
-        wrappers=("qwen3_5_moe",)),
+        wrappers=("qwen3_5_moe",), plugin_proven=True),
     FamilySpec(
         "qwen3-next", ("qwen3_next",), ("Qwen3NextConfig", "Qwen3NextSparseMoeBlock"), ("Qwen3NextForCausalLM",),
         keys=(_H, _k("num_experts", "int>=1", aliases=("num_local_experts",)), _k("moe_intermediate_size", "int>=1"),
               _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
               _k("decoder_sparse_step", "int>=1", 1), _k("mlp_only_layers", "list[int>=0]", [], nullable=True),
               *_QWEN_ROUTING),
-        moe_layers=SPARSE_STEP, shared=("shared_expert", "shared_expert_gate")),
+        moe_layers=SPARSE_STEP, shared=("shared_expert", "shared_expert_gate"), plugin_proven=True),
     FamilySpec(
         "minimax-m2", ("minimax_m2",), ("MiniMaxM2Config", "MiniMaxM2SparseMoeBlock", "MiniMaxM2TopKRouter"),
         ("MiniMaxM2ForCausalLM",),
@@ -232,14 +235,21 @@ FAMILIES: tuple[FamilySpec, ...] = (
               _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
               _k("interleave_moe_layer_step", "int>=1", 1), _k("moe_layers", "list[int>=0]", None, nullable=True)),
         experts_key="num_local_experts", intermediate_key="intermediate_size", moe_layers=INTERLEAVE,
-        block="feed_forward", storage=(FUSED_TRANSPOSED,), expert_bias=False, routing="topk_sigmoid", router_on_input=True,
+        # quantized checkpoints hold the experts per expert (llm-compressor's Llama 4 calibration module unfuses
+        # them into one MLP per expert); vLLM's Llama4Model.load_weights maps both forms
+        block="feed_forward", storage=(FUSED_TRANSPOSED, PER_EXPERT), expert_bias=False, routing="topk_sigmoid",
+        router_on_input=True,
         router=("router",), shared=("shared_expert",), wrappers=("llama4",), plugin_proven=True),
     _deepseek_style("glm-moe-dsa", ("glm_moe_dsa",), ("GlmMoeDsaConfig", "GlmMoeDsaMoE"), ("GlmMoeDsaForCausalLM",),
-                    rule=MLP_LAYER_TYPES, extra=(_k("mlp_layer_types", "list[str]", None, nullable=True),)),
+                    rule=MLP_LAYER_TYPES, extra=(_k("mlp_layer_types", "list[str]", None, nullable=True),),
+                    # vllm/platforms/cpu.py CpuPlatform.get_attn_backend_cls raises for use_sparse
+                    plugin_unprovable="its DeepSeek sparse attention has no backend on vLLM's CPU platform (vLLM "
+                                      "0.33.0: \"Sparse Attention is not supported on CPU\"), so its model never "
+                                      "builds there"),
     _deepseek_style("glm4-moe-lite", ("glm4_moe_lite",), ("Glm4MoeLiteConfig", "Glm4MoeLiteMoE"),
                     ("Glm4MoeLiteForCausalLM",), rule=MLP_LAYER_TYPES,
                     # transformers' Glm4MoeLiteConfig: layer 0 dense when mlp_layer_types is not given
-                    first_dense=1, extra=(_k("mlp_layer_types", "list[str]", None, nullable=True),)),
+                    first_dense=1, extra=(_k("mlp_layer_types", "list[str]", None, nullable=True),), plugin_proven=True),
     # vLLM 0.33.0 / 0.34.0 list Dots1ForCausalLM among the models they no longer support (registry.py's
     # _PREVIOUSLY_SUPPORTED_MODELS, last in 0.23.0): no vLLM the plugin serves has it
     _deepseek_style("dots1", ("dots1",), ("Dots1Config", "Dots1MoE", "Dots1TopkRouter"), ("Dots1ForCausalLM",),
@@ -254,7 +264,8 @@ FAMILIES: tuple[FamilySpec, ...] = (
               _k("moe_layer_interval", "int>=1", 1, nullable=True)),
         experts_key="moe_num_experts", top_k_key="moe_k", moe_layers=LAYER_RANGE,
         # softmax then the moe_statics bias for the choice, renormalised with moe_norm_min: not reproduced
-        routing=None, shared=("shared_experts",)),
+        # moe_statics.e_score_correction_bias: vLLM's Ernie4_5_MoeModel.load_weights renames it to the gate's
+        routing=None, router=("gate", "moe_statics"), shared=("shared_experts",), plugin_proven=True),
     # vLLM serves it through its transformers backend (registry.py maps it to TransformersMoEForCausalLM)
     FamilySpec(
         "hunyuan-v1-moe", ("hunyuan_v1_moe",), ("HunYuanMoEV1Config", "HunYuanMoEV1Experts"),
@@ -263,7 +274,42 @@ FAMILIES: tuple[FamilySpec, ...] = (
         keys=(_H, _k("num_experts", "int>=1"), _k("intermediate_size", "int>=1"),
               _k("moe_topk", "int>=1", None), _k("num_hidden_layers", "int>=1", None)),
         intermediate_key="intermediate_size", top_k_key="moe_topk", routing=None, router=("gate",),
-        shared=("shared_mlp",)),
+        shared=("shared_mlp",), plugin_proven=True),
+    # MiMo-V2-Flash: transformers' MiMoV2Flash classes; vLLM's MiMoV2MoE (vllm/model_executor/models/mimo_v2.py)
+    # routes the same way (sigmoid, gate.e_score_correction_bias for the choice, n_group / topk_group) and its
+    # MiMoV2FlashDecoderLayer.is_moe_layer reads the published per-layer moe_layer_freq list, which must agree
+    # with transformers' mlp_layer_types
+    FamilySpec(
+        "mimo-v2", ("mimo_v2_flash",), ("MiMoV2FlashConfig", "MiMoV2FlashMoE", "MiMoV2FlashTopkRouter"),
+        ("MiMoV2FlashForCausalLM",),
+        keys=(_H, _k("n_routed_experts", "int>=1", aliases=("num_local_experts",)), _k("moe_intermediate_size", "int>=1"),
+              _k("num_experts_per_tok", "int>=1", None), _k("num_hidden_layers", "int>=1", None),
+              # transformers' MiMoV2FlashConfig: layer 0 dense when mlp_layer_types is not given
+              _k("first_k_dense_replace", "int>=0", 1), _k("mlp_layer_types", "list[str]", None, nullable=True),
+              _k("moe_layer_freq", "list[int>=0]", None, nullable=True), _k("norm_topk_prob", "bool", True),
+              # the published config.json writes null (transformers reads it as 1.0)
+              _k("routed_scaling_factor", "number>0", 1.0, nullable=True), _k("n_group", "int>=1", 1),
+              _k("topk_group", "int>=1", 1)),
+        experts_key="n_routed_experts", moe_layers=MLP_LAYER_TYPES, routing="grouped", plugin_proven=True),
+    # No transformers class: the keys are those vLLM 0.33.0's BailingMoE reads from the checkpoint's own config
+    # (vllm/model_executor/models/bailing_moe.py; Ling-lite writes model_type bailing_moe, Ling 2.0
+    # bailing_moe_v2), the tensor names those its BailingMoeModel loads (mlp.experts.E.{gate,up,down}_proj,
+    # mlp.gate.weight and mlp.gate.expert_bias, mlp.shared_experts), the MoE layer rule its BailingMoeBlock's
+    # (layer_idx >= first_k_dense_replace; no layer frequency). Its router is softmax or sigmoid with the expert
+    # bias as score_function says, grouped when n_group is set: the caller routes.
+    FamilySpec(
+        "bailing-moe", ("bailing_moe", "bailing_moe_v2"), (), ("BailingMoeForCausalLM", "BailingMoeV2ForCausalLM"),
+        keys=(_H, _k("num_experts", "int>=1"), _k("moe_intermediate_size", "int>=1"),
+              _k("num_experts_per_tok", "int>=1"), _k("num_hidden_layers", "int>=1"),
+              _k("first_k_dense_replace", "int>=0")),
+        moe_layers=FIRST_K_DENSE, routing=None, shared=("shared_experts",),
+        plugin_unprovable="vLLM builds its config from the checkpoint's own remote code (--trust-remote-code: "
+                          "transformers has no bailing_moe class), which no checkpoint made here can ship"),
+    FamilySpec(
+        "step3p5", ("step3p5",), ("Step3p7TextConfig",), ("Step3p5ForCausalLM",),
+        refused="Step-3.5 stores its routed experts as three 3-D tensors moe.{gate,up,down}_proj.weight (vLLM's "
+                "Step3p5 loader), a storage the table does not have, and clamps the SwiGLU of some MoE layers only "
+                "(swiglu_limits, vLLM's swiglustep): an activation per layer, not per family"),
     FamilySpec(
         "deepseek-v4", ("deepseek_v4",), ("DeepseekV4Config",), ("DeepseekV4ForCausalLM",),
         refused="DeepSeek-V4's routed experts are FP4 in a format no source reader reads yet, and its first "
@@ -386,15 +432,23 @@ def table_markdown() -> str:
         keys = " / ".join(f"`{k}`" for k in (f.experts_key, f.top_k_key, f.intermediate_key))
         names = "/".join(f.roles) if PER_EXPERT in f.storage else ""
         stored = "; ".join(f"{st}" + (f" (`{f.block}.experts.E.{{{names}}}`)" if st == PER_EXPERT
-                                      else f" (`{f.block}.experts.gate_up_proj`)") for st in f.storage)
+                                      else f" (`{f.block}.experts.gate_up_proj`"
+                                      + (", float only" if st in (FUSED, FUSED_TRANSPOSED) else "") + ")")
+                           for st in f.storage)
         routing = f"{f.activation}, {f.routing or 'caller routes'}" + (", router weight on the input"
                                                                       if f.router_on_input else "")
         shared = ", ".join(f"`{s}`" for s in f.shared) or "none"
         name = f.name + (f" (planned only: {f.plan_only})" if f.plan_only else "")
-        hf = ", ".join(f.hf_classes) or "none (the keys of vLLM's config class)"
+        hf = ", ".join(f.hf_classes) or "none (the keys vLLM's model reads)"
         rows.append(f"| {name} | {types} | {keys} | {f.moe_layers} | {stored} | {routing} | {shared} | "
-                    f"{hf} | {_vllm_cell(f)} | {'served' if f.plugin_proven and f.vllm_versions else 'refused'} |")
+                    f"{hf} | {_vllm_cell(f)} | {_plugin_cell(f)} |")
     return "\n".join(rows) + "\n"
+
+
+def _plugin_cell(f: FamilySpec) -> str:
+    if f.plugin_proven and f.vllm_versions:
+        return "served"
+    return "refused" + (f": {f.plugin_unprovable}" if f.plugin_unprovable else "")
 
 
 def _vllm_cell(f: FamilySpec) -> str:

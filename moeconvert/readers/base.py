@@ -144,8 +144,13 @@ class Reader:
         """Checks a fused layer's tensors (``names``: gate_up / down -> suffix -> tensor), stored as
         ``storage`` says, against the config's sizes (``sizes``: E, H, I and the keys that gave them,
         modelmap.ConfigSizes); returns its scheme."""
-        raise MoeConvertError(f"experts stored fused (3-D) are not read for {self.title} checkpoints",
-                              file=str(source.ident), tensor=prefix)
+        # the quantizers we know of for the fused families (GPTQModel's qwen3_5_moe, llm-compressor's Qwen3.5
+        # and Llama 4 calibration modules) write quantized experts per expert (experts.E.gate_proj.qweight ...)
+        name = next(iter(names["gate_up"].values()), prefix)
+        raise MoeConvertError(f"experts stored fused (3-D) are not read for {self.title} checkpoints: quantized "
+                              "experts are read per expert", file=source.tensors[name].file.name
+                              if name in source.tensors else str(source.ident), tensor=name,
+                              expected=f"{prefix}.E.{{gate_proj,up_proj,down_proj}}.*")
 
     def decode_fused(self, source: Source, layer, part: Partition, e0: int, e1: int) -> ExpertBlock:
         """Global experts [e0, e1) of a fused layer, read one chunk of experts at a time (``rows=(e0, e1)``:

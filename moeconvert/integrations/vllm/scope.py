@@ -63,7 +63,8 @@ def family_refusal(family: str, vllm_version: str | None = None) -> str | None:
         return (f"vLLM {vllm_version} has no {family} model ({' / '.join(f.vllm_classes)} is not in its model "
                 f"registry; {has})")
     if not f.plugin_proven:
-        return (f"the vLLM plugin has not been proven on {family} models (it is on {', '.join(proven_families())}; "
+        why = f"{f.plugin_unprovable}; " if f.plugin_unprovable else ""
+        return (f"the vLLM plugin has not been proven on {family} models ({why}it is on {', '.join(proven_families())}; "
                 f"docs/families.md): serve the source checkpoint, or load the folder with moeconvert.runtime")
     return None
 
