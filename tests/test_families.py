@@ -456,10 +456,6 @@ def test_kimi_k3_full_shape_is_planned_one_chunk_of_a_layer_per_job(tmp_path):
     layer_jobs = [j for j in plan["jobs"] if j["kind"] == "layer"]
     assert sum(j["write_bytes"] for j in layer_jobs) == 2 * layer_bytes
     assert max(j["peak_bytes"] for j in plan["jobs"]) < layer_bytes // 50  # a chunk of experts, never a layer
-    # nothing runs SITU here yet: a real run is refused before anything is written
-    err = cli("repack", str(src), str(tmp_path / "real"), "--backend", "plain", expect=2).err
-    assert "kimi-k3 is planned, not converted" in err and err.strip().count("\n") == 0, err
-    assert not (tmp_path / "real").exists()
 
 
 @pytest.mark.parametrize("case", ["qwen3.5-fused", "llama4-transposed"])
@@ -489,3 +485,51 @@ def test_fused_experts_are_read_one_chunk_at_a_time_and_cut_for_tp(case, family_
     half = slice(I // 2, I)
     assert torch.equal(rank1.w13, torch.cat([block.w13[:, half], block.w13[:, I:][:, half]], 1))
     assert torch.equal(rank1.w2, block.w2[:, :, half])
+
+
+# Kimi-K3 (SITU): the bytes do not depend on the activation, only which kernels can run them
+# (docs/families.md, "Kimi-K3 and SITU"): written for the layouts whose vLLM experts run SITU, refused in
+# one line naming the layout and the activation for the others
+K3_WRITTEN = ("marlin", "humming", "emulation", "plain")
+K3_REFUSED = {"triton": "activation 'situ' has no triton_kernels MoE",
+              "triton-fast": "activation = situ: the triton-fast kernel applies silu or swigluoai",
+              "flashinfer-cutlass": "activation = situ: the FlashInfer CUTLASS MXFP4 kernel",
+              "flashinfer-trtllm": "activation = situ: the FlashInfer TRT-LLM MXFP4 kernel"}
+
+
+@pytest.mark.parametrize("backend", K3_WRITTEN)
+def test_kimi_k3_mxfp4_is_repacked_and_verified_declaring_situ(backend, kimi_k3_ckpt, tmp_path):
+    src, out = kimi_k3_ckpt("mxfp4"), tmp_path / "out"
+    cli("repack", str(src), str(out), "--backend", backend, expect=0)
+    cli("verify", str(out), "--against", str(src), expect=0)
+    layers = json.loads((out / "moeconvert.json").read_text())["moe_layers"]
+    assert [(m["activation"], m["activation_params"]) for m in layers] == [("situ", {"beta": 1.0, "linear_beta": 4.0})] * 2
+
+
+@pytest.mark.parametrize("backend", list(K3_REFUSED))
+def test_kimi_k3_layouts_whose_kernel_cannot_run_situ_are_refused(backend, kimi_k3_ckpt, tmp_path):
+    r = cli("repack", str(kimi_k3_ckpt("mxfp4")), str(tmp_path / "out"), "--backend", backend, expect=2)
+    assert f"backend '{backend}' cannot take this checkpoint" in r.err and K3_REFUSED[backend] in r.err, r.err
+    assert r.err.strip().count("\n") == 0 and not (tmp_path / "out").exists()
+
+
+def test_kimi_k3_bf16_is_quantized_to_marlin_mxfp4_and_verified(kimi_k3_ckpt, tmp_path):
+    src, out = kimi_k3_ckpt("bf16"), tmp_path / "out"
+    cli("quantize", str(src), str(out), "--format", "mxfp4", "--backend", "marlin", expect=0)
+    cli("verify", str(out), "--against", str(src), expect=0)
+    m = json.loads((out / "moeconvert.json").read_text())
+    assert m["family"] == "kimi-k3" and m["moe_layers"][0]["activation"] == "situ"
+    assert m["moe_layers"][0]["hidden_size"] == 64  # the latent the experts see, not the model's 128
+
+
+def test_triton_wna16_refuses_situ_naming_vllms_experts_class():
+    from moeconvert.canonical import LayerShape
+    from moeconvert.layouts import get_layout
+    from moeconvert.schemes import WNA16Scheme
+
+    layout = get_layout("triton", "wna16")
+    ok = layout._check(LayerShape(8, 256, 128), WNA16Scheme(bits=4, group_size=32, symmetric=True, scale_dtype="bfloat16"))
+    situ = layout._check(LayerShape(8, 256, 128, activation="situ"), WNA16Scheme(bits=4, group_size=32, symmetric=True, scale_dtype="bfloat16"))
+    assert ok == [] and situ == ["activation = situ: vLLM's TritonWNA16Experts does not run SITU (its "
+                                 "_supports_activation has no SITU in vLLM 0.33.0 / 0.34.0); the marlin and humming "
+                                 "layouts run it"]

@@ -334,8 +334,10 @@ FAMILIES: tuple[FamilySpec, ...] = (
         block="block_sparse_moe", roles={"w1": "gate", "w3": "up", "w2": "down"}, activation="situ",
         activation_params=(("activation_situ_beta", "beta"), ("activation_situ_linear_beta", "linear_beta")),
         activation_key="hidden_act", routing=None, shared=("shared_experts",), wrappers=("kimi_k3",),
-        plan_only="Kimi-K3's experts run SITU (vLLM's SituAndMul: beta * tanh(gate / beta) * sigmoid(gate) * up), "
-                  "which no kernel here runs yet: --dry-run plans the conversion, nothing is written"),
+        plugin_unprovable="vLLM builds Kimi-K3's MoE layers only inside its KimiDecoderLayer (vllm/models/kimi_k3/"
+                          "nvidia/model.py), next to KDA linear attention and NoPE MLA, which need config fields "
+                          "and tensors beyond the experts; the plugin has not been run on that model class on "
+                          "vLLM's CPU platform"),
 )
 
 #: family name -> the config ``model_type`` values that name it
@@ -435,7 +437,8 @@ def table_markdown() -> str:
                                       else f" (`{f.block}.experts.gate_up_proj`"
                                       + (", float only" if st in (FUSED, FUSED_TRANSPOSED) else "") + ")")
                            for st in f.storage)
-        routing = f"{f.activation}, {f.routing or 'caller routes'}" + (", router weight on the input"
+        params = f" ({', '.join(n for _, n in f.activation_params)})" if f.activation_params else ""
+        routing = f"{f.activation}{params}, {f.routing or 'caller routes'}" + (", router weight on the input"
                                                                       if f.router_on_input else "")
         shared = ", ".join(f"`{s}`" for s in f.shared) or "none"
         name = f.name + (f" (planned only: {f.plan_only})" if f.plan_only else "")

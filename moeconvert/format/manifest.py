@@ -39,7 +39,7 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 _QUANT_FORMATS = ("mxfp4",)
 #: activation -> the parameters it takes (docs/runtime.md, "Activations")
-_ACTIVATIONS = {"silu": (), "swigluoai": ("alpha", "limit")}
+_ACTIVATIONS = {"silu": (), "swigluoai": ("alpha", "limit"), "situ": ("beta", "linear_beta")}
 _MISSING = object()
 
 
