@@ -859,3 +859,48 @@ def vllm_supports_activation(version: str, rel: str, cls_name: str, activation: 
     method.decorator_list = []
     fn = exec_nodes([method], f"vllm/{rel}", ns)["_supports_activation"]
     return bool(fn(ns["MoEActivation"](activation)))
+
+
+def eval_c_activation(expr: str, a: float, b: float) -> float:
+    """A humming ``binary_split`` activation expression (the C subset vLLM and runtime/humming.py write: float
+    literals ``1.5f``, ``tanhf`` / ``expf`` / ``fminf`` / ``fmaxf``, or a ``[](float a, float b) {...}(a, b)``
+    lambda of ``const float`` lines and a ``return``) evaluated in Python doubles at ``a`` (gate), ``b`` (up)."""
+    import math
+    import re
+
+    def py(s: str) -> str:
+        s = re.sub(r"(\d+\.\d*(?:[eE][-+]?\d+)?)f\b", r"\1", s)
+        for c, p in (("tanhf", "math.tanh"), ("expf", "math.exp"), ("fminf", "min"), ("fmaxf", "max")):
+            s = re.sub(rf"\b{c}\b", p, s)
+        return s
+
+    ns = {"math": math, "a": a, "b": b}
+    lam = re.fullmatch(r"\s*\[\]\(float a, float b\)\s*\{(.*)\}\(a, b\)\s*", expr, re.S)
+    if lam is None:
+        return eval(py(expr), ns)  # noqa: S307 - our own and vLLM's expression text
+    for stmt in filter(None, (x.strip() for x in lam[1].split(";"))):
+        if stmt.startswith("return "):
+            return eval(py(stmt[len("return "):]), ns)  # noqa: S307
+        name, value = re.fullmatch(r"const float (\w+) = (.*)", stmt, re.S).groups()
+        ns[name] = eval(py(value), ns)  # noqa: S307
+    raise ValueError(f"no return in {expr!r}")
+
+
+def vllm_humming_activation(version: str, activation: str, situ_beta: float | None = None,
+                            situ_linear_beta: float | None = None) -> str:
+    """vLLM ``version``'s humming ``activation_impl`` for ``activation`` (its ``get_humming_activation``,
+    quantization/utils/humming/activation.py, run from source with its own ``MoEActivation`` and
+    ``ApplyMoEActivationConfig``)."""
+    import dataclasses
+    import enum
+
+    read = vllm_reader(version)
+    act_rel = "model_executor/layers/fused_moe/activation.py"
+    found = top_level(read(act_rel))
+    ns = exec_nodes([found["MoEActivation"], found["ApplyMoEActivationConfig"]], f"vllm/{act_rel}",
+                    {"Enum": enum.Enum, "dataclass": dataclasses.dataclass, "torch": torch})
+    rel = "model_executor/layers/quantization/utils/humming/activation.py"
+    nodes = [n for n in ast.parse(read(rel)).body if not isinstance(n, (ast.Import, ast.ImportFrom))]
+    ns = exec_nodes(nodes, f"vllm/{rel}", {**ns, "replace": dataclasses.replace})
+    config = ns["ApplyMoEActivationConfig"](activation_situ_beta=situ_beta, activation_situ_linear_beta=situ_linear_beta)
+    return ns["get_humming_activation"](ns["MoEActivation"](activation), config)["activation_impl"]
