@@ -490,9 +490,8 @@ def test_fused_experts_are_read_one_chunk_at_a_time_and_cut_for_tp(case, family_
 # Kimi-K3 (SITU): the bytes do not depend on the activation, only which kernels can run them
 # (docs/families.md, "Kimi-K3 and SITU"): written for the layouts whose vLLM experts run SITU, refused in
 # one line naming the layout and the activation for the others
-K3_WRITTEN = ("marlin", "humming", "emulation", "plain")
+K3_WRITTEN = ("marlin", "humming", "emulation", "plain", "triton-fast")
 K3_REFUSED = {"triton": "activation 'situ' has no triton_kernels MoE",
-              "triton-fast": "activation = situ: the triton-fast kernel applies silu or swigluoai",
               "flashinfer-cutlass": "activation = situ: the FlashInfer CUTLASS MXFP4 kernel",
               "flashinfer-trtllm": "activation = situ: the FlashInfer TRT-LLM MXFP4 kernel"}
 
