@@ -334,10 +334,10 @@ FAMILIES: tuple[FamilySpec, ...] = (
         block="block_sparse_moe", roles={"w1": "gate", "w3": "up", "w2": "down"}, activation="situ",
         activation_params=(("activation_situ_beta", "beta"), ("activation_situ_linear_beta", "linear_beta")),
         activation_key="hidden_act", routing=None, shared=("shared_experts",), wrappers=("kimi_k3",),
-        plugin_unprovable="vLLM builds Kimi-K3's MoE layers only inside its KimiDecoderLayer (vllm/models/kimi_k3/"
-                          "nvidia/model.py), next to KDA linear attention and NoPE MLA, which need config fields "
-                          "and tensors beyond the experts; the plugin has not been run on that model class on "
-                          "vLLM's CPU platform"),
+        plugin_unprovable="vLLM's KimiK3ForConditionalGeneration holds a MoonViT vision tower and KimiLinear "
+                          "decoder layers (KDA linear attention, NoPE MLA, a latent projection around each MoE: "
+                          "vllm/models/kimi_k3/nvidia/model.py) that the tiny checkpoint here does not carry; the "
+                          "plugin has not been run on that class on vLLM's CPU platform"),
 )
 
 #: family name -> the config ``model_type`` values that name it
