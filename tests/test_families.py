@@ -505,6 +505,17 @@ def test_kimi_k3_mxfp4_is_repacked_and_verified_declaring_situ(backend, kimi_k3_
     assert [(m["activation"], m["activation_params"]) for m in layers] == [("situ", {"beta": 1.0, "linear_beta": 4.0})] * 2
 
 
+def test_a_situ_manifest_takes_beta_and_linear_beta_only(kimi_k3_ckpt, tmp_path):
+    out = tmp_path / "out"
+    cli("repack", str(kimi_k3_ckpt("mxfp4")), str(out), "--backend", "plain", expect=0)
+    manifest = json.loads((out / "moeconvert.json").read_text())
+    manifest["moe_layers"][0]["activation_params"]["alpha"] = 1.702  # swigluoai's, not SITU's
+    (out / "moeconvert.json").write_text(json.dumps(manifest))
+    err = cli("verify", str(out), expect=2).err
+    assert err.strip() == ("moeconvert: error: moeconvert.json: moe_layers[0].activation_params.alpha: unknown "
+                           "parameter of situ (expected beta, linear_beta)"), err
+
+
 @pytest.mark.parametrize("backend", list(K3_REFUSED))
 def test_kimi_k3_layouts_whose_kernel_cannot_run_situ_are_refused(backend, kimi_k3_ckpt, tmp_path):
     r = cli("repack", str(kimi_k3_ckpt("mxfp4")), str(tmp_path / "out"), "--backend", backend, expect=2)
