@@ -314,3 +314,21 @@ def test_flashinfers_nvfp4_block_scale_interleave_equals_its_torch_swizzle(rows,
     s = torch.randint(0, 256, (rows, cols), generator=torch.Generator().manual_seed(rows + cols)).to(torch.uint8)
     real = flashinfer.nvfp4_block_scale_interleave(s.cuda()).cpu().view(torch.uint8).flatten()
     assert torch.equal(real, flashinfer_python()._swizzle_sf_128x4(s))
+
+
+def test_repack_then_verify_a_w4a4_checkpoint(example_ckpt, tmp_path):
+    """End to end on a compressed-tensors NVFP4 W4A4 checkpoint whose H and I vLLM pads (the example's, shared
+    with test_layout_humming_nvfp4.py): repack writes the padded layout, verify decodes it back to the source."""
+    import json
+
+    from helpers import cli
+
+    src = example_ckpt("qwen3-moe", scheme="nvfp4", intermediate_size=80)
+    out = tmp_path / "out"
+    cli("repack", src, out, "--backend", "flashinfer-trtllm", expect=0)
+    manifest = json.loads((out / "moeconvert.json").read_text())
+    entry = manifest["moe_layers"][0]
+    H, Ip = entry["layout_metadata"]["padded_hidden_size"], entry["layout_metadata"]["padded_intermediate_size"]
+    assert (H % 256, Ip) == (0, 128)
+    assert entry["tensors"]["w13_weight"]["shape"][1:] == [2 * Ip, H // 2]
+    assert "identical" in cli("verify", out, "--against", src, expect=0).out
