@@ -45,6 +45,7 @@ from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError, MoeConvertError
 from moeconvert.layouts import register
 from moeconvert.layouts.base import CHOICES, PARAMS_DTYPES, LayerScan, Layout, NotASlice, TensorSpec, TPCut, round_up
+from moeconvert.layouts.flashinfer_common import MADE_FOR
 from moeconvert.layouts.flashinfer_trtllm import shuffle_rows, swizzle_128x4, unswizzle_128x4
 from moeconvert.layouts.flashinfer_trtllm_mxfp4 import trtllm_w13_rows
 from moeconvert.layouts.marlin import _pad_halves, _unpad_halves
@@ -149,8 +150,9 @@ class FlashInferTrtllmNVFP4Layout(Layout):
     runtime_kernels = ()  # FlashInfer is not called by the runtime (yet)
     kernel = ("flashinfer.fused_moe.trtllm_fp4_block_scale_routed_moe (NVFP4 weights and activations, "
               "e4m3 group-16 scales; vLLM TrtLlmNvFp4Experts, SM100)")
-    #: vLLM 0.33.0 and 0.34.0 pin flashinfer-python 0.7.2.post1, whose helpers the oracle tests run
-    made_for = {"vllm": ["0.33.0", "0.34.0"], "flashinfer": "0.7.2.post1", "sm": "100"}
+    #: vLLM 0.34.0's processing gives these bytes too, with 0.7.2.post1's helpers; it pins flashinfer-python
+    #: 0.7.3, which could not be checked (docs/vllm.md, "vLLM versions"), so 0.33.0 only, as the MXFP4 layouts
+    made_for = MADE_FOR
 
     def _check(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         assert isinstance(scheme, NVFP4Scheme)
