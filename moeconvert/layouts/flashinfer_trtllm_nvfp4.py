@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import torch
 
@@ -142,17 +143,17 @@ class InputScan(LayerScan):
         return {sub: {MAX_INPUT: list(self.max[sub])} for sub in SUBLAYERS}
 
 
-@register
-class FlashInferTrtllmNVFP4Layout(Layout):
-    name = "flashinfer-trtllm"
-    version = 1
+class FlashInferNVFP4Layout(Layout):
+    """What the FlashInfer NVFP4 layouts share (this one and flashinfer_cutlass_nvfp4.py): the layers vLLM
+    builds them for, the layer's activation scales (:class:`InputScan`) and the per-expert scalars vLLM
+    folds them into. Not registered: each subclass is a layout."""
+
     schemes = ("nvfp4",)
-    runtime_kernels = ()  # FlashInfer is not called by the runtime (yet)
-    kernel = ("flashinfer.fused_moe.trtllm_fp4_block_scale_routed_moe (NVFP4 weights and activations, "
-              "e4m3 group-16 scales; vLLM TrtLlmNvFp4Experts, SM100)")
     #: vLLM 0.34.0's processing gives these bytes too, with 0.7.2.post1's helpers; it pins flashinfer-python
     #: 0.7.3, which could not be checked (docs/vllm.md, "vLLM versions"), so 0.33.0 only, as the MXFP4 layouts
     made_for = MADE_FOR
+    #: the per-expert fp32 tensors the layout writes after its weights and scales, in file order
+    scalars: ClassVar[tuple[str, ...]] = SCALARS
 
     def _check(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         assert isinstance(scheme, NVFP4Scheme)
@@ -174,17 +175,6 @@ class FlashInferTrtllmNVFP4Layout(Layout):
             problems.append("expert biases: compressed-tensors NVFP4 experts carry none, and vLLM's NVFP4 method "
                             "creates no bias parameters")
         return problems
-
-    def plan(self, shape: LayerShape, scheme: Scheme) -> list[TensorSpec]:
-        E = shape.num_experts
-        Hp, Ip = padded_sizes(shape.hidden_size, shape.intermediate_size)
-        f32, u8, e4m3 = torch.float32, torch.uint8, torch.float8_e4m3fn
-        return [
-            TensorSpec("w13_weight", (E, 2 * Ip, Hp // 2), u8),
-            TensorSpec("w13_weight_scale", (E, 2 * Ip, Hp // GROUP_SIZE), e4m3),
-            TensorSpec("w2_weight", (E, Hp, Ip // 2), u8),
-            TensorSpec("w2_weight_scale", (E, Hp, Ip // GROUP_SIZE), e4m3),
-        ] + [TensorSpec(name, (E,), f32) for name in SCALARS]
 
     # -- the layer's activation scales -------------------------------------------------------------------
 
@@ -226,30 +216,93 @@ class FlashInferTrtllmNVFP4Layout(Layout):
     def _inputs(self, shape: LayerShape) -> dict[str, float]:
         given = shape.extra.get(CHOICES)
         if given is None:
-            raise InternalError("flashinfer-trtllm nvfp4: the activation scales are a fact of the whole layer "
+            raise InternalError(f"{self.name} nvfp4: the activation scales are a fact of the whole layer "
                                 f"(LayerShape.extra[{CHOICES!r}], from its scan)")
         return given
 
-    def layer_metadata(self, shape: LayerShape, scheme: Scheme, facts: dict | None = None) -> dict:
-        Hp, Ip = padded_sizes(shape.hidden_size, shape.intermediate_size)
+    # -- what every FlashInfer NVFP4 encoding shares ----------------------------------------------------
+
+    def expected_block(self, block: ExpertBlock, shape: LayerShape) -> ExpertBlock:
+        """vLLM uses the gate's weight multiplier for the up rows too, and one activation multiplier per
+        sublayer, the layer's largest, for every expert."""
+        a = self._inputs(shape)
+        E = block.num_experts
+        return dataclasses.replace(block, w13_global=block.w13_global[:, :1].expand(-1, 2).contiguous(),
+                                   w13_input_global=torch.full((E, 2), a["w13"], dtype=torch.float32),
+                                   w2_input_global=torch.full((E,), a["w2"], dtype=torch.float32))
+
+    def _prepared(self, block: ExpertBlock, shape: LayerShape) -> None:
+        """What ``encode`` checks before it lays out a byte."""
+        self.require(shape, block.scheme)
+        self.require_block_sizes(block, shape)
+        _require_block(block, shape)
+        _input_multipliers(block)  # refuses a W4A16 block
+        for sub in SUBLAYERS:
+            _refuse_nan(getattr(block, f"{sub}_scale"), sub)
+
+    def _scalars(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
+        """The per-expert fp32 tensors (:attr:`scalars`). vLLM: ``a13_scale = amax(1 / w13_input_global_scale)
+        .repeat(E)``, fp32; the experts' ``process_weights_after_loading`` multiplies ``w13_weight_scale_2``
+        (the gate's ``1 / weight_global_scale``) by it in place (``g1_alphas``), and TRT-LLM's registers
+        ``g1_scale_c = g1_alphas * a2_gscale``, ``make_nvfp4_moe_quant_config``'s ``a2_gscale = 1.0 / a2_scale``,
+        every step in fp32."""
+        E = block.num_experts
+        a = {sub: torch.full((E,), v, dtype=torch.float32) for sub, v in self._inputs(shape).items()}
+        g = {"w13": block.w13_global[:, 0].float().contiguous(), "w2": block.w2_global.float().contiguous()}
+        alphas = {sub: g[sub] * a[sub] for sub in SUBLAYERS}
+        values = {**{ALPHAS[sub]: alphas[sub] for sub in SUBLAYERS}, G1_SCALE_C: alphas["w13"] * (1.0 / a["w2"]),
+                  **{INPUTS[sub]: a[sub] for sub in SUBLAYERS}, **{WEIGHT_GLOBALS[sub]: g[sub] for sub in SUBLAYERS}}
+        return {name: values[name] for name in self.scalars}
+
+    def _decoded_scalars(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The block's multipliers, read back from the weight multipliers and the input scales written."""
+        pair = lambda t: t.float().unsqueeze(1).expand(-1, 2).contiguous()  # noqa: E731
+        return {"w13_global": pair(tensors[WEIGHT_GLOBALS["w13"]]),
+                "w2_global": tensors[WEIGHT_GLOBALS["w2"]].float().contiguous(),
+                "w13_input_global": pair(tensors[INPUTS["w13"]]),
+                "w2_input_global": tensors[INPUTS["w2"]].float().contiguous()}
+
+    def _scan_metadata(self, shape: LayerShape, scheme: Scheme, facts: dict | None) -> dict:
         chosen = self.choices(facts, shape, scheme) if facts is not None else {}
         return {sub: {"input_scale": chosen.get(sub), MAX_INPUT: facts[sub][MAX_INPUT] if facts else None}
-                for sub in SUBLAYERS} | {
+                for sub in SUBLAYERS}
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+@register
+class FlashInferTrtllmNVFP4Layout(FlashInferNVFP4Layout):
+    name = "flashinfer-trtllm"
+    version = 1
+    runtime_kernels = ()  # FlashInfer is not called by the runtime (yet)
+    kernel = ("flashinfer.fused_moe.trtllm_fp4_block_scale_routed_moe (NVFP4 weights and activations, "
+              "e4m3 group-16 scales; vLLM TrtLlmNvFp4Experts, SM100)")
+
+    def plan(self, shape: LayerShape, scheme: Scheme) -> list[TensorSpec]:
+        E = shape.num_experts
+        Hp, Ip = padded_sizes(shape.hidden_size, shape.intermediate_size)
+        f32, u8, e4m3 = torch.float32, torch.uint8, torch.float8_e4m3fn
+        return [
+            TensorSpec("w13_weight", (E, 2 * Ip, Hp // 2), u8),
+            TensorSpec("w13_weight_scale", (E, 2 * Ip, Hp // GROUP_SIZE), e4m3),
+            TensorSpec("w2_weight", (E, Hp, Ip // 2), u8),
+            TensorSpec("w2_weight_scale", (E, Hp, Ip // GROUP_SIZE), e4m3),
+        ] + [TensorSpec(name, (E,), f32) for name in self.scalars]
+
+    def layer_metadata(self, shape: LayerShape, scheme: Scheme, facts: dict | None = None) -> dict:
+        Hp, Ip = padded_sizes(shape.hidden_size, shape.intermediate_size)
+        return self._scan_metadata(shape, scheme, facts) | {
             "padded_hidden_size": Hp, "padded_intermediate_size": Ip, "w13_rows": "up, gate pairs, shuffled",
             "epilogue_tile_m": 128, "scale_layout": "swizzled_128x4", "compute_capability": "10.x"}
 
     # -- encode / decode --------------------------------------------------------------------------------
 
     def encode(self, block: ExpertBlock, shape: LayerShape) -> dict[str, torch.Tensor]:
-        self.require(shape, block.scheme)
-        self.require_block_sizes(block, shape)
-        _require_block(block, shape)
-        _input_multipliers(block)  # refuses a W4A16 block
+        self._prepared(block, shape)
         H, I = shape.hidden_size, shape.intermediate_size
         Hp, Ip = padded_sizes(H, I)
         rows = _row_plan(Hp, Ip)
-        for sub in SUBLAYERS:
-            _refuse_nan(getattr(block, f"{sub}_scale"), sub)
 
         def w13(x: torch.Tensor, cols: int) -> torch.Tensor:
             return _rows(_pad_last(_pad_halves(x, 1, I, Ip), cols), rows.w13)
@@ -267,25 +320,7 @@ class FlashInferTrtllmNVFP4Layout(Layout):
             "w2_weight": w2(block.w2, Ip // 2),
             "w2_weight_scale": swizzled(w2(u8["w2"], Ip // GROUP_SIZE)),
         }
-        E = block.num_experts
-        # vLLM: a13_scale = amax(1 / w13_input_global_scale).repeat(E), fp32; g1_alphas = w13_scale_2 * a13
-        # in place (TrtLlmNvFp4ExpertsBase.process_weights_after_loading); g1_scale_c = g1_alphas * a2_gscale,
-        # where make_nvfp4_moe_quant_config's a2_gscale = 1.0 / a2_scale, every step in fp32
-        a = {sub: torch.full((E,), v, dtype=torch.float32) for sub, v in self._inputs(shape).items()}
-        g = {"w13": block.w13_global[:, 0].float().contiguous(), "w2": block.w2_global.float().contiguous()}
-        alphas = {sub: g[sub] * a[sub] for sub in SUBLAYERS}
-        values = {**{ALPHAS[sub]: alphas[sub] for sub in SUBLAYERS}, G1_SCALE_C: alphas["w13"] * (1.0 / a["w2"]),
-                  **{INPUTS[sub]: a[sub] for sub in SUBLAYERS}, **{WEIGHT_GLOBALS[sub]: g[sub] for sub in SUBLAYERS}}
-        return out | {name: values[name] for name in SCALARS}
-
-    def expected_block(self, block: ExpertBlock, shape: LayerShape) -> ExpertBlock:
-        """vLLM uses the gate's weight multiplier for the up rows too, and one activation multiplier per
-        sublayer, the layer's largest, for every expert."""
-        a = self._inputs(shape)
-        E = block.num_experts
-        return dataclasses.replace(block, w13_global=block.w13_global[:, :1].expand(-1, 2).contiguous(),
-                                   w13_input_global=torch.full((E, 2), a["w13"], dtype=torch.float32),
-                                   w2_input_global=torch.full((E,), a["w2"], dtype=torch.float32))
+        return out | self._scalars(block, shape)
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:
         H, I = shape.hidden_size, shape.intermediate_size
@@ -299,17 +334,13 @@ class FlashInferTrtllmNVFP4Layout(Layout):
         s2 = _rows(scales("w2_weight_scale", Hp, Ip // GROUP_SIZE), rows.w2_inverse)
         w13 = _rows(tensors["w13_weight"], rows.w13_inverse)
         w2 = _rows(tensors["w2_weight"], rows.w2_inverse)
-        g13 = tensors[WEIGHT_GLOBALS["w13"]].float()
         return ExpertBlock(
             scheme=scheme,
             w13=_unpad_halves(w13[:, :, :H // 2].contiguous(), 1, I, Ip),
             w13_scale=_unpad_halves(s13[:, :, :H // GROUP_SIZE].contiguous(), 1, I, Ip).view(torch.float8_e4m3fn),
             w2=w2[:, :H, :I // 2].contiguous(),
             w2_scale=s2[:, :H, :I // GROUP_SIZE].contiguous().view(torch.float8_e4m3fn),
-            w13_global=g13.unsqueeze(1).expand(-1, 2).contiguous(),
-            w2_global=tensors[WEIGHT_GLOBALS["w2"]].float().contiguous(),
-            w13_input_global=tensors[INPUTS["w13"]].float().unsqueeze(1).expand(-1, 2).contiguous(),
-            w2_input_global=tensors[INPUTS["w2"]].float().contiguous(),
+            **self._decoded_scalars(tensors),
         )
 
     def tp_cuts(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> dict[str, TPCut] | NotASlice:
