@@ -33,6 +33,7 @@ from moeconvert.schemes import NVFP4Scheme
 from helpers import FLASHINFER_SRC, exec_nodes, lift, package_reader, same_bits, top_level, undecorated, vllm_reader
 
 LAYOUT = get_layout("flashinfer-trtllm", "nvfp4")
+CUTLASS = get_layout("flashinfer-cutlass", "nvfp4")
 SCHEME = NVFP4Scheme()
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -113,8 +114,10 @@ _LIFTED = {
     "model_executor/layers/fused_moe/oracle/nvfp4.py":
         (["NvFp4MoeBackend", "FLASHINFER_NVFP4_MOE_BACKENDS", "is_global_sf_supported_for_nvfp4_backend", "_use_a16",
           "convert_to_nvfp4_moe_kernel_format", "make_nvfp4_moe_quant_config"], []),
+    "model_executor/layers/quantization/utils/nvfp4_utils.py": (["swizzle_blockscale"], []),
     "model_executor/layers/fused_moe/experts/trtllm_nvfp4_moe.py": (["TrtLlmNvFp4ExpertsBase"], []),
 }
+CUTLASS_EXPERTS = "model_executor/layers/fused_moe/experts/flashinfer_cutlass_moe.py"
 CT_METHOD = ("model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
              "compressed_tensors_moe_w4a4_nvfp4.py")
 
@@ -134,13 +137,18 @@ def vllm_trtllm_nvfp4(version: str) -> types.SimpleNamespace:
                 "envs": types.SimpleNamespace(VLLM_B12X_MOE_FP4_FORCE_A16=False,
                                               VLLM_FLASHINFER_CUTEDSL_MOE_LOCALIZE_FREE_FULL_WEIGHTS=False),
                 "is_weights_pre_processed": lambda: False,
-                "nvfp4_moe_quant_config": lambda **kw: types.SimpleNamespace(**kw)}
+                # an NVFP4 W4A4 config (``use_nvfp4_w4a4``), recording what it is given
+                "nvfp4_moe_quant_config": lambda **kw: types.SimpleNamespace(use_nvfp4_w4a4=True, **kw)}
     for rel, (names, optional) in _LIFTED.items():
         lift(read, rel, names, ns, optional=optional)
     cls = top_level(read(CT_METHOD))["CompressedTensorsW4A4Nvfp4MoEMethod"]
     methods = [n for n in cls.body if getattr(n, "name", "") in ("process_weights_after_loading",
                                                                   "get_fused_moe_quant_config")]
     exec_nodes(methods, f"vllm/{CT_METHOD}", ns)
+    # FlashInferExperts' own process_weights_after_loading, as a function of (experts, layer)
+    cutlass = top_level(read(CUTLASS_EXPERTS))["FlashInferExperts"]
+    pwal = next(n for n in cutlass.body if getattr(n, "name", "") == "process_weights_after_loading")
+    ns["cutlass_experts_pwal"] = exec_nodes([pwal], f"vllm/{CUTLASS_EXPERTS}", {"torch": torch})[pwal.name]
     return types.SimpleNamespace(read=read, **ns)
 
 
@@ -179,10 +187,12 @@ class _Layer(torch.nn.Module):
         return None
 
 
-def vllm_holds(ref, t: dict[str, torch.Tensor], shape: LayerShape, monkeypatch) -> dict[str, torch.Tensor]:
-    """The layer's tensors after vLLM's processing of a layer holding the checkpoint tensors ``t``: its
-    parameters and the activation scales it keeps as attributes."""
+def vllm_holds(ref, t: dict[str, torch.Tensor], shape: LayerShape, monkeypatch,
+               backend: str = "FLASHINFER_TRTLLM") -> dict[str, torch.Tensor]:
+    """The layer's tensors after vLLM's processing of a layer holding the checkpoint tensors ``t`` with
+    ``backend``: its parameters and the activation scales it keeps as attributes."""
     _fake_imports(ref, monkeypatch)
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)  # swizzle_blockscale's .cuda()
     E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size
     mod = _Layer()
     for name, tensor in t.items():
@@ -194,10 +204,14 @@ def vllm_holds(ref, t: dict[str, torch.Tensor], shape: LayerShape, monkeypatch) 
                                        moe_parallel_config=types.SimpleNamespace(enable_eplb=False))
     mod.moe_config = moe_config
     method = types.SimpleNamespace(moe=moe_config, use_a16=False, per_token_activation=False,
-                                   nvfp4_backend=ref.NvFp4MoeBackend.FLASHINFER_TRTLLM, experts_cls=object)
+                                   nvfp4_backend=ref.NvFp4MoeBackend[backend], experts_cls=object)
     method.get_fused_moe_quant_config = lambda layer: ref.get_fused_moe_quant_config(method, layer)
 
     def make_kernel(moe_quant_config, **kw):
+        if backend == "FLASHINFER_CUTLASS":
+            cutlass = types.SimpleNamespace(quant_config=moe_quant_config, keep_constants=lambda layer: None)
+            cutlass.process_weights_after_loading = lambda layer: ref.cutlass_experts_pwal(cutlass, layer)
+            return types.SimpleNamespace(fused_experts=cutlass)
         experts = object.__new__(ref.TrtLlmNvFp4ExpertsBase)
         experts.__dict__.update(quant_config=moe_quant_config, moe_config=moe_config, is_situ=False,
                                 gemm1_alpha=None, _gemm1_clamp_limit_unfolded=None, _gemm1_beta_unfolded=None)
@@ -213,11 +227,15 @@ def vllm_holds(ref, t: dict[str, torch.Tensor], shape: LayerShape, monkeypatch) 
     # the quant config the kernel reads: the same tensors, and the input quantization scales derived from them
     qc = method.moe_kernel.fused_experts.quant_config
     assert qc.g1_alphas is mod.w13_weight_scale_2 and qc.g2_alphas is mod.w2_weight_scale_2
-    assert same_bits(qc.a1_gscale, 1.0 / mod.w13_input_scale) and qc.is_scale_swizzled is False
-    assert method.moe_kernel.fused_experts.g1_scale_c is mod.g1_scale_c or same_bits(
-        method.moe_kernel.fused_experts.g1_scale_c, mod.g1_scale_c)
-    assert moe_config.hidden_dim == fn.padded_sizes(H, I)[0]
-    assert moe_config.intermediate_size_per_partition == fn.padded_sizes(H, I)[1]
+    assert same_bits(qc.a1_gscale, 1.0 / mod.w13_input_scale)
+    if backend == "FLASHINFER_TRTLLM":
+        assert qc.is_scale_swizzled is False
+        assert same_bits(method.moe_kernel.fused_experts.g1_scale_c, mod.g1_scale_c)
+        assert moe_config.hidden_dim == fn.padded_sizes(H, I)[0]
+        assert moe_config.intermediate_size_per_partition == fn.padded_sizes(H, I)[1]
+    else:
+        assert qc.is_scale_swizzled is True and (moe_config.hidden_dim, moe_config.intermediate_size_per_partition) \
+            == (H, I)
     return held
 
 
@@ -243,6 +261,33 @@ def test_bytes_equal_vllm_flashinfer_trtllm_nvfp4(monkeypatch, vllm_version, E, 
     for name in kernel_reads:
         assert same_bits(ours[name], theirs[name]), name
     assert not LAYOUT.decode(ours, shape, SCHEME).differences(LAYOUT.expected_block(block, shape))
+
+
+CUTLASS_CASES = [  # E, H, I, dtype: H = 144 pads w13's scale columns (9 -> 12) and w2's scale rows (144 -> 256)
+    (2, 256, 128, "bfloat16"),
+    (3, 144, 64, "float16"),
+]
+
+
+@pytest.mark.parametrize("E,H,I,dtype", CUTLASS_CASES)
+def test_bytes_equal_vllm_flashinfer_cutlass_nvfp4(monkeypatch, vllm_version, E, H, I, dtype):
+    ref = vllm_trtllm_nvfp4(vllm_version)
+    t = checkpoint(E, H, I, seed=E * H + I + 1)
+    block = canonical(t)
+    shape = scanned(block, layer(E, H, I, dtype))
+    theirs = vllm_holds(ref, t, shape, monkeypatch, backend="FLASHINFER_CUTLASS")
+    ours = CUTLASS.encode(block, shape)
+    kernel_reads = set(ours) - set(fn.WEIGHT_GLOBALS.values())
+    assert kernel_reads <= set(theirs) and "g1_scale_c" not in theirs
+    for name in kernel_reads:
+        assert same_bits(ours[name], theirs[name]), name
+    assert not CUTLASS.decode(ours, shape, SCHEME).differences(CUTLASS.expected_block(block, shape))
+
+
+def test_cutlass_refuses_an_intermediate_size_vllm_would_have_to_pad():
+    """vLLM raises NotImplementedError for a gated layer whose 2I is not a multiple of 128."""
+    assert any("2I must be a multiple of 128" in p for p in CUTLASS.check(layer(2, 256, 80), SCHEME))
+    assert CUTLASS.check(layer(2, 144, 64), SCHEME) == []
 
 
 def test_vllm_picks_flashinfer_trtllm_first_for_nvfp4(vllm_version):
