@@ -377,3 +377,10 @@ def test_repack_then_verify_a_w4a4_checkpoint(example_ckpt, tmp_path):
     assert (H % 256, Ip) == (0, 128)
     assert entry["tensors"]["w13_weight"]["shape"][1:] == [2 * Ip, H // 2]
     assert "identical" in cli("verify", out, "--against", src, expect=0).out
+
+
+def test_repack_flashinfer_cutlass_refuses_an_intermediate_size_vllm_cannot_hold(example_ckpt, tmp_path):
+    from helpers import assert_refused
+
+    src = example_ckpt("qwen3-moe", scheme="nvfp4", intermediate_size=80)
+    assert_refused(src, tmp_path / "out", "2I must be a multiple of 128", backend="flashinfer-cutlass")
