@@ -28,7 +28,8 @@ layout for which GPU", says where; tests/test_advice.py reads those places in vL
   CuteDSL, FlashInfer CUTLASS, vLLM's CUTLASS, Marlin, humming (``select_nvfp4_moe_backend``), humming moved
   ahead of Marlin on SM90. The FlashInfer and CUTLASS NVFP4 MoE kernels need SM100 or later: on Hopper
   humming (16-bit activations), which the humming NVFP4 layout holds; on SM100 FlashInfer TRT-LLM for W4A4
-  checkpoints, which the flashinfer-trtllm NVFP4 layout holds; on SM80-89 Marlin (on SM120 the CUTLASS kernels come first, which no layout here writes).
+  checkpoints, which the flashinfer-trtllm NVFP4 layout holds; on SM80-89 Marlin (on SM120 the CUTLASS
+  kernels come first, which no layout here writes).
 """
 
 from __future__ import annotations

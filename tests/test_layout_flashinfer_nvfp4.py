@@ -1,12 +1,14 @@
-"""The ``flashinfer-trtllm`` layout for NVFP4 experts (docs/layouts/flashinfer-nvfp4.md): what vLLM holds on SM100
-for a compressed-tensors ``nvfp4-pack-quantized`` W4A4 MoE layer served by FlashInfer's TRT-LLM-gen kernel.
+"""The ``flashinfer-trtllm`` and ``flashinfer-cutlass`` layouts for NVFP4 experts (docs/layouts/flashinfer-nvfp4.md):
+what vLLM holds on SM100 for a compressed-tensors ``nvfp4-pack-quantized`` W4A4 MoE layer served by FlashInfer.
 
 CPU, once per vLLM version: vLLM's own ``CompressedTensorsW4A4Nvfp4MoEMethod.process_weights_after_loading`` with
 its FLASHINFER_TRTLLM backend and every function it calls (``convert_to_nvfp4_moe_kernel_format``,
-``prepare_nvfp4_moe_layer_for_fi_or_cutlass``, the padding and w1/w3 swap, ``prepare_static_weights_for_trtllm_fp4_moe``,
-``make_nvfp4_moe_quant_config``, the experts' ``TrtLlmNvFp4ExpertsBase.process_weights_after_loading``), lifted out
-of that version's files and run on a CPU layer holding the checkpoint's tensors, over FlashInfer 0.7.2.post1's own
-row-permutation Python. FlashInfer's one compiled step, ``nvfp4_block_scale_interleave``, is stood in by
+``prepare_nvfp4_moe_layer_for_fi_or_cutlass``, the padding and w1/w3 swap,
+``prepare_static_weights_for_trtllm_fp4_moe``, ``make_nvfp4_moe_quant_config``, the experts'
+``TrtLlmNvFp4ExpertsBase.process_weights_after_loading``), and the same with FLASHINFER_CUTLASS (vLLM's
+``swizzle_blockscale``, ``FlashInferExperts.process_weights_after_loading``), lifted out of that version's
+files and run on a CPU layer holding the checkpoint's tensors, over FlashInfer 0.7.2.post1's own row-permutation
+Python. FlashInfer's one compiled step, ``nvfp4_block_scale_interleave``, is stood in by
 FlashInfer's own pure-torch 128x4 swizzle (``_swizzle_sf_128x4``), which the ``gpu`` test holds to the real op.
 decode(encode(x)) and the rest every layout owes: test_layout_contract.py.
 """
