@@ -386,3 +386,21 @@ def test_repack_flashinfer_cutlass_refuses_an_intermediate_size_vllm_cannot_hold
 
     src = example_ckpt("qwen3-moe", scheme="nvfp4", intermediate_size=80)
     assert_refused(src, tmp_path / "out", "2I must be a multiple of 128", backend="flashinfer-cutlass")
+
+
+def test_repack_refuses_a_w4a16_checkpoint_in_one_line_writing_nothing(example_ckpt, tmp_path):
+    """The example without its input global scales and input activations: a W4A16 NVFP4 checkpoint."""
+    from safetensors import safe_open
+
+    from helpers import assert_refused, damaged_copy, resave
+
+    def a16(qc):
+        for group in qc["config_groups"].values():
+            group["input_activations"] = None
+
+    src = damaged_copy(example_ckpt("qwen3-moe", scheme="nvfp4", intermediate_size=80), tmp_path,
+                       quantization_config=a16)
+    with safe_open(src / "model.safetensors", "pt") as f:
+        resave(src, drop=[k for k in f.keys() if k.endswith(".input_global_scale")])
+    assert_refused(src, tmp_path / "out", "input_global_scale", "W4A16", "--backend marlin",
+                   backend="flashinfer-trtllm")

@@ -124,8 +124,3 @@ class FlashInferCutlassNVFP4Layout(FlashInferNVFP4Layout):
             return rank
         return NotASlice("the scales are swizzled in tiles of 128 rows per rank, so a rank's tensors are not a "
                          "slice of the full ones")
-
-    def warnings(self, shape: LayerShape, scheme: Scheme) -> list[str]:
-        return ["flashinfer-cutlass NVFP4 runs on Blackwell (SM100 family), where vLLM tries FlashInfer TRT-LLM "
-                "first (--backend flashinfer-trtllm); this is what --moe-backend flashinfer_cutlass holds, for W4A4 "
-                "checkpoints; the vLLM plugin does not serve it yet"]

@@ -349,7 +349,3 @@ class FlashInferTrtllmNVFP4Layout(FlashInferNVFP4Layout):
             return rank
         return NotASlice("vLLM pads each rank's I to 64 on its own and shuffles each rank's rows in blocks of 32, "
                          "so a rank's tensors are not a slice of the full ones")
-
-    def warnings(self, shape: LayerShape, scheme: Scheme) -> list[str]:
-        return ["flashinfer-trtllm NVFP4 runs on Blackwell (SM100 family) only, for W4A4 checkpoints (NVFP4 "
-                "activations); the vLLM plugin does not serve it yet"]
