@@ -8,7 +8,8 @@ Per projection, as compressed-tensors' ``MXFP4PackedCompressor`` / ``NVFP4Packed
   (``compress_mx_scale``): the canonical scale byte as it is;
 * NVFP4: ``weight_scale [N, K/16]`` float8_e4m3fn, ``weight_global_scale [1]`` fp32 (the value is
   ``e2m1 * scale / global``) and, for W4A4 checkpoints, ``input_global_scale [1]`` fp32, which only
-  kernels that quantize activations read (Marlin runs weight-only on Hopper): it is checked and not kept.
+  kernels that quantize activations read (FlashInfer TRT-LLM; Marlin and humming run weight-only): kept as
+  the block's input multipliers, which the other layouts drop.
 
 The scheme is taken where vLLM 0.33.0 takes it (``CompressedTensorsMoEMethod.get_moe_method``): from the
 weights' arguments of the config group that holds the experts (``_is_mxfp4``: float, 4 bits, group 32,
@@ -192,4 +193,9 @@ class NVFP4PackQuantized(_FP4PackQuantized):
                                               file=source.info(name).file.name, tensor=name,
                                               expected="a finite value > 0", found=float(v.flatten()[0]))
             out[role] = 1.0 / source.read(ex[role]["weight_global_scale"]).float()
-        return {"w13_global": torch.cat([out["gate"], out["up"]]), "w2_global": out["down"][0]}
+        got = {"w13_global": torch.cat([out["gate"], out["up"]]), "w2_global": out["down"][0]}
+        if all("input_global_scale" in ex[role] for role in ROLES):
+            # W4A4: the activations' multipliers, ``1 / input_global_scale`` as vLLM divides them
+            inp = {role: 1.0 / source.read(ex[role]["input_global_scale"]).float() for role in ROLES}
+            got.update(w13_input_global=torch.cat([inp["gate"], inp["up"]]), w2_input_global=inp["down"][0])
+        return got
