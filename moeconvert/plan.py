@@ -22,7 +22,7 @@ from moeconvert.format import TORCH_TO_CODE
 from moeconvert.layouts import Layout, TensorSpec, get_layout
 from moeconvert.modelmap import ModelMap, MoELayerMap, map_model
 from moeconvert.quantize import Quantization, output_problems, padded_sizes
-from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme, WNA16Scheme
+from moeconvert.schemes import FloatScheme, MXFP4Scheme, NVFP4Scheme, Scheme, WNA16Scheme
 from moeconvert.sources import Source
 
 JOBS_DIR = ".jobs"  # inside the staging folder; removed before the output is published
@@ -295,7 +295,8 @@ def plan_conversion(source: Source, backend: str, part: Partition = Partition(),
                 stored[T] = st
             layers.append(LayerPlan(layer, shape, e0, specs, layout.layer_metadata(shape, scheme),
                                     layout.warnings(shape, scheme), planned, scheme, unpadded,
-                                    quant is not None and isinstance(layer.scheme, (FloatScheme, WNA16Scheme)), stored))
+                                    quant is not None and isinstance(layer.scheme, (FloatScheme, WNA16Scheme, NVFP4Scheme)),
+                                    stored))
         elif name not in moe_names:
             tensors.append(PlannedTensor(name, info.dtype, info.shape, info.nbytes, source=name))
     taken = {}
