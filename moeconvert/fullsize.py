@@ -147,9 +147,9 @@ def make_header_only(out_dir: str | Path, model: str = "deepseek-v3", num_layers
     if model not in MODELS:
         raise MoeConvertError("no full-size description of this model", tensor="--family",
                               expected=" | ".join(MODELS), found=model)
-    if scheme not in SCHEMES[model]:
+    if scheme not in SCHEMES.get(model, ("bf16",)):
         raise MoeConvertError(f"--header-only writes {model} in", tensor="--scheme",
-                              expected=" | ".join(SCHEMES[model]), found=scheme)
+                              expected=" | ".join(SCHEMES.get(model, ("bf16",))), found=scheme)
     c = json.loads(json.dumps(MODELS[model]))
     if scheme == "mxfp4":
         c["quantization_config"] = _KIMI_K3_MXFP4_CONFIG
