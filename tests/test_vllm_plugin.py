@@ -478,7 +478,9 @@ def source_checks(source_folders, tmp_path_factory):
                         (HUMMING_SOURCES, ["--humming", "--sources"])):
         jobs = tmp_path_factory.mktemp("source-jobs") / "jobs.json"
         jobs.write_text(json.dumps([[str(folders[n][1]), str(folders[n][0]), sorted(SOURCES[n][5])] for n in names]))
-        got.update(zip(names, _child(jobs, *mode)))
+        res = _child(jobs, *mode)
+        # a dict: the child failed before its first folder (e.g. humming-kernels not importable there)
+        got.update(zip(names, [res] * len(names) if isinstance(res, dict) else res))
     return got
 
 
@@ -499,6 +501,8 @@ def test_vllm_serves_a_folder_from_each_source_format(source_checks, source_fold
     every other layer gets, from the plugin's config, the method vLLM's own config of the source gives it (the
     config vLLM's ModelConfig picks for the source, updated from the source folder as vLLM updates it)."""
     got = source_checks[name]
+    if name in HUMMING_SOURCES and "No module named 'humming'" in got.get("error", ""):
+        pytest.skip("humming-kernels is not importable in vLLM's test Python (scripts/setup-vllm-cpu.sh installs it)")
     assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
     _, _, method, experts_class, config, linear = SOURCES[name]
     _, out = source_folders[0][name]
