@@ -194,7 +194,7 @@ def scheme_kind(model: ModelMap, quant: Quantization | None = None) -> str | Non
 
 
 def planned_as(model: ModelMap, shape: LayerShape) -> LayerShape:
-    """The shape a layout checks. A plan-only family (families.py: nothing is written for it) is checked
+    """The shape a layout checks in a plan (``inspect`` reports the layout's own answer). A plan-only family (families.py: nothing is written for it) is checked
     as a silu layer: its activation decides only which kernel applies it and the order of w13's rows, never
     a tensor's size, so the plan's files, bytes, time and memory are the layout's for these sizes. Which
     layouts' kernels run the family's activation is not claimed (docs/scale-out.md)."""
@@ -204,8 +204,9 @@ def planned_as(model: ModelMap, shape: LayerShape) -> LayerShape:
 
 
 def check_layers(model: ModelMap, layout: Layout, part: Partition, quant: Quantization | None = None,
-                 dtype: str | None = None) -> dict[str, list[str]]:
-    """Every layer's violated constraints for this layout (only layers with problems appear)."""
+                 dtype: str | None = None, planning: bool = False) -> dict[str, list[str]]:
+    """Every layer's violated constraints for this layout (only layers with problems appear). ``planning``: for
+    a plan (:func:`planned_as`); ``inspect`` reports the layout's own answer."""
     problems = {}
     for layer in model.layers:
         try:
@@ -214,7 +215,7 @@ def check_layers(model: ModelMap, layout: Layout, part: Partition, quant: Quanti
             problems[layer.prefix] = [e.what()]
             continue
         scheme = output_scheme(layer, quant)
-        found = decoder_problems(layer) + layout.check(planned_as(model, shape), scheme)
+        found = decoder_problems(layer) + layout.check(planned_as(model, shape) if planning else shape, scheme)
         if isinstance(scheme, MXFP4Scheme):
             found = output_problems(layer.scheme, shape, quant) + found
         if found:
@@ -262,7 +263,7 @@ def plan_conversion(source: Source, backend: str, part: Partition = Partition(),
         raise MoeConvertError("--tp-sizes makes a full folder that serves several TP sizes; it takes no "
                               "--tp-size/--tp-rank/--ep-size/--ep-rank", expected="TP 1, EP 1",
                               found=f"TP {part.tp_size} rank {part.tp_rank}, EP {part.ep_size} rank {part.ep_rank}")
-    problems = check_layers(model, layout, part, quant, dtype)
+    problems = check_layers(model, layout, part, quant, dtype, planning=True)
     if problems:
         n = sum(len(v) for v in problems.values())
         first_prefix, first = next(iter(problems.items()))
