@@ -293,6 +293,13 @@ def test_kimi_k3_shipped_mxfp4_is_planned_one_chunk_of_a_layer_per_job(kimi_k3_m
     assert not (tmp_path / "real").exists()
 
 
+def test_inspect_keeps_the_layouts_own_answer_on_kimi_k3(kimi_k3_mxfp4):
+    # only a plan stands silu in for SITU: inspect says what each layout itself takes
+    backends = json.loads(cli("inspect", str(kimi_k3_mxfp4), "--json", expect=0).out)["backends"]
+    assert not backends["marlin"]["ok"] and backends["humming"]["ok"]
+    assert all("activation = situ" in p[0] for p in backends["marlin"]["problems"].values())
+
+
 def test_header_only_mxfp4_is_kimi_k3s_alone(tmp_path):
     err = cli("example", str(tmp_path / "d"), "--header-only", "--family", "deepseek-v3", "--scheme", "mxfp4",
               expect=2).err
