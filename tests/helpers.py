@@ -321,6 +321,29 @@ def vllm_marlin_reference(version: str):
     return types.SimpleNamespace(**ns)
 
 
+@functools.lru_cache(maxsize=None)
+def vllm_nvfp4_dequantization(version: str) -> Callable:
+    """vLLM ``version``'s ``dequantize_nvfp4_moe_weights`` (quantization/utils/nvfp4_emulation_utils.py), the
+    dequantization its ``CompressedTensorsW4A4Nvfp4MoEMethod.dequantize_weight`` hands the online MXFP4
+    method, lifted out with ast. Returns ``f(w13, s13, g13, w2, s2, g2, dtype) -> (w13, w2)`` over all
+    experts: 0.33.0 returns the pair, 0.34.0 yields it per group of experts (concatenated here)."""
+    ns: dict = {"torch": torch, "SimpleNamespace": types.SimpleNamespace,
+                # only the CUDA (unswizzled) branch asks the platform; these tensors are on the CPU
+                "current_platform": types.SimpleNamespace(is_cuda_alike=lambda: False)}
+    lift(vllm_reader(version), "model_executor/layers/quantization/utils/nvfp4_emulation_utils.py",
+         ["kE2M1ToFloat_handle", "break_fp4_bytes", "convert_swizzled_to_linear", "dequantize_to_dtype",
+          "dequantize_nvfp4_moe_weights"], ns, optional=["_DEQUANT_CHUNK_BYTES", "_dequantize_nvfp4_moe_experts"])
+
+    def run(w13, s13, g13, w2, s2, g2, dtype):
+        out = ns["dequantize_nvfp4_moe_weights"](w13, s13, g13, w2, s2, g2, dtype, group_size=16,
+                                                 invert_global_scales=True)
+        if isinstance(out, tuple):
+            return out
+        chunks = list(out)
+        return tuple(torch.cat([c[i] for c in chunks]) for i in (1, 2))
+    return run
+
+
 def vllm_process_marlin(ref, bits: int, g: int, I: int, p: dict) -> dict:
     """``_process_weights_marlin`` of ``ref``'s version on ``p`` for 16-bit activations, its outputs by name.
 

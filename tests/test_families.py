@@ -390,6 +390,55 @@ def test_gptoss_missing_expert_bias_is_refused(gptoss, tmp_path, drop):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.fixture(scope="module")
+def kimi_k3_mxfp4(tmp_path_factory):
+    """Kimi-K3 at full size in the form it ships in (compressed-tensors mxfp4-pack-quantized experts), two of
+    its 92 MoE layers (the plan is the same per layer), written by ``moeconvert example --header-only``."""
+    out = tmp_path_factory.mktemp("k3") / "mxfp4"
+    cli("example", str(out), "--header-only", "--family", "kimi-k3", "--scheme", "mxfp4", "--layers", "2", expect=0)
+    return out
+
+
+# every MXFP4 layout vLLM builds from these experts; Kimi-K3's H 3584 and I 3072 are multiples of all their
+# padding, so each holds exactly the source's codes and scales
+# (backend, whether its layout refuses SITU itself, so that the plan says it stood silu in)
+@pytest.mark.parametrize("backend,stand_in", [("marlin", True), ("humming", False), ("triton", True),
+                                              ("flashinfer-trtllm", True)])
+def test_kimi_k3_shipped_mxfp4_is_planned_one_chunk_of_a_layer_per_job(kimi_k3_mxfp4, backend, stand_in, tmp_path):
+    src = kimi_k3_mxfp4
+    config = json.loads((src / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    r = cli("repack", str(src), str(tmp_path / "out"), "--backend", backend, "--dry-run", "--json", "--no-estimate",
+            expect=0)
+    plan = json.loads(r.out)
+    codes = 896 * 3 * 3072 * 3584  # w13 and w2 of every expert
+    layer_bytes = codes // 2 + codes // 32  # e2m1 codes at half a byte, an e8m0 scale byte per 32
+    assert plan["moe_layers"] == 2
+    layer_jobs = [j for j in plan["jobs"] if j["kind"] == "layer"]
+    assert [j["read_bytes"] for j in layer_jobs] == [layer_bytes] * 2
+    assert [j["write_bytes"] for j in layer_jobs] == [layer_bytes] * 2
+    assert max(j["peak_bytes"] for j in plan["jobs"]) < layer_bytes // 50  # a chunk of experts, never a layer
+    assert any("activation situ: planned as silu" in w for w in plan["warnings"]) == stand_in
+    # the plan's warning (planned as silu) comes first, then the one-line refusal
+    err = cli("repack", str(src), str(tmp_path / "real"), "--backend", backend, expect=2).err
+    errors = [line for line in err.splitlines() if not line.startswith("warning: ")]
+    assert len(errors) == 1 and "kimi-k3 is planned, not converted" in errors[0], err
+    assert not (tmp_path / "real").exists()
+
+
+def test_inspect_keeps_the_layouts_own_answer_on_kimi_k3(kimi_k3_mxfp4):
+    # only a plan stands silu in for SITU: inspect says what each layout itself takes
+    backends = json.loads(cli("inspect", str(kimi_k3_mxfp4), "--json", expect=0).out)["backends"]
+    assert not backends["marlin"]["ok"] and backends["humming"]["ok"]
+    assert all("activation = situ" in p[0] for p in backends["marlin"]["problems"].values())
+
+
+def test_header_only_mxfp4_is_kimi_k3s_alone(tmp_path):
+    err = cli("example", str(tmp_path / "d"), "--header-only", "--family", "deepseek-v3", "--scheme", "mxfp4",
+              expect=2).err
+    assert "--scheme" in err and "bf16" in err and err.strip().count("\n") == 0, err
+
+
 @pytest.mark.parametrize("case", ["qwen3.5-fused", "llama4-transposed"])
 def test_gptoss_mxfp4_form_is_refused_for_other_fused_families(case, family_ckpts, tmp_path):
     # the blocks/scales form (quant_method mxfp4) is gpt-oss' own: its reader takes no other storage
