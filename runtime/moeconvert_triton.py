@@ -123,6 +123,8 @@ def _unavailable(layer, device: torch.device) -> str | None:
     e = layer.entry
     if forward_for(e.layout) is None:
         return f"moeconvert's Triton kernels do not read the '{e.layout.name}' layout of {e.scheme.kind} experts"
+    if e.activation == "silu" and float(e.activation_params.get("limit", 0)) > 0:
+        return "moeconvert's Triton kernels have no clamped SiLU (swiglu_limit)"
     if device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
         return f"Triton kernels need a CUDA device (device is {device}; TRITON_INTERPRET=1 runs them on CPU)"
     return None
