@@ -192,3 +192,17 @@ def test_bad_deepseek_v4_input_refused_in_one_line(ckpts, tmp_path, edit, needle
     errors = [line for line in r.err.splitlines() if line.startswith("moeconvert: error: ")]
     assert len(errors) == 1 and needle in errors[0], r.err
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_triton_fast_kernel_refuses_the_clamped_silu(ckpts, tmp_path):
+    """fused_moe_fast's SiLU has no clamp: the runtime never runs it on a layer with swiglu_limit (the layer
+    falls back to the reference, which clamps, and says why)."""
+    from moeconvert.runtime import KernelFallbackWarning, load
+    from moeconvert.runtime import moeconvert_triton as mt
+
+    out = tmp_path / "tf"
+    cli("repack", str(ckpts["fp4"]), str(out), "--backend", "triton-fast", expect=0)
+    with pytest.warns(KernelFallbackWarning):
+        layer = load(out, device="cpu").moe_layers["layers.1.ffn.experts"]
+    assert mt._unavailable(layer, torch.device("cuda")) == \
+        "moeconvert's triton-fast kernel has no clamped SiLU (DeepSeek-V4's swiglu_limit)"
