@@ -156,8 +156,8 @@ def test_deepseek_v4_through_every_path(ckpts, tmp_path):
         want, unclamped = torch.zeros(M, H), torch.zeros(M, H)
         for m in range(M):
             for j in range(k):
-                w = {p: _dequantize_fp4(t[f"{prefix}.{int(ids[m, j])}.{p}.weight"], t[f"{prefix}.{int(ids[m, j])}.{p}.scale"])
-                     for p in ("w1", "w2", "w3")}
+                ex = f"{prefix}.{int(ids[m, j])}"
+                w = {p: _dequantize_fp4(t[f"{ex}.{p}.weight"], t[f"{ex}.{p}.scale"]) for p in ("w1", "w2", "w3")}
                 gate, up = w["w1"] @ x[m].float(), w["w3"] @ x[m].float()
                 h = torch.nn.functional.silu(gate.clamp(max=10.0)) * up.clamp(-10.0, 10.0)
                 want[m] += weights[m, j] * (w["w2"] @ h)
