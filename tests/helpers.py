@@ -798,7 +798,7 @@ def make_deepseek_v4_checkpoint(out: Path, *, expert_dtype: str = "fp4", E: int 
     reads, ``expert_dtype`` and the ``fp8`` quantization_config (ue8m0 block scales); tensors under the names
     vLLM 0.33.0's DeepSeek-V4 loader maps (vllm/models/deepseek_v4/cpu/model.py, ``hf_to_vllm_mapper``):
     ``layers.L.ffn.experts.E.w{1,2,3}.{weight,scale}``, ``layers.L.ffn.gate.weight``, the hash layer's
-    ``ffn.gate.tid2eid``, the other's ``ffn.gate.bias``, ``ffn.shared_experts.w{1,2,3}``, an ``mtp.0`` tensor.
+    ``ffn.gate.tid2eid``, the other's ``ffn.gate.bias``, ``ffn.shared_experts.w{1,2,3}``, ``mtp.0`` tensors.
     FP4 experts: ``weight [N, K/2]`` int8 (two e2m1 codes a byte) and ``scale [N, K/32]`` float8_e8m0fnu;
     FP8 experts: ``weight [N, K]`` float8_e4m3fn and ``scale [N/128, K/128]`` fp32. Layer 0 routes by hash
     (``mlp_layer_types``), layer 1 by score."""
@@ -821,6 +821,8 @@ def make_deepseek_v4_checkpoint(out: Path, *, expert_dtype: str = "fp4", E: int 
 
     t = {"embed.weight": bf16(vocab, H), "head.weight": bf16(vocab, H), "norm.weight": torch.ones(H, dtype=torch.bfloat16),
          "mtp.0.norm.weight": torch.ones(H, dtype=torch.bfloat16)}
+    # the MTP layer's experts (copied as they are: not under layers.L)
+    t.update({f"mtp.0.ffn.experts.0.w1.{s}": v for s, v in (fp4(I, H) if expert_dtype == "fp4" else fp8(I, H)).items()})
     for L in range(2):
         p = f"layers.{L}"
         t[f"{p}.attn_norm.weight"] = torch.ones(H, dtype=torch.bfloat16)

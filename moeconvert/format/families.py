@@ -328,9 +328,9 @@ FAMILIES: tuple[FamilySpec, ...] = (
         activation_params=(("swiglu_limit", "limit"),), routing=None, router=("gate",), shared=("shared_experts",),
         # vllm/models/deepseek_v4/cpu/cpu_sparse.py: its CPU attention calls torch.ops._C.flash_mla_with_kvcache_cpu,
         # which only vLLM's CPU build registers (csrc/cpu/sgl-kernels); the published wheel's libraries have none
-        plugin_unprovable="vLLM 0.33.0 runs DeepSeek-V4's sparse attention on CPU only with its CPU build's kernels "
-                          "(torch.ops._C.flash_mla_with_kvcache_cpu, AMX-backed), which the published vLLM wheel "
-                          "does not ship, so its model never runs on vLLM's CPU platform"),
+        plugin_unprovable="vLLM 0.33.0 / 0.34.0 run DeepSeek-V4's sparse attention on CPU only with their CPU "
+                          "build's kernels (torch.ops._C.flash_mla_with_kvcache_cpu, AMX-backed), which their "
+                          "published wheels do not ship, so its model never runs on vLLM's CPU platform"),
     FamilySpec(
         "longcat-flash", ("longcat_flash",), ("LongcatFlashConfig",), ("LongcatFlashForCausalLM",),
         refused="LongCat-Flash routes to zero-computation experts (zero_expert_num) that have no tensors, "
