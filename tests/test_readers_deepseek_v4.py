@@ -111,9 +111,9 @@ def _dequantize_fp4(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return vals * torch.exp2(scale.view(torch.uint8).float() - 127).repeat_interleave(32, -1)
 
 
-def test_fp8_experts_are_the_fp8_block_values(ckpts):
+def test_fp8_experts_are_the_fp8_block_values(ckpts, tmp_path):
     """Flash-Base's FP8 experts (scales named ``scale``): each element times its 128x128 block's fp32 scale,
-    rounded once to bf16."""
+    rounded once to bf16; quantized to MXFP4 for Marlin and verified against the source."""
     src = ckpts["fp8"]
     source = open_source(str(src))
     layer = map_model(source).layers[0]
@@ -127,6 +127,9 @@ def test_fp8_experts_are_the_fp8_block_values(ckpts):
             return (w * s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).to(torch.bfloat16)
         assert torch.equal(block.w13[e], torch.cat([deq("w1"), deq("w3")]))
         assert torch.equal(block.w2[e], deq("w2"))
+    out = tmp_path / "mx"
+    cli("quantize", str(src), str(out), "--format", "mxfp4", "--backend", "marlin", expect=0)
+    cli("verify", str(out), "--against", str(src), expect=0)
 
 
 def test_deepseek_v4_through_every_path(ckpts, tmp_path):
