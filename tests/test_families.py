@@ -331,7 +331,6 @@ def test_wrapper_with_wrong_text_config_refused(wrapper, text_type, needle, fami
 
 
 @pytest.mark.parametrize("model_type,needle", [
-    ("deepseek_v4", "deepseek-v4 is not supported: DeepSeek-V4's routed experts are FP4"),
     ("step3p5", "step3p5 is not supported: Step-3.5 stores its routed experts as three 3-D tensors"),
 ])
 def test_refused_family_says_why_in_one_line(model_type, needle, family_ckpts, tmp_path):
