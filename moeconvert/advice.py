@@ -27,8 +27,9 @@ layout for which GPU", says where; tests/test_advice.py reads those places in vL
 - **NVFP4 weights** (compressed-tensors ``nvfp4-pack-quantized``). vLLM walks FlashInfer TRT-LLM, FlashInfer
   CuteDSL, FlashInfer CUTLASS, vLLM's CUTLASS, Marlin, humming (``select_nvfp4_moe_backend``), humming moved
   ahead of Marlin on SM90. The FlashInfer and CUTLASS NVFP4 MoE kernels need SM100 or later: on Hopper
-  humming (16-bit activations), which the humming NVFP4 layout holds; on SM100 FlashInfer, which no layout
-  here writes; on SM80-89 Marlin (on SM120 the CUTLASS kernels come first, which no layout here writes).
+  humming (16-bit activations), which the humming NVFP4 layout holds; on SM100 FlashInfer TRT-LLM for W4A4
+  checkpoints, which the flashinfer-trtllm NVFP4 layout holds; on SM80-89 Marlin (on SM120 the CUTLASS
+  kernels come first, which no layout here writes).
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ def advise(kind: str, family: str, bits: int | None = None, group_size: int | No
             Advice("hopper", "humming", "humming (HummingGroupedExperts), 16-bit activations",
                    "vLLM moves humming ahead of Marlin on SM90; FlashInfer's and vLLM's CUTLASS NVFP4 MoE kernels "
                    "need SM100 (docs/layouts/humming.md, \"NVFP4\")"),
-            Advice("blackwell", None, "FlashInfer TRT-LLM NVFP4 (then CuteDSL, CUTLASS)",
-                   "vLLM's first choice on SM100; no layout here writes it"),
+            Advice("blackwell", "flashinfer-trtllm", "FlashInfer TRT-LLM NVFP4 (TrtLlmNvFp4Experts)",
+                   "vLLM's first choice on SM100 for W4A4 checkpoints (NVFP4 activations: the flashinfer-trtllm "
+                   "layout refuses a W4A16 one); docs/layouts/flashinfer-nvfp4.md"),
             Advice("older", "marlin", "Marlin NVFP4 (MarlinExperts)",
                    "vLLM's first NVFP4 choice on SM80-89 (on SM120 its CUTLASS kernels come first, which no "
                    "layout here writes)"),

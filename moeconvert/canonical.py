@@ -20,7 +20,9 @@ nvfp4      packed e2m1 uint8 ``[E, N, K/2]``       e4m3 scales float8_e4m3fn ``[
 NVFP4's value is ``e2m1 * scale * global``: ``global`` is the dequantization multiplier, which
 compressed-tensors stores as its reciprocal (``weight_global_scale``, a divisor); the reader takes
 ``1 / weight_global_scale`` in fp32, the division vLLM's ``CompressedTensorsW4A4Nvfp4MoEMethod`` makes
-(docs/sources.md).
+(docs/sources.md). A W4A4 checkpoint also stores one ``input_global_scale`` per projection, the activations'
+divisor: the block keeps its reciprocal the same way (``w13_input_global [E, 2]``, ``w2_input_global [E]``),
+which only layouts whose kernels quantize activations read (FlashInfer TRT-LLM); others drop it.
 
 w13 holds the gate rows first, then the up rows (vLLM's order), also for models whose checkpoint
 interleaves them (gpt-oss): the layer's ``activation`` says how the engine wants them, and layouts
@@ -37,7 +39,7 @@ import torch
 from moeconvert.schemes import Scheme
 
 BLOCK_TENSORS = ("w13", "w2", "w13_scale", "w2_scale", "w13_zero", "w2_zero", "w13_bias", "w2_bias",
-                 "w13_global", "w2_global")
+                 "w13_global", "w2_global", "w13_input_global", "w2_input_global")
 
 
 @dataclass
@@ -53,6 +55,8 @@ class ExpertBlock:
     w2_bias: torch.Tensor | None = None
     w13_global: torch.Tensor | None = None  # NVFP4: fp32 [E, 2]
     w2_global: torch.Tensor | None = None  # NVFP4: fp32 [E]
+    w13_input_global: torch.Tensor | None = None  # NVFP4 W4A4: fp32 [E, 2] (gate, up)
+    w2_input_global: torch.Tensor | None = None  # NVFP4 W4A4: fp32 [E]
 
     @property
     def num_experts(self) -> int:

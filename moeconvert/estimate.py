@@ -35,6 +35,7 @@ def _measure_layer(plan) -> float | None:
     scheme measures the same work). None when no expert is that small: the layer jobs' time is then
     not estimated, rather than a dry run allocating tens of GiB (or failing) to measure it."""
     from moeconvert.jobs import layer_output_block
+    from moeconvert.plan import planned_as
     from moeconvert.quantize import Quality
     from moeconvert.writer import tensor_bytes
 
@@ -47,7 +48,7 @@ def _measure_layer(plan) -> float | None:
     for _ in range(2):  # the first pass pays one-off costs (allocator, kernels' first use)
         t0 = time.perf_counter()
         block = layer_output_block(plan, lp, 0, 1, Quality() if lp.quantized else None)
-        encoded = plan.layout.encode(block, lp.shape)
+        encoded = plan.layout.encode(block, planned_as(plan.model, lp.shape))  # a plan-only family's stand-in
         for t in encoded.values():
             hashlib.sha256(tensor_bytes(t))
         dt = time.perf_counter() - t0

@@ -2,6 +2,8 @@
 
 The tensor names, shapes and dtypes and the config are those of the published checkpoint (bf16
 weights, as the checkpoint is after its FP8 weights are cast up, which is what ``quantize`` takes).
+Kimi-K3 also comes in the form it ships in (``scheme="mxfp4"``): its routed experts in compressed-tensors
+``mxfp4-pack-quantized``, everything else bf16.
 The shard files are sparse: a header and a hole of the data's size, so a 1.3 TB checkpoint takes a few
 megabytes of disk; every weight reads back as zero. ``repack``/``quantize --dry-run`` plan it exactly as
 they plan the real one, and a real run would convert zeros.
@@ -49,6 +51,20 @@ _KIMI_K3_TEXT = {
 }
 _KIMI_K3 = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": _KIMI_K3_TEXT}
 MODELS = {"deepseek-v3": _DEEPSEEK_V3, "kimi-k2": _KIMI_K2, "kimi-k3": _KIMI_K3}
+#: the forms --header-only writes, per model: bf16, and the ones a model ships in
+SCHEMES = {"deepseek-v3": ("bf16",), "kimi-k2": ("bf16",), "kimi-k3": ("bf16", "mxfp4")}
+
+# Kimi-K3's routed experts as compressed-tensors' mxfp4-pack-quantized compressor writes MXFP4 weights
+# (weight-only: no input activation scheme), every other module left in bf16. About 1.44 TB at full size:
+# 92 x 896 x 3 x 3072 x 3584 codes at half a byte, and one scale byte per 32.
+_KIMI_K3_MXFP4_CONFIG = {
+    "config_groups": {"group_0": {
+        "format": "mxfp4-pack-quantized", "input_activations": None, "output_activations": None,
+        "targets": [r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"],
+        "weights": {"dynamic": False, "group_size": 32, "num_bits": 4, "scale_dtype": "torch.uint8",
+                    "strategy": "group", "symmetric": True, "type": "float"}}},
+    "format": "mxfp4-pack-quantized", "global_compression_ratio": None, "ignore": [], "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors", "quantization_status": "compressed", "sparsity_config": {}}
 
 
 def _decoder_layer(c: dict, i: int) -> list[tuple[str, list[int], str]]:
@@ -80,7 +96,7 @@ def _decoder_layer(c: dict, i: int) -> list[tuple[str, list[int], str]]:
 
 
 def _kimi_k3_tensors(c: dict) -> list[tuple[str, list[int], str]]:
-    t = c["text_config"]
+    t, mxfp4 = c["text_config"], "quantization_config" in c
     H, L, V = t["hidden_size"], t["routed_expert_hidden_size"], t["vocab_size"]
     E, I, S = t["num_experts"], t["moe_intermediate_size"], t["num_shared_experts"]
     out = [("language_model.model.embed_tokens.weight", [V, H], "BF16")]
@@ -91,8 +107,12 @@ def _kimi_k3_tensors(c: dict) -> list[tuple[str, list[int], str]]:
                 (p + "block_sparse_moe.gate.e_score_correction_bias", [E], "F32")]
         for e in range(E):
             q = f"{p}block_sparse_moe.experts.{e}."
-            out += [(q + "w1.weight", [I, L], "BF16"), (q + "w3.weight", [I, L], "BF16"),
-                    (q + "w2.weight", [L, I], "BF16")]
+            for proj, (n, k) in (("w1", (I, L)), ("w3", (I, L)), ("w2", (L, I))):
+                if mxfp4:  # two e2m1 codes a byte, one e8m0 scale byte per 32 along K
+                    out += [(f"{q}{proj}.weight_packed", [n, k // 2], "U8"),
+                            (f"{q}{proj}.weight_scale", [n, k // 32], "U8")]
+                else:
+                    out.append((f"{q}{proj}.weight", [n, k], "BF16"))
         q = p + "block_sparse_moe.shared_experts."
         out += [(q + "gate_proj.weight", [I * S, H], "BF16"), (q + "up_proj.weight", [I * S, H], "BF16"),
                 (q + "down_proj.weight", [H, I * S], "BF16")]
@@ -116,16 +136,23 @@ def tensors(c: dict) -> list[tuple[str, list[int], str]]:
     return out + [("model.norm.weight", [H], "BF16"), ("lm_head.weight", [V, H], "BF16")]
 
 
-_ITEMSIZE = {"BF16": 2, "F32": 4}
+_ITEMSIZE = {"BF16": 2, "F32": 4, "U8": 1}
 
 
-def make_header_only(out_dir: str | Path, model: str = "deepseek-v3", num_layers: int | None = None) -> Path:
+def make_header_only(out_dir: str | Path, model: str = "deepseek-v3", num_layers: int | None = None,
+                     scheme: str = "bf16") -> Path:
     """Write ``model``'s full-size checkpoint as sparse safetensors shards (headers, no data) to ``out_dir``;
-    ``num_layers`` keeps only the first decoder layers (every layer at full size)."""
+    ``num_layers`` keeps only the first decoder layers (every layer at full size); ``scheme`` is one of the
+    model's :data:`SCHEMES`."""
     if model not in MODELS:
         raise MoeConvertError("no full-size description of this model", tensor="--family",
                               expected=" | ".join(MODELS), found=model)
+    if scheme not in SCHEMES.get(model, ("bf16",)):
+        raise MoeConvertError(f"--header-only writes {model} in", tensor="--scheme",
+                              expected=" | ".join(SCHEMES.get(model, ("bf16",))), found=scheme)
     c = json.loads(json.dumps(MODELS[model]))
+    if scheme == "mxfp4":
+        c["quantization_config"] = _KIMI_K3_MXFP4_CONFIG
     if num_layers is not None:
         (c.get("text_config") or c)["num_hidden_layers"] = num_layers
     out = Path(out_dir)

@@ -27,20 +27,20 @@ from moeconvert.format.families import (FAMILIES as TABLE, FIRST_K_DENSE, INTERL
 from moeconvert.sources import Source
 
 # Per-expert tensors: {prefix}.{e}.{proj}.{suffix}; prefix ends in "<layers>.<L>.<block>.experts" (the
-# block names of the family table: mlp, block_sparse_moe, feed_forward).
+# block names of the family table: mlp, block_sparse_moe, feed_forward, ffn).
 _PER_EXPERT = re.compile(
-    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe|feed_forward)\.experts)"
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe|feed_forward|ffn)\.experts)"
     r"\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.(?P<suffix>[A-Za-z0-9_]+)$"
 )
 # Fused tensors: {prefix}.gate_up_proj[_bias|_blocks|_scales], {prefix}.down_proj[...]
 _FUSED = re.compile(
-    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe|feed_forward)\.experts)"
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe|feed_forward|ffn)\.experts)"
     r"\.(?P<proj>gate_up_proj|down_proj)(?P<suffix>|_bias|_blocks|_scales)$"
 )
 # A fused projection with a further suffix (``experts.gate_up_proj.qweight``, ``experts.down_proj_weight_scale``):
 # a quantized fused form, which no reader takes
 _FUSED_OTHER = re.compile(
-    r"^(?:.*\.)?layers\.\d+\.(?:mlp|block_sparse_moe|feed_forward)\.experts\.(?:gate_up_proj|down_proj)[._]\w"
+    r"^(?:.*\.)?layers\.\d+\.(?:mlp|block_sparse_moe|feed_forward|ffn)\.experts\.(?:gate_up_proj|down_proj)[._]\w"
 )
 
 # Any layer's tensors (attention, norms, experts, MTP): bounds what num_hidden_layers may claim.

@@ -9,6 +9,7 @@ plan: :mod:`moeconvert.jobs` cuts it into jobs, :mod:`moeconvert.writer` makes i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -22,7 +23,7 @@ from moeconvert.format import TORCH_TO_CODE
 from moeconvert.layouts import Layout, TensorSpec, get_layout
 from moeconvert.modelmap import ModelMap, MoELayerMap, map_model
 from moeconvert.quantize import Quantization, output_problems, padded_sizes
-from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme, WNA16Scheme
+from moeconvert.schemes import FloatScheme, MXFP4Scheme, NVFP4Scheme, Scheme, WNA16Scheme
 from moeconvert.sources import Source
 
 JOBS_DIR = ".jobs"  # inside the staging folder; removed before the output is published
@@ -192,9 +193,20 @@ def scheme_kind(model: ModelMap, quant: Quantization | None = None) -> str | Non
     return output_scheme(model.layers[0], quant).kind if model.layers else None
 
 
+def planned_as(model: ModelMap, shape: LayerShape) -> LayerShape:
+    """The shape a layout checks in a plan (``inspect`` reports the layout's own answer). A plan-only family (families.py: nothing is written for it) is checked
+    as a silu layer: its activation decides only which kernel applies it and the order of w13's rows, never
+    a tensor's size, so the plan's files, bytes, time and memory are the layout's for these sizes. Which
+    layouts' kernels run the family's activation is not claimed (docs/scale-out.md)."""
+    if model.family.plan_only and shape.activation != "silu":
+        return dataclasses.replace(shape, activation="silu")
+    return shape
+
+
 def check_layers(model: ModelMap, layout: Layout, part: Partition, quant: Quantization | None = None,
-                 dtype: str | None = None) -> dict[str, list[str]]:
-    """Every layer's violated constraints for this layout (only layers with problems appear)."""
+                 dtype: str | None = None, planning: bool = False) -> dict[str, list[str]]:
+    """Every layer's violated constraints for this layout (only layers with problems appear). ``planning``: for
+    a plan (:func:`planned_as`); ``inspect`` reports the layout's own answer."""
     problems = {}
     for layer in model.layers:
         try:
@@ -203,7 +215,7 @@ def check_layers(model: ModelMap, layout: Layout, part: Partition, quant: Quanti
             problems[layer.prefix] = [e.what()]
             continue
         scheme = output_scheme(layer, quant)
-        found = decoder_problems(layer) + layout.check(shape, scheme)
+        found = decoder_problems(layer) + layout.check(planned_as(model, shape) if planning else shape, scheme)
         if isinstance(scheme, MXFP4Scheme):
             found = output_problems(layer.scheme, shape, quant) + found
         if found:
@@ -251,7 +263,7 @@ def plan_conversion(source: Source, backend: str, part: Partition = Partition(),
         raise MoeConvertError("--tp-sizes makes a full folder that serves several TP sizes; it takes no "
                               "--tp-size/--tp-rank/--ep-size/--ep-rank", expected="TP 1, EP 1",
                               found=f"TP {part.tp_size} rank {part.tp_rank}, EP {part.ep_size} rank {part.ep_rank}")
-    problems = check_layers(model, layout, part, quant, dtype)
+    problems = check_layers(model, layout, part, quant, dtype, planning=True)
     if problems:
         n = sum(len(v) for v in problems.values())
         first_prefix, first = next(iter(problems.items()))
@@ -293,9 +305,15 @@ def plan_conversion(source: Source, backend: str, part: Partition = Partition(),
                     st.tensors[spec.suffix] = t
                     tensors.append(t)
                 stored[T] = st
+            warnings = layout.warnings(shape, scheme)
+            if planned_as(model, shape) is not shape and layout.check(shape, scheme):
+                # this layout refuses the activation itself: say that the plan stands in silu for it
+                warnings = [f"activation {shape.activation}: planned as silu ({model.family.name} is planned, not "
+                            "converted; the activation changes no size here)"] + warnings
             layers.append(LayerPlan(layer, shape, e0, specs, layout.layer_metadata(shape, scheme),
-                                    layout.warnings(shape, scheme), planned, scheme, unpadded,
-                                    quant is not None and isinstance(layer.scheme, (FloatScheme, WNA16Scheme)), stored))
+                                    warnings, planned, scheme, unpadded,
+                                    quant is not None and isinstance(layer.scheme, (FloatScheme, WNA16Scheme, NVFP4Scheme)),
+                                    stored))
         elif name not in moe_names:
             tensors.append(PlannedTensor(name, info.dtype, info.shape, info.nbytes, source=name))
     taken = {}

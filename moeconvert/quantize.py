@@ -13,7 +13,9 @@ every start (docs/quantize.md):
 
 Integer experts (GPTQ, AWQ, compressed-tensors ``pack-quantized``: a WNA16 block) are first
 dequantized to the model dtype by vLLM's own rule (:func:`moeconvert.layouts.emulation.dequantize`),
-then quantized as above (docs/quantize.md, "From GPTQ, AWQ and int checkpoints").
+then quantized as above (docs/quantize.md, "From GPTQ, AWQ and int checkpoints"). NVFP4 experts
+(compressed-tensors ``nvfp4-pack-quantized``) are dequantized as vLLM's own requantization of them does
+(:func:`nvfp4_dequantized`), then quantized the same way.
 
 A checkpoint whose experts are MXFP4 already (gpt-oss' ``*_blocks``/``*_scales``) is only padded:
 zero codes with scale byte 0, which is what quantizing the zero padding gives (§5.3, vector B).
@@ -32,10 +34,10 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import InternalError, MoeConvertError
 from moeconvert.layouts.base import padded_sizes, round_up
-from moeconvert.mxfp4 import (MXFP4_BLOCK_SIZE, ROUNDINGS, dequantize_mxfp4, mxfp4_error_sums, quantize_mxfp4,
-                              require_finite)
+from moeconvert.mxfp4 import (E2M1_VALUES, MXFP4_BLOCK_SIZE, ROUNDINGS, dequantize_mxfp4, mxfp4_error_sums,
+                              quantize_mxfp4, require_finite)
 from moeconvert.layouts.emulation import dequantize
-from moeconvert.schemes import FloatScheme, MXFP4Scheme, Scheme, WNA16Scheme
+from moeconvert.schemes import FloatScheme, MXFP4Scheme, NVFP4Scheme, Scheme, WNA16Scheme
 
 FORMATS = ("mxfp4",)
 MODEL_DTYPES = ("bfloat16", "float16")
@@ -74,13 +76,13 @@ def resolve_model_dtype(checkpoint_dtype: str, requested: str | None) -> str:
 def output_problems(source_scheme: Scheme, shape: LayerShape, quant: Quantization | None) -> list[str]:
     """Limits of quantizing / padding itself, whatever the layout (the layout's own come from ``check``)."""
     problems = []
-    if quant is not None and not isinstance(source_scheme, (FloatScheme, MXFP4Scheme, WNA16Scheme)):
+    if quant is not None and not isinstance(source_scheme, (FloatScheme, MXFP4Scheme, WNA16Scheme, NVFP4Scheme)):
         problems.append(f"experts are {source_scheme.describe()} already; `quantize` takes bf16/fp16/fp32, integer "
-                        "(GPTQ, AWQ, pack-quantized; dequantized first) or MXFP4 (relaid out without requantizing) "
-                        "experts; use `moeconvert repack` for these")
+                        "(GPTQ, AWQ, pack-quantized; dequantized first), NVFP4 (dequantized first) or MXFP4 (relaid "
+                        "out without requantizing) experts; use `moeconvert repack` for these")
     Hp, Ip = shape.hidden_size, shape.intermediate_size
     I = shape.extra.get("intermediate_size_unpadded", Ip)
-    if quant is not None and isinstance(source_scheme, WNA16Scheme) and source_scheme.group_size > 0 \
+    if quant is not None and isinstance(source_scheme, (WNA16Scheme, NVFP4Scheme)) and source_scheme.group_size > 0 \
             and I % source_scheme.group_size:
         # the TP cut of down_proj's K must fall on group boundaries for its scales to be cut with it
         problems.append(f"intermediate_size per TP rank = {I} is not a multiple of the source's group size "
@@ -155,6 +157,8 @@ def output_block(block: ExpertBlock, shape: LayerShape, unpadded: tuple[int, int
         )
     if isinstance(block.scheme, WNA16Scheme) and quant is not None:
         block = dequantized(block, shape, prefix=prefix, expert_offset=expert_offset)
+    if isinstance(block.scheme, NVFP4Scheme) and quant is not None:
+        block = nvfp4_dequantized(block, shape, prefix=prefix, expert_offset=expert_offset)
     if not isinstance(block.scheme, FloatScheme) or quant is None:
         raise MoeConvertError(f"cannot quantize {block.scheme.describe()} experts", tensor=prefix)
     out = {}
@@ -186,6 +190,43 @@ def dequantized(block: ExpertBlock, shape: LayerShape, *, prefix: str, expert_of
     the engine would carry an inf into the quantizer.
     """
     out = dequantize(block, shape, _TORCH[shape.dtype])
+    _refuse_overflow(out, shape, "(code - zero) * scale", prefix=prefix, expert_offset=expert_offset)
+    return out
+
+
+def nvfp4_dequantized(block: ExpertBlock, shape: LayerShape, *, prefix: str, expert_offset: int) -> ExpertBlock:
+    """An NVFP4 chunk dequantized to the model dtype as vLLM 0.33.0 / 0.34.0 dequantize compressed-tensors
+    NVFP4 experts for requantization (``CompressedTensorsW4A4Nvfp4MoEMethod.dequantize_weight`` ->
+    ``dequantize_nvfp4_moe_weights`` -> ``dequantize_to_dtype``, unswizzled, in
+    ``quantization/utils/nvfp4_emulation_utils.py``), which their online MXFP4 method then quantizes.
+
+    Per element, in fp32: ``E2M1(code) * (float(scale) * multiplier)``, the scale times the gate's, up's or
+    down's ``1 / weight_global_scale`` rounded first, then the product; then one cast to the model dtype.
+    The grouping is vLLM's: (code * scale) * multiplier, exact then rounded once, can differ from it in
+    fp32 where the code is 1.5 or 3 times a power of two. A product beyond the model dtype's range is
+    refused (vLLM's cast gives inf).
+    """
+    dt = _TORCH[shape.dtype]
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+
+    def one(packed: torch.Tensor, scales: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor:
+        # multiplier: fp32 [E, N] (one value per output row)
+        codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
+        E, N, K = codes.shape
+        step = (scales.float() * multiplier.unsqueeze(-1)).unsqueeze(-1)  # [E, N, K/16, 1]
+        return (table[codes].view(E, N, K // 16, 16) * step).view(E, N, K).to(dt)
+
+    I = block.w13.shape[1] // 2
+    g13 = block.w13_global.repeat_interleave(I, dim=1)  # [E, 2] (gate, up) -> one per row of [gate; up]
+    g2 = block.w2_global.unsqueeze(-1).expand(-1, block.w2.shape[1])
+    out = ExpertBlock(scheme=FloatScheme(dtype=shape.dtype), w13=one(block.w13, block.w13_scale, g13),
+                      w2=one(block.w2, block.w2_scale, g2))
+    _refuse_overflow(out, shape, "code * scale * global", prefix=prefix, expert_offset=expert_offset)
+    return out
+
+
+def _refuse_overflow(out: ExpertBlock, shape: LayerShape, rule: str, *, prefix: str, expert_offset: int) -> None:
+    """Refuse a dequantized chunk with an inf (a product beyond the model dtype's range)."""
     for what, w in (("w13", out.w13), ("w2", out.w2)):
         blown = torch.isinf(w)
         if bool(blown.any()):
@@ -193,9 +234,8 @@ def dequantized(block: ExpertBlock, shape: LayerShape, *, prefix: str, expert_of
             e = int(torch.nonzero(per_expert)[0])
             advice = "; use --dtype bfloat16" if shape.dtype == "float16" else ""
             raise MoeConvertError(
-                f"expert {e + expert_offset} ({what}): {int(per_expert[e])} dequantized values (code - zero) * scale "
+                f"expert {e + expert_offset} ({what}): {int(per_expert[e])} dequantized values {rule} "
                 f"exceed {shape.dtype}'s range{advice}", tensor=prefix)
-    return out
 
 
 def refuse_infinite_blocks(w: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *, rounding: str,

@@ -49,6 +49,11 @@ def activation_impl(name: str, params: dict | None) -> str | None:
     from moeconvert.runtime.reference import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
     if name == "silu":
+        raw = float((params or {}).get("limit", 0.0))
+        if raw > 0:  # DeepSeek-V4's swiglu_limit (runtime/reference.py silu_and_mul)
+            limit = _float(raw)
+            gate = f"fminf(a, {limit})"
+            return f"{gate} / (1.f + expf(-{gate})) * fmaxf(fminf(b, {limit}), -{limit})"
         return "a / (1.f + expf(-a)) * b"
     if name == "swigluoai":
         p = params or {}

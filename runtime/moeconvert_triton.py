@@ -123,6 +123,10 @@ def _unavailable(layer, device: torch.device) -> str | None:
     e = layer.entry
     if forward_for(e.layout) is None:
         return f"moeconvert's Triton kernels do not read the '{e.layout.name}' layout of {e.scheme.kind} experts"
+    clamped = e.activation == "silu" and float(e.activation_params.get("limit", 0)) > 0
+    if clamped and forward_for(e.layout) is fast_forward:
+        # fused_moe_fast's SiLU has no clamp (the WNA16 kernel applies the reference's activation, clamp included)
+        return "moeconvert's triton-fast kernel has no clamped SiLU (DeepSeek-V4's swiglu_limit)"
     if device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
         return f"Triton kernels need a CUDA device (device is {device}; TRITON_INTERPRET=1 runs them on CPU)"
     return None

@@ -36,7 +36,12 @@ from moeconvert.schemes import MXFP4Scheme, NVFP4Scheme, WNA16Scheme
 SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0
 
 
-def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, **_) -> torch.Tensor:
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+    """SiLU-and-mul; a ``limit`` > 0 clamps gate from above and up on both sides first (DeepSeek-V4's
+    ``swiglu_limit``: vLLM's ``_swiglu_limit_torch``, ``silu_and_mul_with_clamp``)."""
+    if limit > 0:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
     return torch.nn.functional.silu(gate) * up
 
 
@@ -61,7 +66,7 @@ def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float = 1.0,
 
 ACTIVATIONS = {"silu": silu_and_mul, "swigluoai": swigluoai_and_mul, "situ": situ_and_mul}
 #: activation -> the ``activation_params`` its function takes (the manifest's names)
-PARAMS = {"silu": (), "swigluoai": ("alpha", "limit"), "situ": ("beta", "linear_beta")}
+PARAMS = {"silu": ("limit",), "swigluoai": ("alpha", "limit"), "situ": ("beta", "linear_beta")}
 
 
 def activation_fn(name: str, params: dict | None = None):

@@ -321,6 +321,29 @@ def vllm_marlin_reference(version: str):
     return types.SimpleNamespace(**ns)
 
 
+@functools.lru_cache(maxsize=None)
+def vllm_nvfp4_dequantization(version: str) -> Callable:
+    """vLLM ``version``'s ``dequantize_nvfp4_moe_weights`` (quantization/utils/nvfp4_emulation_utils.py), the
+    dequantization its ``CompressedTensorsW4A4Nvfp4MoEMethod.dequantize_weight`` hands the online MXFP4
+    method, lifted out with ast. Returns ``f(w13, s13, g13, w2, s2, g2, dtype) -> (w13, w2)`` over all
+    experts: 0.33.0 returns the pair, 0.34.0 yields it per group of experts (concatenated here)."""
+    ns: dict = {"torch": torch, "SimpleNamespace": types.SimpleNamespace,
+                # only the CUDA (unswizzled) branch asks the platform; these tensors are on the CPU
+                "current_platform": types.SimpleNamespace(is_cuda_alike=lambda: False)}
+    lift(vllm_reader(version), "model_executor/layers/quantization/utils/nvfp4_emulation_utils.py",
+         ["kE2M1ToFloat_handle", "break_fp4_bytes", "convert_swizzled_to_linear", "dequantize_to_dtype",
+          "dequantize_nvfp4_moe_weights"], ns, optional=["_DEQUANT_CHUNK_BYTES", "_dequantize_nvfp4_moe_experts"])
+
+    def run(w13, s13, g13, w2, s2, g2, dtype):
+        out = ns["dequantize_nvfp4_moe_weights"](w13, s13, g13, w2, s2, g2, dtype, group_size=16,
+                                                 invert_global_scales=True)
+        if isinstance(out, tuple):
+            return out
+        chunks = list(out)
+        return tuple(torch.cat([c[i] for c in chunks]) for i in (1, 2))
+    return run
+
+
 def vllm_process_marlin(ref, bits: int, g: int, I: int, p: dict) -> dict:
     """``_process_weights_marlin`` of ``ref``'s version on ``p`` for 16-bit activations, its outputs by name.
 
@@ -766,6 +789,65 @@ def to_gptoss_mxfp4(src: Path, dst: Path) -> None:
     cfg = json.loads((dst / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "mxfp4"}
     (dst / "config.json").write_text(json.dumps(cfg))
+
+
+def make_deepseek_v4_checkpoint(out: Path, *, expert_dtype: str = "fp4", E: int = 4, H: int = 128, I: int = 64,
+                                seed: int = 0) -> Path:
+    """A tiny DeepSeek-V4 checkpoint in the published form (deepseek-ai/DeepSeek-V4-Flash; Flash-Base for
+    ``expert_dtype="fp8"``): config.json with the fields of transformers' DeepseekV4Config that the family
+    reads, ``expert_dtype`` and the ``fp8`` quantization_config (ue8m0 block scales); tensors under the names
+    vLLM 0.33.0's DeepSeek-V4 loader maps (vllm/models/deepseek_v4/cpu/model.py, ``hf_to_vllm_mapper``):
+    ``layers.L.ffn.experts.E.w{1,2,3}.{weight,scale}``, ``layers.L.ffn.gate.weight``, the hash layer's
+    ``ffn.gate.tid2eid``, the other's ``ffn.gate.bias``, ``ffn.shared_experts.w{1,2,3}``, ``mtp.0`` tensors.
+    FP4 experts: ``weight [N, K/2]`` int8 (two e2m1 codes a byte) and ``scale [N, K/32]`` float8_e8m0fnu;
+    FP8 experts: ``weight [N, K]`` float8_e4m3fn and ``scale [N/128, K/128]`` fp32. Layer 0 routes by hash
+    (``mlp_layer_types``), layer 1 by score."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab, top_k = 64, 2
+
+    def bf16(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
+
+    def fp4(n: int, k: int) -> dict[str, torch.Tensor]:
+        codes = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.int32).to(torch.uint8).view(torch.int8)
+        scale = torch.randint(120, 128, (n, k // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+        return {"weight": codes, "scale": scale.view(torch.float8_e8m0fnu)}
+
+    def fp8(n: int, k: int) -> dict[str, torch.Tensor]:
+        w = (torch.randn(n, k, generator=gen) * 2).to(torch.float8_e4m3fn)
+        return {"weight": w, "scale": torch.rand(-(-n // 128), -(-k // 128), generator=gen) * 0.01 + 0.001}
+
+    t = {"embed.weight": bf16(vocab, H), "head.weight": bf16(vocab, H), "norm.weight": torch.ones(H, dtype=torch.bfloat16),
+         "mtp.0.norm.weight": torch.ones(H, dtype=torch.bfloat16)}
+    # the MTP layer's experts (copied as they are: not under layers.L)
+    t.update({f"mtp.0.ffn.experts.0.w1.{s}": v for s, v in (fp4(I, H) if expert_dtype == "fp4" else fp8(I, H)).items()})
+    for L in range(2):
+        p = f"layers.{L}"
+        t[f"{p}.attn_norm.weight"] = torch.ones(H, dtype=torch.bfloat16)
+        t[f"{p}.ffn_norm.weight"] = torch.ones(H, dtype=torch.bfloat16)
+        t[f"{p}.ffn.gate.weight"] = bf16(E, H)
+        if L == 0:
+            t[f"{p}.ffn.gate.tid2eid"] = torch.randint(0, E, (vocab, top_k), generator=gen, dtype=torch.int32)
+        else:
+            t[f"{p}.ffn.gate.bias"] = torch.zeros(E, dtype=torch.float32)
+        for proj, (n, k) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+            t.update({f"{p}.ffn.shared_experts.{proj}.{s}": v for s, v in fp8(n, k).items()})
+            for e in range(E):
+                made = fp4(n, k) if expert_dtype == "fp4" else fp8(n, k)
+                t.update({f"{p}.ffn.experts.{e}.{proj}.{s}": v for s, v in made.items()})
+    out.mkdir(parents=True)
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = dict(model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], vocab_size=vocab, hidden_size=H,
+               moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=1, num_experts_per_tok=top_k,
+               num_hidden_layers=2, mlp_layer_types=["hash_moe", "moe"], swiglu_limit=10.0, scoring_func="sqrtsoftplus",
+               routed_scaling_factor=1.5, norm_topk_prob=True, num_nextn_predict_layers=1, hidden_act="silu",
+               expert_dtype=expert_dtype, torch_dtype="bfloat16",
+               quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                    "scale_fmt": "ue8m0", "weight_block_size": [128, 128]})
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
 
 
 def make_kimi_k3_checkpoint(out: Path, *, scheme: str = "bf16", E: int = 8, H: int = 128, L: int = 64, I: int = 32,

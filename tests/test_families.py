@@ -331,7 +331,6 @@ def test_wrapper_with_wrong_text_config_refused(wrapper, text_type, needle, fami
 
 
 @pytest.mark.parametrize("model_type,needle", [
-    ("deepseek_v4", "deepseek-v4 is not supported: DeepSeek-V4's routed experts are FP4"),
     ("step3p5", "step3p5 is not supported: Step-3.5 stores its routed experts as three 3-D tensors"),
 ])
 def test_refused_family_says_why_in_one_line(model_type, needle, family_ckpts, tmp_path):
@@ -388,6 +387,56 @@ def test_gptoss_missing_expert_bias_is_refused(gptoss, tmp_path, drop):
     assert "gpt-oss experts have gate_up_proj_bias and down_proj_bias" in r.err, r.err
     assert f"experts.{drop[0]}" in r.err and r.err.strip().count("\n") == 0, r.err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def kimi_k3_mxfp4(tmp_path_factory):
+    """Kimi-K3 at full size in the form it ships in (compressed-tensors mxfp4-pack-quantized experts), two of
+    its 92 MoE layers (the plan is the same per layer), written by ``moeconvert example --header-only``."""
+    out = tmp_path_factory.mktemp("k3") / "mxfp4"
+    cli("example", str(out), "--header-only", "--family", "kimi-k3", "--scheme", "mxfp4", "--layers", "2", expect=0)
+    return out
+
+
+# the MXFP4 layouts whose kernels run SITU; Kimi-K3's H 3584 and I 3072 are multiples of all their padding,
+# so each holds exactly the source's codes and scales (a real run of these full-size layers would write
+# 15.72 GB a layer: the tiny Kimi-K3 tests below write real folders)
+@pytest.mark.parametrize("backend", ["marlin", "humming"])
+def test_kimi_k3_shipped_mxfp4_is_planned_one_chunk_of_a_layer_per_job(kimi_k3_mxfp4, backend, tmp_path):
+    src = kimi_k3_mxfp4
+    config = json.loads((src / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    r = cli("repack", str(src), str(tmp_path / "out"), "--backend", backend, "--dry-run", "--json", "--no-estimate",
+            expect=0)
+    plan = json.loads(r.out)
+    codes = 896 * 3 * 3072 * 3584  # w13 and w2 of every expert
+    layer_bytes = codes // 2 + codes // 32  # e2m1 codes at half a byte, an e8m0 scale byte per 32
+    assert plan["moe_layers"] == 2
+    layer_jobs = [j for j in plan["jobs"] if j["kind"] == "layer"]
+    assert [j["read_bytes"] for j in layer_jobs] == [layer_bytes] * 2
+    assert [j["write_bytes"] for j in layer_jobs] == [layer_bytes] * 2
+    assert max(j["peak_bytes"] for j in plan["jobs"]) < layer_bytes // 50  # a chunk of experts, never a layer
+    assert not any("planned as silu" in w for w in plan["warnings"])
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer-trtllm"])
+def test_kimi_k3_shipped_mxfp4_is_not_planned_where_the_kernel_cannot_run_situ(kimi_k3_mxfp4, backend, tmp_path):
+    err = cli("repack", str(kimi_k3_mxfp4), str(tmp_path / "out"), "--backend", backend, "--dry-run", expect=2).err
+    assert f"backend '{backend}' cannot take this checkpoint" in err and "situ" in err, err
+    assert err.strip().count("\n") == 0 and not (tmp_path / "out").exists()
+
+
+def test_inspect_keeps_the_layouts_own_answer_on_kimi_k3(kimi_k3_mxfp4):
+    # inspect says what each layout itself takes: Marlin and humming run SITU, triton_kernels' experts do not
+    backends = json.loads(cli("inspect", str(kimi_k3_mxfp4), "--json", expect=0).out)["backends"]
+    assert backends["marlin"]["ok"] and backends["humming"]["ok"] and not backends["triton"]["ok"]
+    assert all("activation 'situ'" in p[0] for p in backends["triton"]["problems"].values())
+
+
+def test_header_only_mxfp4_is_kimi_k3s_alone(tmp_path):
+    err = cli("example", str(tmp_path / "d"), "--header-only", "--family", "deepseek-v3", "--scheme", "mxfp4",
+              expect=2).err
+    assert "--scheme" in err and "bf16" in err and err.strip().count("\n") == 0, err
 
 
 @pytest.mark.parametrize("case", ["qwen3.5-fused", "llama4-transposed"])

@@ -34,7 +34,7 @@ import torch
 from moeconvert.canonical import ExpertBlock, LayerShape
 from moeconvert.errors import MoeConvertError
 from moeconvert.layouts import get_layout, layout_kinds, layout_names
-from moeconvert.layouts.base import Layout, padded_sizes
+from moeconvert.layouts.base import CHOICES, Layout, padded_sizes
 from moeconvert.schemes import FloatScheme, MXFP4Scheme, NVFP4Scheme, Scheme, WNA16Scheme
 
 from helpers import same_bits
@@ -149,10 +149,12 @@ def make_block(scheme: Scheme, shape: LayerShape, experts: int, seed: int | None
             return b.view(torch.float8_e4m3fn)
 
         glob = lambda *s: torch.zeros(s) if gen is None else torch.rand(s, generator=gen) * 1e-3 + 1e-6
+        # a W4A4 checkpoint's activation multipliers (layouts that run 16-bit activations drop them)
+        act = lambda *s: torch.zeros(s) if gen is None else torch.rand(s, generator=gen) * 4 + 0.1
         kw = dict(w13=ints(256, E, 2 * I, H // 2), w2=ints(256, E, H, I // 2),
                   w13_scale=scale(E, 2 * I, H // 16), w2_scale=scale(E, H, I // 16),
                   w13_global=glob(E, 1).expand(-1, 2).contiguous(),
-                  w2_global=glob(E))
+                  w2_global=glob(E), w13_input_global=act(E, 2), w2_input_global=act(E))
     else:  # every byte: any e2m1 pair, any e8m0 scale (255 is NaN, compared by its bits)
         kw = dict(w13=ints(256, E, 2 * I, H // 2), w2=ints(256, E, H, I // 2),
                   w13_scale=ints(256, E, 2 * I, H // 32), w2_scale=ints(256, E, H, I // 32))
@@ -206,12 +208,22 @@ def _cases(lid: str, layout: Layout) -> tuple[list[Case], list[Case]]:
             sizes = accepted_sizes(layout, scheme, variant)
             sid = f"{lid}/{scheme_id(scheme)}/{variant.name}"
             for H, I in sizes if variant is VARIANTS[0] else sizes[:1]:
-                case = Case(f"{sid}/H{H}-I{I}", layout, scheme, make_layer(scheme, variant, H, I))
+                case = scanned(Case(f"{sid}/H{H}-I{I}", layout, scheme, make_layer(scheme, variant, H, I)))
                 good.setdefault(same_layer(case), case)  # float layers ignore the variant's dtypes
             if not sizes:
                 case = Case(f"{sid}/H256-I256", layout, scheme, make_layer(scheme, variant, 256, 256))
                 refused.setdefault(same_layer(case), case)
     return list(good.values()), list(refused.values())
+
+
+def scanned(case: Case) -> Case:
+    """The case with the choices its layout makes from the whole layer (``Layout.layer_scan``), as a
+    conversion job sets them after its scan; the case itself for a layout that scans nothing."""
+    scan = case.layout.layer_scan(case.shape, case.scheme, 0)
+    if scan is None:
+        return case
+    scan.add(make_block(case.scheme, case.shape, EXPERTS, seed_of(case.id)), 0)
+    return case._replace(shape=dataclasses.replace(case.shape, extra={**case.shape.extra, CHOICES: scan.choices()}))
 
 
 def same_layer(case: Case) -> tuple:

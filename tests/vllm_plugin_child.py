@@ -167,7 +167,7 @@ def _vllm_marlin_nvfp4(src: Path, manifest: dict) -> dict:
     return held
 
 
-def _served_source(folder: Path, src: Path, prefixes: list[str]) -> dict:
+def _served_source(folder: Path, src: Path, prefixes: list[str], layers=_layers) -> dict:
     """A folder converted from a GPTQ / AWQ / FP8 / compressed-tensors source: its MoE layers as ``_layers``
     reports them, and for each of ``prefixes`` (layers that are not routed experts) the method the plugin's
     config gives a linear layer of that name beside the one vLLM's own config of the source gives it (the
@@ -178,7 +178,7 @@ def _served_source(folder: Path, src: Path, prefixes: list[str]) -> dict:
 
     from moeconvert.integrations.vllm.harness import one_process, quant_config_for
 
-    out = _layers(folder)
+    out = layers(folder)
     if "error" in out:
         return out
     try:
@@ -335,6 +335,10 @@ def _humming_cpu(folder: Path) -> None:
         load_general_plugins()
         if "--refusals" in sys.argv:
             return _humming_refusals(folder, out)
+        if "--sources" in sys.argv:  # FOLDER is a JSON list of [folder, source, linear prefixes], as without --humming
+            print(json.dumps([_served_source(Path(f), Path(s), prefixes, layers=_humming_layers)
+                              for f, s, prefixes in json.loads(folder.read_text())]))
+            return
         src = Path(sys.argv[sys.argv.index("--against") + 1]) if "--against" in sys.argv else None
         with one_process("cpu", moe_backend="humming"):
             cfg = quant_config_for(folder)
@@ -384,6 +388,30 @@ def _humming_cpu(folder: Path) -> None:
         out["error"] = f"{type(e).__name__}: {e}"
         out["traceback"] = traceback.format_exc()[-3000:]
     print(json.dumps(out))
+
+
+def _humming_layers(folder: Path) -> dict:
+    """Every MoE layer of a humming folder built, loaded and processed on the CPU answering as an SM90 GPU
+    (``_humming_on_a_cpu``, called once before), as ``_layers`` reports them."""
+    import torch
+
+    from moeconvert.integrations.vllm.harness import build_layer, layer_tensors, one_process, quant_config_for
+
+    out: dict = {"layers": {}}
+    try:
+        with one_process("cpu", moe_backend="humming"):
+            cfg = quant_config_for(folder)
+            for m in cfg.manifest["moe_layers"]:
+                runner = build_layer(cfg, prefix=m["prefix"], num_experts=m["num_experts_global"], top_k=m["top_k"],
+                                     hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size_total"],
+                                     has_bias=m["has_bias"], dtype=getattr(torch, cfg.manifest["dtype"]), device="cpu")
+                before = {n: p.data_ptr() for n, p in runner.named_parameters()}
+                loaded = sorted(runner.load_weights(layer_tensors(folder, m["prefix"], cfg)))
+                runner.routed_experts.quant_method.process_weights_after_loading(runner.routed_experts)
+                out["layers"][m["prefix"]] = _report(runner.routed_experts, loaded, before)
+    except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def _vllm_mxfp4_humming(folder: Path, m: dict, kw: dict) -> dict:

@@ -25,7 +25,7 @@ EXAMPLE_INTERMEDIATE_SIZE = 256
 def example(
     out_dir: Path = typer.Argument(..., help="Where to write the example checkpoint."),
     family: str = typer.Option("qwen3-moe", "--family", help="qwen3-moe | qwen2-moe | mixtral | deepseek-v2 | deepseek-v3 | glm4-moe | gpt-oss; with --header-only: deepseek-v3 | kimi-k2 | kimi-k3"),
-    scheme: str = typer.Option("w4a16", "--scheme", help="bf16 | fp16 | w4a16 | w8a16 | mxfp4 | nvfp4 (made by compressed-tensors) | fp8-block (DeepSeek-V3 FP8, made by transformers)"),
+    scheme: Optional[str] = typer.Option(None, "--scheme", help="bf16 | fp16 | w4a16 | w8a16 | mxfp4 | nvfp4 (made by compressed-tensors) | fp8-block (DeepSeek-V3 FP8, made by transformers)  [default: w4a16; with --header-only: bf16, or mxfp4 for kimi-k3 (its shipped compressed-tensors MXFP4 experts)]"),
     group_size: int = typer.Option(128, "--group-size", help="Quantization group size; -1 = channelwise."),
     asym: bool = typer.Option(False, "--asym", help="Asymmetric quantization (zero points)."),
     layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Number of decoder layers."),
@@ -33,8 +33,8 @@ def example(
     seed: int = typer.Option(0, "--seed"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output folder."),
     header_only: bool = typer.Option(False, "--header-only", help="The published model at full size (deepseek-v3 | kimi-k2 | "
-                                     "kimi-k3, bf16) as sparse shards: real names, shapes and config, no data; for "
-                                     "planning with --dry-run."),
+                                     "kimi-k3; bf16, or kimi-k3's MXFP4 with --scheme mxfp4) as sparse shards: real "
+                                     "names, shapes and config, no data; for planning with --dry-run."),
     random_weights: bool = typer.Option(False, "--random-weights", help="The published model at full size "
                                         "(qwen3-30b-a3b; --layers N for its first N layers) with random but "
                                         "valid weights, --scheme w4a16 (compressed-tensors pack-quantized) or "
@@ -53,9 +53,10 @@ def example(
             raise MoeConvertError("--header-only writes a published model at full size", tensor="--family",
                                   expected=" | ".join(MODELS), found=family)
         with StagedOutput(out_dir, [], overwrite) as staged, _writing(out_dir):
-            make_header_only(staged.staging, family)
+            make_header_only(staged.staging, family, num_layers=layers, scheme=scheme or "bf16")
             staged.publish()
-        out.print(f"wrote {family} at full size, headers only (sparse files, every weight reads as zero), to {out_dir}")
+        out.print(f"wrote {family} {scheme or 'bf16'} at full size, headers only (sparse files, every weight reads "
+                  f"as zero), to {out_dir}")
         return
     if random_weights:
         from moeconvert.fullsize import RANDOM_MODELS, make_random_weights
@@ -64,6 +65,7 @@ def example(
             raise MoeConvertError("--random-weights writes a published model at full size", tensor="--family",
                                   expected=" | ".join(RANDOM_MODELS), found=family)
         with StagedOutput(out_dir, [], overwrite) as staged, _writing(out_dir):
+            scheme = scheme or "w4a16"
             make_random_weights(staged.staging, family, layers=layers, scheme=scheme, group_size=group_size,
                                 seed=seed, device=device)
             staged.publish()
@@ -71,6 +73,7 @@ def example(
         return
     from moeconvert.example import make_example
 
+    scheme = scheme or "w4a16"
     with StagedOutput(out_dir, [], overwrite) as staged, _writing(out_dir):  # staging, swap, cleanup as repack's
         make_example(staged.staging, family, scheme, group_size=group_size, symmetric=not asym,
                      num_layers=layers, num_experts=experts, seed=seed, intermediate_size=EXAMPLE_INTERMEDIATE_SIZE)

@@ -310,10 +310,27 @@ FAMILIES: tuple[FamilySpec, ...] = (
         refused="Step-3.5 stores its routed experts as three 3-D tensors moe.{gate,up,down}_proj.weight (vLLM's "
                 "Step3p5 loader), a storage the table does not have, and clamps the SwiGLU of some MoE layers only "
                 "(swiglu_limits, vLLM's swiglustep): an activation per layer, not per family"),
+    # DeepSeek-V4: the keys of transformers' DeepseekV4Config; the tensor names of the published checkpoints,
+    # as vLLM 0.33.0's DeepseekV4 loader maps them (vllm/models/deepseek_v4/{cpu,nvidia}/model.py:
+    # layers.L.ffn.experts.E.w1/w2/w3 with ckpt_gate_proj_name "w1", ffn.gate.{weight,bias,tid2eid},
+    # ffn.shared_experts.w1/w2/w3; the MTP layers under mtp.N, not layers.N). Every decoder layer is MoE
+    # (its DeepseekV4DecoderLayer always builds DeepseekV4MoE). The first mlp_layer_types.count("hash_moe")
+    # layers choose experts by token id (the gate's tid2eid table), the others by sqrtsoftplus scores with
+    # the gate's bias: neither is a router the runtime reproduces, so the caller routes. The experts run
+    # SiLU-and-mul with gate and up clamped at swiglu_limit (vLLM's swiglu_limit on FusedMoE): the
+    # activation parameter ``limit``. The experts' formats are readers/deepseek_v4.py's (expert_dtype).
     FamilySpec(
-        "deepseek-v4", ("deepseek_v4",), ("DeepseekV4Config",), ("DeepseekV4ForCausalLM",),
-        refused="DeepSeek-V4's routed experts are FP4 in a format no source reader reads yet, and its first "
-                "layers route by hash (mlp_layer_types hash_moe)"),
+        "deepseek-v4", ("deepseek_v4",), ("DeepseekV4Config", "DeepseekV4ForCausalLM"), ("DeepseekV4ForCausalLM",),
+        keys=(_H, _k("n_routed_experts", "int>=1"), _k("moe_intermediate_size", "int>=1"),
+              _k("num_experts_per_tok", "int>=1"), _k("num_hidden_layers", "int>=1"),
+              _k("mlp_layer_types", "list[str]", None, nullable=True), _k("swiglu_limit", "number", 10.0)),
+        experts_key="n_routed_experts", block="ffn", roles={"w1": "gate", "w3": "up", "w2": "down"},
+        activation_params=(("swiglu_limit", "limit"),), routing=None, router=("gate",), shared=("shared_experts",),
+        # vllm/models/deepseek_v4/cpu/cpu_sparse.py: its CPU attention calls torch.ops._C.flash_mla_with_kvcache_cpu,
+        # which only vLLM's CPU build registers (csrc/cpu/sgl-kernels); the published wheel's libraries have none
+        plugin_unprovable="vLLM 0.33.0 / 0.34.0 run DeepSeek-V4's sparse attention on CPU only with their CPU "
+                          "build's kernels (torch.ops._C.flash_mla_with_kvcache_cpu, AMX-backed), which their "
+                          "published wheels do not ship, so its model never runs on vLLM's CPU platform"),
     FamilySpec(
         "longcat-flash", ("longcat_flash",), ("LongcatFlashConfig",), ("LongcatFlashForCausalLM",),
         refused="LongCat-Flash routes to zero-computation experts (zero_expert_num) that have no tensors, "

@@ -100,6 +100,8 @@ from moeconvert.layouts import humming  # noqa: E402,F401
 from moeconvert.layouts import humming_mxfp4  # noqa: E402,F401
 from moeconvert.layouts import marlin_nvfp4  # noqa: E402,F401
 from moeconvert.layouts import humming_nvfp4  # noqa: E402,F401
+from moeconvert.layouts import flashinfer_trtllm_nvfp4  # noqa: E402,F401
+from moeconvert.layouts import flashinfer_cutlass_nvfp4  # noqa: E402,F401
 
 __all__ = ["Layout", "TensorSpec", "ProjectionNames", "W13", "W2", "PROJECTIONS", "register", "get_layout",
            "layout_names", "layout_kinds", "layout_classes"]

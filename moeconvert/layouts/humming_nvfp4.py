@@ -149,6 +149,10 @@ class HummingNVFP4Layout(Layout):
         return ExpertBlock(scheme=scheme, w13_global=g13.unsqueeze(1).expand(-1, 2).contiguous(),
                            w2_global=tensors[GLOBAL["w2"]].float().contiguous(), **kw)
 
+    def expected_block(self, block: ExpertBlock, shape: LayerShape) -> ExpertBlock:
+        """humming runs 16-bit activations here: a W4A4 checkpoint's input scales are not kept."""
+        return dataclasses.replace(block, w13_input_global=None, w2_input_global=None)
+
     def tp_cuts(self, shape: LayerShape, scheme: Scheme, tp_size: int) -> dict[str, TPCut] | NotASlice:
         rank = self._rank_shape(shape, scheme, tp_size)
         if isinstance(rank, NotASlice):

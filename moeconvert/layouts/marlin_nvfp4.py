@@ -280,11 +280,12 @@ class MarlinNVFP4Layout(Layout):
 
     def expected_block(self, block: ExpertBlock, shape: LayerShape) -> ExpertBlock:
         """vLLM zeroes scales below ``2^-6 / sf`` (and negative ones), and uses the gate's global scale for
-        the up rows as well."""
+        the up rows as well. Marlin runs 16-bit activations: a W4A4 checkpoint's input scales are not kept."""
         sf = self._factors(block, shape)
         g13 = block.w13_global[:, :1].expand(-1, 2).contiguous()
         return dataclasses.replace(block, w13_scale=kept_scales(block.w13_scale, sf["w13"]),
-                                   w2_scale=kept_scales(block.w2_scale, sf["w2"]), w13_global=g13)
+                                   w2_scale=kept_scales(block.w2_scale, sf["w2"]), w13_global=g13,
+                                   w13_input_global=None, w2_input_global=None)
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: LayerShape, scheme: Scheme) -> ExpertBlock:
         H, I, Np = self._sizes(shape)

@@ -8,7 +8,8 @@ Per projection, as compressed-tensors' ``MXFP4PackedCompressor`` / ``NVFP4Packed
   (``compress_mx_scale``): the canonical scale byte as it is;
 * NVFP4: ``weight_scale [N, K/16]`` float8_e4m3fn, ``weight_global_scale [1]`` fp32 (the value is
   ``e2m1 * scale / global``) and, for W4A4 checkpoints, ``input_global_scale [1]`` fp32, which only
-  kernels that quantize activations read (Marlin runs weight-only on Hopper): it is checked and not kept.
+  kernels that quantize activations read (FlashInfer TRT-LLM; Marlin and humming run weight-only): kept as
+  the block's input multipliers, which the other layouts drop.
 
 The scheme is taken where vLLM 0.33.0 takes it (``CompressedTensorsMoEMethod.get_moe_method``): from the
 weights' arguments of the config group that holds the experts (``_is_mxfp4``: float, 4 bits, group 32,
@@ -41,6 +42,11 @@ class _FP4PackQuantized(Reader):
     strategy: ClassVar[str]
     scale_dtypes: ClassVar[tuple[str, ...]]
     required_suffixes: ClassVar[frozenset[str]]
+    #: the packed codes' and the scales' suffixes (DeepSeek-V4's own checkpoints: ``weight`` / ``scale``)
+    weight_suffix: ClassVar[str] = "weight_packed"
+    scale_suffix: ClassVar[str] = "weight_scale"
+    #: the packed codes' dtypes (DeepSeek-V4 stores the bytes as int8)
+    weight_dtypes: ClassVar[tuple[str, ...]] = ("U8",)
 
     def _expected_args(self, args: QuantArgs | None) -> str | None:
         """What is wrong with ``args`` for this format's weights (None: nothing)."""
@@ -83,17 +89,18 @@ class _FP4PackQuantized(Reader):
 
     def shapes(self, source: Source, prefix: str, first: Expert, scheme: Scheme) -> tuple[int, int]:
         t, g = source.tensors, self.group_size
+        ws, ss = self.weight_suffix, self.scale_suffix
         for r in ROLES:
-            expect_dtype(source, first[r]["weight_packed"], ("U8",))
-            expect_dtype(source, first[r]["weight_scale"], self.scale_dtypes)
-        I, half_h = t[first["gate"]["weight_packed"]].shape
+            expect_dtype(source, first[r][ws], self.weight_dtypes)
+            expect_dtype(source, first[r][ss], self.scale_dtypes)
+        I, half_h = t[first["gate"][ws]].shape
         H = 2 * half_h
         for r, (n, k) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
             if k % g:
                 raise MoeConvertError(f"input size is not a multiple of {self.name}'s group size", file=str(source.ident),
-                                      tensor=first[r]["weight_packed"], expected=f"a multiple of {g}", found=k)
-            expect_shape(source, first[r]["weight_packed"], (n, k // 2))
-            expect_shape(source, first[r]["weight_scale"], (n, k // g))
+                                      tensor=first[r][ws], expected=f"a multiple of {g}", found=k)
+            expect_shape(source, first[r][ws], (n, k // 2))
+            expect_shape(source, first[r][ss], (n, k // g))
             for suffix in ("weight_global_scale", "input_global_scale"):
                 if suffix in first[r]:
                     expect_dtype(source, first[r][suffix], ("F32",))
@@ -109,8 +116,9 @@ class _FP4PackQuantized(Reader):
         rows, packed_cols, scale_cols = (slice(r * Ip // d, (r + 1) * Ip // d) for d in (1, 2, g))
         parts: dict[str, list[torch.Tensor]] = {}
         for ex in layer.experts[e0:e1]:
-            w = {role: source.read(ex[role]["weight_packed"]) for role in ROLES}
-            s = {role: self.scale(source, ex[role]["weight_scale"]) for role in ROLES}
+            # int8 bytes (DeepSeek-V4) are the same bits: vLLM's loader copies them into its uint8 parameter
+            w = {role: source.read(ex[role][self.weight_suffix]).view(torch.uint8) for role in ROLES}
+            s = {role: self.scale(source, ex[role][self.scale_suffix]) for role in ROLES}
             got = {
                 "w13": torch.cat([w["gate"][rows], w["up"][rows]]), "w2": w["down"][:, packed_cols],
                 "w13_scale": torch.cat([s["gate"][rows], s["up"][rows]]), "w2_scale": s["down"][:, scale_cols],
@@ -192,4 +200,9 @@ class NVFP4PackQuantized(_FP4PackQuantized):
                                               file=source.info(name).file.name, tensor=name,
                                               expected="a finite value > 0", found=float(v.flatten()[0]))
             out[role] = 1.0 / source.read(ex[role]["weight_global_scale"]).float()
-        return {"w13_global": torch.cat([out["gate"], out["up"]]), "w2_global": out["down"][0]}
+        got = {"w13_global": torch.cat([out["gate"], out["up"]]), "w2_global": out["down"][0]}
+        if all("input_global_scale" in ex[role] for role in ROLES):
+            # W4A4: the activations' multipliers, ``1 / input_global_scale`` as vLLM divides them
+            inp = {role: 1.0 / source.read(ex[role]["input_global_scale"]).float() for role in ROLES}
+            got.update(w13_input_global=torch.cat([inp["gate"], inp["up"]]), w2_input_global=inp["down"][0])
+        return got

@@ -56,6 +56,8 @@ class FP8Block(Reader):
     title = "FP8 e4m3, 128x128 block scales (dequantized to bf16)"
     quant_method = "fp8"
     suffixes = frozenset({"weight", "weight_scale_inv"})
+    #: the block scales' suffix (DeepSeek-V4's own checkpoints name it ``scale``: readers/deepseek_v4.py)
+    scale_suffix = "weight_scale_inv"
 
     @classmethod
     def parse_config(cls, qc: dict, section: str) -> FP8BlockConfig:
@@ -88,10 +90,10 @@ class FP8Block(Reader):
         return prefix not in config.ignored
 
     def scheme(self, source: Source, prefix: str, first: Expert, config) -> Scheme:
-        if not {"weight", "weight_scale_inv"} <= set(first["gate"]):
+        if not {"weight", self.scale_suffix} <= set(first["gate"]):
             raise MoeConvertError("quantization_config says the experts are FP8 with block scales, but their "
                                   "tensors are not", file=str(source.ident), tensor=f"{prefix}.0",
-                                  expected="weight + weight_scale_inv", found=suffix_list(first))
+                                  expected=f"weight + {self.scale_suffix}", found=suffix_list(first))
         return FloatScheme(DEQUANT_DTYPE)
 
     def required(self, scheme: Scheme) -> frozenset[str]:
@@ -101,17 +103,17 @@ class FP8Block(Reader):
         I, H = source.tensors[first["gate"]["weight"]].shape
         for r, (n, k) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
             expect_dtype(source, first[r]["weight"], ("F8_E4M3",))
-            expect_dtype(source, first[r]["weight_scale_inv"], ("F32", "BF16"))
+            expect_dtype(source, first[r][self.scale_suffix], ("F32", "BF16"))
             expect_shape(source, first[r]["weight"], (n, k))
-            expect_shape(source, first[r]["weight_scale_inv"], (-(-n // BLOCK), -(-k // BLOCK)))
+            expect_shape(source, first[r][self.scale_suffix], (-(-n // BLOCK), -(-k // BLOCK)))
         return H, I
 
     def projection(self, source: Source, names: dict[str, str], scheme: Scheme, config, n: int, k: int) -> Projection:
-        w, s = source.read(names["weight"]), source.read(names["weight_scale_inv"])
+        w, s = source.read(names["weight"]), source.read(names[self.scale_suffix])
         bad = ~torch.isfinite(s)
         if bool(bad.any()):
-            raise MoeConvertError("FP8 block scales must be finite", file=source.info(names["weight_scale_inv"]).file.name,
-                                  tensor=names["weight_scale_inv"], expected="finite values",
+            raise MoeConvertError("FP8 block scales must be finite", file=source.info(names[self.scale_suffix]).file.name,
+                                  tensor=names[self.scale_suffix], expected="finite values",
                                   found=f"{int(bad.sum())} NaN/inf")
         nan = (w.view(torch.uint8) & 0x7F) == 0x7F
         if bool(nan.any()):

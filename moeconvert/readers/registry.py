@@ -9,6 +9,10 @@ from moeconvert.format import CONFIG_NAME, config_value
 from moeconvert.readers.base import Reader
 from moeconvert.schemes import CompressedTensorsConfig
 
+#: DeepSeek-V4's own format (readers/deepseek_v4.py), chosen from the model's config as well as its
+#: quant_method: one reader per ``expert_dtype``
+DEEPSEEK_V4 = "deepseek_v4_fp8"
+
 _READERS: dict[str, Reader] = {}
 
 
@@ -51,6 +55,9 @@ class SourceFormat:
         """The reader of the MoE layer at ``prefix`` (``module_names``: role -> expert 0's module name)."""
         if self.method == "none":
             return _READERS["float"]
+        if self.method == DEEPSEEK_V4:
+            reader = _READERS[self.config.reader_name()]
+            return reader if reader.quantizes(self.config, prefix) else _READERS["float"]
         if self.method != "compressed-tensors":
             reader = _quant_methods()[self.method]
             return reader if reader.quantizes(self.config, prefix) else _READERS["float"]
@@ -69,6 +76,8 @@ class SourceFormat:
     def describe(self) -> str:
         if self.method == "compressed-tensors":
             return f"compressed-tensors ({self.config.format})"
+        if self.method == DEEPSEEK_V4:
+            return f"{self.method} (expert_dtype {self.config.expert_dtype})"
         return self.method
 
 
@@ -86,6 +95,11 @@ def source_format(config: dict) -> SourceFormat:
         return source_format({"quantization_config": inner}) if inner else SourceFormat("none")
     if method == "compressed-tensors":
         return SourceFormat(method, CompressedTensorsConfig(qc, CONFIG_NAME))
+    if method in ("fp8", DEEPSEEK_V4) and config.get("model_type") == "deepseek_v4":
+        # vLLM's DeepseekV4FP8Config.override_quantization_method: fp8 on a DeepSeek-V4 model is its own
+        from moeconvert.readers.deepseek_v4 import parse_config
+
+        return SourceFormat(DEEPSEEK_V4, parse_config(config, qc, section))
     methods = _quant_methods()
     if method not in methods:
         raise MoeConvertError("unsupported quantization_config.quant_method", file=CONFIG_NAME,
