@@ -273,6 +273,12 @@ def moe_gemm(
             gate = tl.minimum(acc, limit)
             up = tl.minimum(tl.maximum(acc_up, -limit), limit)
             acc = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        elif ACT == 2:  # Kimi-K3's SITU (vLLM's SituAndMul): alpha is beta, limit linear_beta (<= 0: unset)
+            # beta * tanh(gate / beta) * sigmoid(gate) * up', up' = linear_beta * tanh(up / linear_beta) or up;
+            # tanh(t) = 1 - 2 / (exp(2t) + 1), which saturates to +-1 where exp overflows or vanishes
+            gate = alpha * (1.0 - 2.0 / (tl.exp(2.0 * acc / alpha) + 1.0)) / (1.0 + tl.exp(-acc))
+            clipped = limit * (1.0 - 2.0 / (tl.exp(2.0 * acc_up / limit) + 1.0))
+            acc = gate * tl.where(acc_up * 0.0 + limit > 0.0, clipped, acc_up)
         else:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_ROUTED_WEIGHT:

@@ -25,8 +25,8 @@ from moeconvert.kernels.pdl import launch_options
 INT4, INT8, MXFP4 = 0, 1, 2  # the GEMM's FMT
 FORMATS = {"int4": INT4, "int8": INT8, "mxfp4": MXFP4}
 _FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
-SILU, SWIGLUOAI = 0, 1  # the GEMM's ACT
-ACTIVATIONS = {"silu": SILU, "swigluoai": SWIGLUOAI}
+SILU, SWIGLUOAI, SITU = 0, 1, 2  # the GEMM's ACT
+ACTIVATIONS = {"silu": SILU, "swigluoai": SWIGLUOAI, "situ": SITU}
 ENV_PORTABLE = "MOECONVERT_PORTABLE_DEQUANT"  # set: the portable dequantization on GPUs too (to compare)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _ROW_BYTES = {"int4": 8, "mxfp4": 8, "int8": 16}  # bytes of a 16-row atom row per input
@@ -139,7 +139,8 @@ def launch_gemm(a, w: FastWeights, out, aligned, topk_weights, *, fmt: int, grou
 
 def fused_moe_fast(x: torch.Tensor, w13: FastWeights, w2: FastWeights, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, *, fmt: str, group_size: int, activation: str = "silu",
-                   alpha: float = 1.702, limit: float = 7.0, expert_offset: int = 0,
+                   alpha: float = 1.702, limit: float = 7.0, beta: float = 1.0, linear_beta: float | None = None,
+                   expert_offset: int = 0,
                    all_ids_local: bool = True, configs: tuple[dict, dict] | None = None,
                    mx_small_scales: bool = False) -> torch.Tensor:
     """``sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(x)`` for ``x [M, K]``, K = w13's (padded) K.
@@ -167,6 +168,8 @@ def fused_moe_fast(x: torch.Tensor, w13: FastWeights, w2: FastWeights, topk_weig
     if c1["BLOCK_M"] != c2["BLOCK_M"]:
         raise ValueError(f"the two GEMMs share one alignment: BLOCK_M {c1['BLOCK_M']} != {c2['BLOCK_M']}")
     act, P = ACTIVATIONS[activation], M * top_k
+    if act == SITU:  # the GEMM's two activation scalars carry SITU's beta and linear_beta (-1: none)
+        alpha, limit = float(beta), -1.0 if linear_beta is None else float(linear_beta)
     x = x.contiguous()
     if use_pair_blocks(M):
         aligned = PairBlocks(topk_ids.reshape(-1).to(torch.int32).contiguous(), E, expert_offset)

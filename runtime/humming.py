@@ -60,6 +60,11 @@ def activation_impl(name: str, params: dict | None) -> str | None:
         alpha, limit = _float(p.get("alpha", SWIGLUOAI_ALPHA)), _float(p.get("limit", SWIGLUOAI_LIMIT))
         gate = f"fminf(a, {limit})"
         return f"(fmaxf(fminf(b, {limit}), -{limit}) + 1.f) * {gate} / (1.f + expf(-{alpha} * {gate}))"
+    if name == "situ":  # vLLM's SituAndMul; the expression vLLM gives humming for SITU (humming/activation.py)
+        p = params or {}
+        beta = _float(p.get("beta", 1.0))
+        up = "b" if p.get("linear_beta") is None else f"{_float(p['linear_beta'])} * tanhf(b / {_float(p['linear_beta'])})"
+        return f"{beta} * tanhf(a / {beta}) / (1.f + expf(-a)) * {up}"
     return None
 
 

@@ -49,7 +49,7 @@ def fast_forward(layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     H, K = e.hidden_size, w13.k(fmt)
     xin = x if K == H else torch.nn.functional.pad(x, (0, K - H))
     params = e.activation_params
-    kw = {k: float(params[k]) for k in ("alpha", "limit") if k in params}
+    kw = {k: float(params[k]) for k in ("alpha", "limit", "beta", "linear_beta") if k in params}
     small = False
     if fmt == "mxfp4":  # read once per layer (a host read), never while a CUDA graph is being captured
         state = layer.kernel_state

@@ -53,7 +53,20 @@ def swigluoai_and_mul(gate: torch.Tensor, up: torch.Tensor, alpha: float = SWIGL
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-ACTIVATIONS = {"silu": silu_and_mul, "swigluoai": swigluoai_and_mul}
+def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float = 1.0,
+                 linear_beta: float | None = None) -> torch.Tensor:
+    """Kimi-K3's SITU on split halves, as vLLM's ``SituAndMul`` (vllm/model_executor/layers/activation.py)
+    defines it: ``beta * tanh(gate / beta) * sigmoid(gate) * up``, with ``up`` softly clipped to
+    ``linear_beta * tanh(up / linear_beta)`` where ``linear_beta`` is set."""
+    g = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+    if linear_beta is not None:
+        up = linear_beta * torch.tanh(up / linear_beta)
+    return g * up
+
+
+ACTIVATIONS = {"silu": silu_and_mul, "swigluoai": swigluoai_and_mul, "situ": situ_and_mul}
+#: activation -> the ``activation_params`` its function takes (the manifest's names)
+PARAMS = {"silu": ("limit",), "swigluoai": ("alpha", "limit"), "situ": ("beta", "linear_beta")}
 
 
 def activation_fn(name: str, params: dict | None = None):
@@ -61,7 +74,7 @@ def activation_fn(name: str, params: dict | None = None):
     fn = ACTIVATIONS.get(name)
     if fn is None:
         raise MoeConvertError("unknown activation", tensor="activation", expected=" | ".join(ACTIVATIONS), found=name)
-    kw = {k: float(v) for k, v in (params or {}).items() if k in ("alpha", "limit")}
+    kw = {k: float(v) for k, v in (params or {}).items() if k in PARAMS[name]}
     return lambda gate, up: fn(gate, up, **kw)
 
 

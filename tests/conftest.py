@@ -53,3 +53,21 @@ def example_ckpt(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def kimi_k3_ckpt(tmp_path_factory):
+    """Factory ``kimi_k3_ckpt(scheme="bf16") -> Path``: the tiny Kimi-K3 checkpoint of
+    ``helpers.make_kimi_k3_checkpoint`` (bf16, or compressed-tensors ``mxfp4``), built once per session."""
+    from helpers import make_kimi_k3_checkpoint
+
+    cache: dict = {}
+
+    def make(scheme: str = "bf16"):
+        if scheme not in cache:
+            if scheme != "bf16":
+                pytest.importorskip("compressed_tensors")
+            cache[scheme] = make_kimi_k3_checkpoint(tmp_path_factory.mktemp(f"kimi-k3-{scheme}") / "ckpt", scheme=scheme)
+        return cache[scheme]
+
+    return make

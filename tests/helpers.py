@@ -848,3 +848,141 @@ def make_deepseek_v4_checkpoint(out: Path, *, expert_dtype: str = "fp4", E: int 
                                     "scale_fmt": "ue8m0", "weight_block_size": [128, 128]})
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out
+
+
+def make_kimi_k3_checkpoint(out: Path, *, scheme: str = "bf16", E: int = 8, H: int = 128, L: int = 64, I: int = 32,
+                            top_k: int = 2, linear_beta: float | None = 4.0, seed: int = 0) -> Path:
+    """A tiny Kimi-K3 checkpoint (``kimi_k3`` wrapping a ``kimi_linear`` text config; transformers has no class
+    for it): the keys of vLLM 0.33.0's KimiK3Config / KimiLinearConfig (vllm/transformers_utils/configs/
+    kimi_k3.py, kimi_linear.py) and the MoE tensor names its loader maps (vllm/model_executor/models/kimi_k3:
+    ``block_sparse_moe.experts.N.w1/w2/w3``), at the published checkpoint's structure
+    (moeconvert/fullsize.py): two MoE layers whose experts see an ``L``-wide latent of the ``H``-wide hidden
+    state, two shared experts, SITU with ``activation_situ_beta`` 1 and ``linear_beta``. ``scheme`` ``mxfp4``:
+    the same weights as compressed-tensors' ``MXFP4PackedCompressor`` writes them (``mxfp4-pack-quantized``,
+    through moeconvert.example's llm-compressor-equivalent path)."""
+    import json
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
+
+    vocab, p0 = 128, "language_model.model."
+    t = {p0 + "embed_tokens.weight": w(vocab, H), p0 + "norm.weight": torch.ones(H, dtype=torch.bfloat16),
+         "language_model.lm_head.weight": w(vocab, H)}
+    for i in range(2):
+        p = f"{p0}layers.{i}."
+        t.update({p + "input_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+                  p + "post_attention_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+                  p + "block_sparse_moe.gate.weight": w(E, H),
+                  p + "block_sparse_moe.gate.e_score_correction_bias": torch.zeros(E, dtype=torch.float32)})
+        for e in range(E):
+            q = f"{p}block_sparse_moe.experts.{e}."
+            t.update({q + "w1.weight": w(I, L), q + "w3.weight": w(I, L), q + "w2.weight": w(L, I)})
+        q = p + "block_sparse_moe.shared_experts."
+        t.update({q + "gate_proj.weight": w(2 * I, H), q + "up_proj.weight": w(2 * I, H),
+                  q + "down_proj.weight": w(H, 2 * I)})
+    text = {"model_type": "kimi_linear", "torch_dtype": "bfloat16", "vocab_size": vocab, "hidden_size": H,
+            "routed_expert_hidden_size": L, "moe_intermediate_size": I, "num_experts": E,
+            "num_experts_per_token": top_k, "num_shared_experts": 2, "num_hidden_layers": 2,
+            "first_k_dense_replace": 0, "moe_layer_freq": 1, "hidden_act": "situ", "activation_situ_beta": 1.0,
+            "activation_situ_linear_beta": linear_beta, "moe_router_activation_func": "sigmoid",
+            "moe_renormalize": True, "tie_word_embeddings": False}
+    cfg = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text}
+    if scheme == "bf16":
+        out.mkdir(parents=True)
+        save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(cfg, indent=1))
+        return out
+    from moeconvert.example import _write_pack_quantized
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_file(t, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg, indent=1))
+        out.mkdir(parents=True)
+        _write_pack_quantized(Path(tmp), out, 4, -1, True, {p0 + "embed_tokens"}, "5GB", fp4=scheme)
+    return out
+
+
+def vllm_situ_and_mul(version: str) -> Callable[[torch.Tensor, float, float | None], torch.Tensor]:
+    """vLLM ``version``'s own ``SituAndMul.forward_native`` (vllm/model_executor/layers/activation.py), run on
+    the CPU as written there: ``f(x [..., 2I], beta, linear_beta) -> [..., I]`` (or skip, saying why)."""
+    import types
+
+    read = vllm_reader(version)
+    rel = "model_executor/layers/activation.py"
+    cls = top_level(read(rel))["SituAndMul"]
+    forward = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward_native")
+    fn = exec_nodes([forward], f"vllm/{rel}", {"torch": torch})["forward_native"]
+    return lambda x, beta, linear_beta=None: fn(types.SimpleNamespace(beta=float(beta), linear_beta=linear_beta), x)
+
+
+def vllm_supports_activation(version: str, rel: str, cls_name: str, activation: str) -> bool:
+    """vLLM ``version``'s ``cls_name._supports_activation`` (in ``model_executor/layers/fused_moe/<rel>``) for
+    ``activation``, run from its source with the version's own ``MoEActivation`` and ``apply_moe_activation``
+    tables (fused_moe/activation.py)."""
+    import enum
+
+    read = vllm_reader(version)
+    act_rel = "model_executor/layers/fused_moe/activation.py"
+    found = top_level(read(act_rel))
+    ns = exec_nodes([found[n] for n in ("MoEActivation", "_APPLY_MOE_ACTIVATIONS", "apply_moe_activation_supported")],
+                    f"vllm/{act_rel}", {"Enum": enum.Enum})
+    classes = top_level(read(f"model_executor/layers/fused_moe/{rel}"))
+    cls, method = classes[cls_name], None
+    while method is None:  # the class's own, else its first base's in the same file that defines one
+        method = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "_supports_activation"),
+                      None)
+        if method is None:
+            cls = next(classes[b.id] for b in cls.bases if isinstance(b, ast.Name) and b.id in classes)
+    method.decorator_list = []
+    fn = exec_nodes([method], f"vllm/{rel}", ns)["_supports_activation"]
+    return bool(fn(ns["MoEActivation"](activation)))
+
+
+def eval_c_activation(expr: str, a: float, b: float) -> float:
+    """A humming ``binary_split`` activation expression (the C subset vLLM and runtime/humming.py write: float
+    literals ``1.5f``, ``tanhf`` / ``expf`` / ``fminf`` / ``fmaxf``, or a ``[](float a, float b) {...}(a, b)``
+    lambda of ``const float`` lines and a ``return``) evaluated in Python doubles at ``a`` (gate), ``b`` (up)."""
+    import math
+    import re
+
+    def py(s: str) -> str:
+        s = re.sub(r"(\d+\.\d*(?:[eE][-+]?\d+)?)f\b", r"\1", s)
+        for c, p in (("tanhf", "math.tanh"), ("expf", "math.exp"), ("fminf", "min"), ("fmaxf", "max")):
+            s = re.sub(rf"\b{c}\b", p, s)
+        return s
+
+    ns = {"math": math, "a": a, "b": b}
+    lam = re.fullmatch(r"\s*\[\]\(float a, float b\)\s*\{(.*)\}\(a, b\)\s*", expr, re.S)
+    if lam is None:
+        return eval(py(expr), ns)  # noqa: S307 - our own and vLLM's expression text
+    for stmt in filter(None, (x.strip() for x in lam[1].split(";"))):
+        if stmt.startswith("return "):
+            return eval(py(stmt[len("return "):]), ns)  # noqa: S307
+        name, value = re.fullmatch(r"const float (\w+) = (.*)", stmt, re.S).groups()
+        ns[name] = eval(py(value), ns)  # noqa: S307
+    raise ValueError(f"no return in {expr!r}")
+
+
+def vllm_humming_activation(version: str, activation: str, situ_beta: float | None = None,
+                            situ_linear_beta: float | None = None) -> str:
+    """vLLM ``version``'s humming ``activation_impl`` for ``activation`` (its ``get_humming_activation``,
+    quantization/utils/humming/activation.py, run from source with its own ``MoEActivation`` and
+    ``ApplyMoEActivationConfig``)."""
+    import dataclasses
+    import enum
+
+    read = vllm_reader(version)
+    act_rel = "model_executor/layers/fused_moe/activation.py"
+    found = top_level(read(act_rel))
+    ns = exec_nodes([found["MoEActivation"], found["ApplyMoEActivationConfig"]], f"vllm/{act_rel}",
+                    {"Enum": enum.Enum, "dataclass": dataclasses.dataclass, "torch": torch})
+    rel = "model_executor/layers/quantization/utils/humming/activation.py"
+    nodes = [n for n in ast.parse(read(rel)).body if not isinstance(n, (ast.Import, ast.ImportFrom))]
+    ns = exec_nodes(nodes, f"vllm/{rel}", {**ns, "replace": dataclasses.replace})
+    config = ns["ApplyMoEActivationConfig"](activation_situ_beta=situ_beta, activation_situ_linear_beta=situ_linear_beta)
+    return ns["get_humming_activation"](ns["MoEActivation"](activation), config)["activation_impl"]

@@ -234,6 +234,10 @@ def _cases():
     add("fp32-mxfp4-swigluoai-bias-M13", quant="mxfp4", dtype="float32", M=13, bias=True, act="swigluoai",
         params={"alpha": 1.5, "limit": 3.0})
     add("fp32-mxfp4-silu-M3", quant="mxfp4", dtype="float32", M=3)
+    # Kimi-K3's SITU, with and without linear_beta (the reference's SITU is vLLM's own: tests/test_runtime.py)
+    add("fp32-mxfp4-situ-M13", quant="mxfp4", dtype="float32", M=13, act="situ",
+        params={"beta": 0.75, "linear_beta": 0.5})
+    add("fp16-int4-sym-g32-situ-M5", quant="int4-sym-g32", dtype="float16", M=5, act="situ", params={"beta": 0.5})
     # tiles: several groups in one K step (per-element scales), split-K GEMM2 with fp32 atomics, swizzle
     add("fp32-int4-asym-g32-bk128-M13", quant="int4-asym-g32", dtype="float32", M=13,
         configs=[CFG(BLOCK_K=128), CFG(BLOCK_K=128)])

@@ -266,3 +266,62 @@ def test_kernel_override(made, monkeypatch):
     assert layer.kernel == "reference" and layer.kernel_note is None
     monkeypatch.setenv("MOECONVERT_KERNEL", "reference")
     assert next(iter(load(out, device="cpu"))).kernel == "reference"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kimi-K3's SITU
+
+
+@pytest.mark.parametrize("linear_beta", [None, 4.0])
+def test_situ_is_vllms_situ_and_mul(linear_beta, vllm_version):
+    """The runtime's SITU against vLLM's own ``SituAndMul.forward_native`` (run from that version's source on
+    the CPU), over values where both tanh clips bite (|gate| >> beta, |up| >> linear_beta)."""
+    from moeconvert.runtime.reference import activation_fn
+
+    from helpers import vllm_situ_and_mul
+
+    theirs = vllm_situ_and_mul(vllm_version)
+    x = torch.randn(64, 2 * 48, generator=torch.Generator().manual_seed(5)) * 6
+    params = {"beta": 0.75} | ({} if linear_beta is None else {"linear_beta": linear_beta})
+    ours = activation_fn("situ", params)(x[:, :48], x[:, 48:])
+    assert torch.equal(ours, theirs(x, 0.75, linear_beta))
+
+
+def test_kimi_k3_block_on_marlin_equals_vllms_situ_on_compressed_tensors_weights(kimi_k3_ckpt, tmp_path):
+    """The tiny compressed-tensors MXFP4 Kimi-K3, repacked to marlin and loaded: each MoE layer gives
+    sum_k w_k * down(SituAndMul(gate_up(x))) computed from compressed-tensors' own decompression of the
+    source's experts and vLLM 0.33.0's ``SituAndMul`` (beta 1, linear_beta 4 from the config)."""
+    from compressed_tensors.compressors import MXFP4PackedCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from safetensors.torch import load_file
+
+    from helpers import VLLM_VERSION, vllm_situ_and_mul
+
+    situ = vllm_situ_and_mul(VLLM_VERSION)
+    src, out = kimi_k3_ckpt("mxfp4"), tmp_path / "out"
+    cli("repack", str(src), str(out), "--backend", "marlin", expect=0)
+    tensors = load_file(src / "model.safetensors")
+    scheme = preset_name_to_scheme("MXFP4", ["Linear"])
+
+    def weight(module):
+        state = {k.removeprefix(module + "."): v for k, v in tensors.items() if k.startswith(module + ".")}
+        return MXFP4PackedCompressor.decompress(state, scheme)["weight"].float()
+
+    dispatch._SAID.clear()
+    with pytest.warns(KernelFallbackWarning):  # Marlin's own kernel needs a GPU: the reference reads the layout
+        model = load(out, device="cpu")
+    gen = torch.Generator().manual_seed(7)
+    for layer in model:
+        E, H = layer.num_experts, layer.hidden_size
+        x = (torch.randn(9, H, generator=gen) * 10).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(9)])
+        w = torch.rand(9, 2, generator=gen)
+        got = layer(x, w, ids)
+        want = torch.zeros(9, H)
+        for e in range(E):
+            q = f"{layer.prefix}.{e}"
+            w13 = torch.cat([weight(f"{q}.w1"), weight(f"{q}.w3")])
+            y = situ(x.float() @ w13.T, 1.0, 4.0) @ weight(f"{q}.w2").T
+            want += (w * (ids == e)).sum(1, keepdim=True) * y
+        assert got.dtype == torch.bfloat16
+        assert rel(got, want) < 1e-2, layer.prefix  # one bf16 rounding of the output

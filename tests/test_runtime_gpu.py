@@ -121,3 +121,25 @@ def test_pinned_reader_gives_the_same_tensors(marlin_output):
     for la, lb in zip(a, b):
         for k in la.tensors:
             assert torch.equal(la.tensors[k].view(torch.uint8), lb.tensors[k].view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("backend", ["marlin", "triton-fast"])
+@pytest.mark.parametrize("M", [1, 7, 300])
+def test_kimi_k3_situ_on_its_kernels_matches_the_reference(kimi_k3_ckpt, tmp_path_factory, backend, M):
+    """Kimi-K3's SITU (beta 1, linear_beta 4) between the GEMMs of vLLM's Marlin and of our Triton kernel,
+    from its compressed-tensors MXFP4 checkpoint; Kimi-K3's caller routes, so the ids are drawn."""
+    if backend == "marlin":
+        _require_marlin()
+    elif not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from moeconvert.runtime import load
+
+    out = tmp_path_factory.mktemp("k3") / "out"
+    cli("repack", kimi_k3_ckpt("mxfp4"), out, "--backend", backend, expect=0)
+    gen = torch.Generator(device="cuda").manual_seed(M)
+    for layer in load(out, device="cuda"):
+        assert layer.kernel == ("vllm-marlin" if backend == "marlin" else "triton"), layer.kernel_note
+        x = (torch.randn(M, layer.hidden_size, device="cuda", generator=gen) * 10).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(layer.num_experts, device="cuda", generator=gen)[:2] for _ in range(M)])
+        w = torch.rand(M, 2, device="cuda", generator=gen)
+        assert rel(layer(x, w, ids.to(torch.int32)), layer.reference(x, w, ids)) < 2e-2

@@ -515,3 +515,22 @@ def test_humming_dispatch_runs_an_nvfp4_folder_as_the_reference(nvfp4_folder, M)
         print(f"\nnvfp4 {layer.prefix} M={M}: humming vs reference rel err {err:.2e}")
         assert got.shape == x.shape and got.dtype == torch.bfloat16 and torch.isfinite(got).all()
         assert err < 2e-2
+
+
+@pytest.mark.parametrize("linear_beta", [None, 4.0])
+def test_situ_expression_is_the_one_vllm_gives_humming(linear_beta, vllm_version):
+    """Kimi-K3's SITU as humming's input processing runs it: our expression and the one vLLM's
+    ``get_humming_activation`` writes for SITU take the same values (evaluated in doubles), which are the
+    runtime reference's."""
+    from moeconvert.runtime.reference import activation_fn
+
+    from helpers import eval_c_activation, vllm_humming_activation
+
+    params = {"beta": 0.75} | ({} if linear_beta is None else {"linear_beta": linear_beta})
+    ours = rh.activation_impl("situ", params)
+    theirs = vllm_humming_activation(vllm_version, "situ", 0.75, linear_beta)
+    ref = activation_fn("situ", params)
+    for a, b in ((-9.0, 3.0), (-0.4, 7.5), (0.3, -12.0), (2.5, 0.5), (11.0, -6.0)):
+        want = float(ref(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)))
+        assert eval_c_activation(ours, a, b) == pytest.approx(want, rel=1e-12, abs=1e-15), (a, b)
+        assert eval_c_activation(theirs, a, b) == pytest.approx(want, rel=1e-12, abs=1e-15), (a, b)

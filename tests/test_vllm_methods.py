@@ -182,3 +182,22 @@ def test_another_layout_is_asked_with_the_sizes_it_pads_mxfp4_to():
     assert fits(SPECS["MarlinMXFP4Method"]) and fits(SPECS["HummingMXFP4Method"])
     alts = alternatives("mxfp4", "silu", {}, fits, exclude=SPECS["HummingMXFP4Method"], portable=True)
     assert elsewhere(alts, None) == "serve a --backend marlin folder on this machine"
+
+
+# spec -> the vLLM experts class its kernel is (vllm/model_executor/layers/fused_moe/experts/...)
+EXPERTS_CLASSES = {"MarlinWNA16Method": ("experts/marlin_moe.py", "MarlinExperts"),
+                   "MarlinMXFP4Method": ("experts/marlin_moe.py", "MarlinExperts"),
+                   "HummingWNA16Method": ("experts/fused_humming_moe.py", "HummingGroupedExperts"),
+                   "HummingMXFP4Method": ("experts/fused_humming_moe.py", "HummingGroupedExperts"),
+                   "TritonWNA16Method": ("experts/triton_moe.py", "TritonWNA16Experts")}
+
+
+@pytest.mark.parametrize("name", list(EXPERTS_CLASSES))
+def test_situ_is_declared_where_vllms_experts_class_runs_it(name, vllm_version):
+    """Kimi-K3's SITU: a method declares it exactly where vLLM's own experts class for its kernel accepts it
+    (``_supports_activation``, run from that version's source)."""
+    from helpers import vllm_supports_activation
+
+    rel, cls = EXPERTS_CLASSES[name]
+    assert ("situ" in SPECS[name].activations) == vllm_supports_activation(vllm_version, rel, cls, "situ")
+    assert vllm_supports_activation(vllm_version, rel, cls, "silu")  # the oracle itself answers

@@ -351,8 +351,10 @@ FAMILIES: tuple[FamilySpec, ...] = (
         block="block_sparse_moe", roles={"w1": "gate", "w3": "up", "w2": "down"}, activation="situ",
         activation_params=(("activation_situ_beta", "beta"), ("activation_situ_linear_beta", "linear_beta")),
         activation_key="hidden_act", routing=None, shared=("shared_experts",), wrappers=("kimi_k3",),
-        plan_only="Kimi-K3's experts run SITU (vLLM's SituAndMul: beta * tanh(gate / beta) * sigmoid(gate) * up), "
-                  "which no kernel here runs yet: --dry-run plans the conversion, nothing is written"),
+        plugin_unprovable="vLLM's KimiK3ForConditionalGeneration holds a MoonViT vision tower and KimiLinear "
+                          "decoder layers (KDA linear attention, NoPE MLA, a latent projection around each MoE: "
+                          "vllm/models/kimi_k3/nvidia/model.py) that the tiny checkpoint here does not carry; the "
+                          "plugin has not been run on that class on vLLM's CPU platform"),
 )
 
 #: family name -> the config ``model_type`` values that name it
@@ -452,7 +454,8 @@ def table_markdown() -> str:
                                       else f" (`{f.block}.experts.gate_up_proj`"
                                       + (", float only" if st in (FUSED, FUSED_TRANSPOSED) else "") + ")")
                            for st in f.storage)
-        routing = f"{f.activation}, {f.routing or 'caller routes'}" + (", router weight on the input"
+        params = f" ({', '.join(n for _, n in f.activation_params)})" if f.activation_params else ""
+        routing = f"{f.activation}{params}, {f.routing or 'caller routes'}" + (", router weight on the input"
                                                                       if f.router_on_input else "")
         shared = ", ".join(f"`{s}`" for s in f.shared) or "none"
         name = f.name + (f" (planned only: {f.plan_only})" if f.plan_only else "")

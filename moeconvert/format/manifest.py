@@ -40,7 +40,7 @@ _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 _QUANT_FORMATS = ("mxfp4",)
 #: activation -> the parameters it takes (docs/runtime.md, "Activations")
 #: silu's ``limit``: DeepSeek-V4's swiglu_limit (gate and up clamped before SiLU-and-mul, when > 0)
-_ACTIVATIONS = {"silu": ("limit",), "swigluoai": ("alpha", "limit")}
+_ACTIVATIONS = {"silu": ("limit",), "swigluoai": ("alpha", "limit"), "situ": ("beta", "linear_beta")}
 _MISSING = object()
 
 

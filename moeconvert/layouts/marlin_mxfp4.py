@@ -48,8 +48,9 @@ from moeconvert.schemes import MXFP4Scheme, Scheme
 PAD_MULTIPLES = (256, 128)
 MODEL_DTYPE = torch.bfloat16
 #: activation -> order of the w13 rows in vLLM's memory (= GEMM1 output columns the activation reads):
-#: SiLU-and-mul takes the two halves; swigluoai takes even/odd columns (``x[..., ::2]``, ``x[..., 1::2]``)
-W13_ROWS = {"silu": "gate_up", "swigluoai": "interleaved"}
+#: SiLU-and-mul takes the two halves; swigluoai takes even/odd columns (``x[..., ::2]``, ``x[..., 1::2]``);
+#: Kimi-K3's SITU (vLLM's ``situ_and_mul``, which MarlinExperts runs through ``apply_moe_activation``) the halves
+W13_ROWS = {"silu": "gate_up", "swigluoai": "interleaved", "situ": "gate_up"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ class MarlinMXFP4Layout(Layout):
                             "only; use a bfloat16 model dtype (--dtype bfloat16)")
         if shape.activation not in W13_ROWS:
             problems.append(f"activation = {shape.activation}: this layout knows the w13 row order vLLM's Marlin "
-                            "path holds for silu ([gate; up]) and swigluoai (gate/up interleaved) only")
+                            "path holds for silu and situ ([gate; up]) and swigluoai (gate/up interleaved) only")
         return problems
 
     def plan(self, shape: LayerShape, scheme: Scheme) -> list[TensorSpec]:

@@ -47,7 +47,7 @@ MADE_FOR = {"vllm": ["0.33.0", "0.34.0"]}
 #: a folder written before the plugin served this layout records no ``vllm`` (same version, same bytes)
 MADE_FOR_OPTIONAL = ("vllm",)
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-ACTIVATIONS = ("silu", "swigluoai")
+ACTIVATIONS = ("silu", "swigluoai", "situ")
 
 
 # ---------------------------------------------------------------------------------------------------

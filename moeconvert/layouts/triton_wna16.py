@@ -129,6 +129,9 @@ class TritonWNA16Layout(Layout):
                 )
         if shape.dtype not in PARAMS_DTYPES:
             problems.append(f"model dtype = {shape.dtype}: the Triton kernel runs float16, bfloat16 or float32 activations")
+        if shape.activation == "situ":
+            problems.append("activation = situ: vLLM's TritonWNA16Experts does not run SITU (its _supports_activation "
+                            "has no SITU in vLLM 0.33.0 / 0.34.0); the marlin and humming layouts run it")
         if shape.has_bias:
             problems.append(
                 "expert biases: TritonWNA16Experts never adds them (vLLM 0.33.0 keeps them in memory and "
