@@ -54,7 +54,7 @@ def test_vllm_serve_reads_vllms_load_records_and_the_peaks_at_that_moment():
     from moeconvert.bench.vllm_engine import _LoadRecords
 
     records, log = _LoadRecords(), logging.getLogger("vllm.test_bench_records")
-    log.addHandler(records)
+    log.addFilter(records)
     log.propagate = False
     log.setLevel(logging.INFO)  # as vLLM sets its loggers (VLLM_LOGGING_LEVEL's default)
     try:
@@ -64,10 +64,36 @@ def test_vllm_serve_reads_vllms_load_records_and_the_peaks_at_that_moment():
         assert "load_peak_host_gib" not in records.values
         log.info("Model loading took %s GiB memory and %.6f seconds", "16.02", 14.0)
     finally:
-        log.removeHandler(records)
+        log.removeFilter(records)
     v = records.values
     assert (v["init_model_s"], v["load_weights_s"], v["model_load_s"], v["model_gib"]) == (1.25, 10.5, 14.0, 16.02)
     assert v["load_peak_host_gib"] > 0
+
+
+def test_the_load_records_survive_vllm_reconfiguring_its_logger():
+    """Starting vLLM's engine runs dictConfig on the "vllm" logger (vllm/logger.py: its handlers replaced,
+    propagate off), which clears the handlers of "vllm" and of every logger below it: a handler never saw the
+    real engine's records. A filter on the writing modules' loggers survives it, and the folder's loader
+    writes its own "Loading weights took"."""
+    import logging
+    import logging.config
+
+    from moeconvert.bench.vllm_engine import _LoadRecords
+
+    records = _LoadRecords()
+    loggers = records.listen()
+    try:
+        logging.config.dictConfig({"version": 1, "disable_existing_loggers": False,
+                                   "handlers": {"null": {"class": "logging.NullHandler"}},
+                                   "loggers": {"vllm": {"handlers": ["null"], "level": "INFO", "propagate": False}}})
+        logging.getLogger("vllm.model_executor.model_loader.base_loader").info("Initializing model took %.6f seconds", 0.5)
+        logging.getLogger("moeconvert.integrations.vllm.loader").info("Loading weights took %.2f seconds", 3.25)
+        logging.getLogger("vllm.v1.worker.gpu.model_runner").info(
+            "Model loading took %.2f GiB memory and %.6f seconds", 15.64, 4.25)
+    finally:
+        records.stop(loggers)
+    v = records.values
+    assert (v["init_model_s"], v["load_weights_s"], v["model_load_s"], v["model_gib"]) == (0.5, 3.25, 4.25, 15.64)
 
 
 def test_vllm_serve_keeps_max_model_len_within_the_models_positions():

@@ -9,8 +9,8 @@ The source's start-up includes vLLM's own repack (or online quantization) of eve
 folder's only the plugin's loading. Everything else (building the model, profiling memory, the KV cache)
 is the same work for both.
 
-What is read from vLLM's log records (``vllm/v1/worker/gpu_model_runner.py``,
-``model_executor/model_loader/base_loader.py`` and ``default_loader.py``): "Initializing model took",
+What is read from vLLM's log records (``vllm/v1/worker/gpu_model_runner.py`` or ``gpu/model_runner.py``,
+``model_executor/model_loader/base_loader.py`` and ``default_loader.py``, caught on those modules' loggers): "Initializing model took",
 "Loading weights took" and "Model loading took ... GiB memory and ... seconds". The last one is logged
 right after ``process_weights_after_loading``: at that moment the run also reads the allocator's peak
 (``torch.cuda.max_memory_allocated``, reset before the engine starts: the most the device held while
@@ -31,12 +31,27 @@ import time
 from pathlib import Path
 
 _GiB = 1 << 30
+# the modules whose loggers write the load-time records, in vLLM 0.33.0 and 0.34.0
+_RECORD_LOGGERS = (
+    "vllm.model_executor.model_loader.base_loader",
+    "vllm.model_executor.model_loader.default_loader",
+    "vllm.model_executor.model_loader.sharded_state_loader",
+    "vllm.v1.worker.gpu_model_runner",
+    "vllm.v1.worker.gpu.model_runner",
+    "vllm.v1.worker.cpu.standalone_model_runner",
+    "moeconvert.integrations.vllm.loader",  # the folder's loader: its own "Loading weights took"
+)
 # the prompts of the token check: short, fixed, within any model's vocabulary
 _PROMPT_LENGTHS = (5, 8, 11, 14)
 
 
-class _LoadRecords(logging.Handler):
-    """vLLM's load-time log records, and the peaks at the moment the model finished loading."""
+class _LoadRecords(logging.Filter):
+    """vLLM's load-time log records, and the peaks at the moment the model finished loading.
+
+    A filter on the loggers of the modules that write the records (it lets every record through), not a
+    handler: starting the engine runs dictConfig on the "vllm" logger (vllm/logger.py, from
+    LLMEngine.__init__), which clears the handlers of "vllm" and of every logger below it, but leaves their
+    filters alone."""
 
     _PATTERNS = {
         "init_model_s": re.compile(r"Initializing model took ([0-9.]+) seconds"),
@@ -46,20 +61,33 @@ class _LoadRecords(logging.Handler):
     }
 
     def __init__(self):
-        super().__init__(level=logging.DEBUG)
+        super().__init__()
         self.values: dict[str, float] = {}
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def filter(self, record: logging.LogRecord) -> bool:
         try:
             text = record.getMessage()
         except Exception:  # noqa: BLE001 - a record that cannot format is not one of ours
-            return
+            return True
         for key, pattern in self._PATTERNS.items():
             m = pattern.search(text)
             if m and key not in self.values:
                 self.values[key] = float(m.group(1))
                 if key == "model_load_s":
                     self._peaks()
+        return True
+
+    def listen(self) -> list[logging.Logger]:
+        loggers = [logging.getLogger(name) for name in _RECORD_LOGGERS]
+        for logger in loggers:
+            logger.addFilter(self)
+            if logger.getEffectiveLevel() > logging.INFO:  # ours has no level of its own: INFO must pass
+                logger.setLevel(logging.INFO)
+        return loggers
+
+    def stop(self, loggers: list[logging.Logger]) -> None:
+        for logger in loggers:
+            logger.removeFilter(self)
 
     def _peaks(self) -> None:
         import torch
@@ -101,8 +129,7 @@ def engine_run(folder: Path, *, moe_backend: str = "marlin", quantization: str |
         raise ValueError(f"max_model_len {max_model_len} leaves no room for the {max(_PROMPT_LENGTHS)}-token "
                          f"prompts and {max_tokens} tokens")
     records = _LoadRecords()
-    vllm_logger = logging.getLogger("vllm")
-    vllm_logger.addHandler(records)
+    loggers = records.listen()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -111,7 +138,7 @@ def engine_run(folder: Path, *, moe_backend: str = "marlin", quantization: str |
               skip_tokenizer_init=True, attention_backend=attention_backend, moe_backend=moe_backend,
               compilation_config={"mode": 0}, quantization=quantization, load_format=load_format)
     init_s = time.perf_counter() - t0
-    vllm_logger.removeHandler(records)
+    records.stop(loggers)
     prompts = [{"prompt_token_ids": [(7 * i + 13 * j + 1) % vocab for j in range(n)]}
                for i, n in enumerate(_PROMPT_LENGTHS)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +26,8 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from moeconvert.format.manifest import layer_tensor_entries
 from moeconvert.format.safetensors import TensorInfo, read_header
 from moeconvert.runtime.fastload import ThreadedReader
+
+logger = logging.getLogger(__name__)
 
 
 def _shards(folder: Path) -> list[Path]:
@@ -98,6 +102,7 @@ class MoeconvertModelLoader(DefaultModelLoader):
         config = next((m.quant_config for m in ours.values()), None)
         if config is None or config.manifest is None:  # not a converted folder: vLLM's own loader
             return super().load_weights(model, model_config)
+        t0 = time.perf_counter()
         folder = Path(model_config.model)
         if not folder.is_dir():
             from huggingface_hub import snapshot_download
@@ -157,3 +162,5 @@ class MoeconvertModelLoader(DefaultModelLoader):
         finally:
             for fd in fds.values():
                 os.close(fd)
+        # the words of vLLM's DefaultModelLoader.load_weights, so that `bench vllm-serve` reads both alike
+        logger.info("Loading weights took %.2f seconds", time.perf_counter() - t0)
