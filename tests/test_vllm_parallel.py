@@ -254,15 +254,14 @@ def _assert_holds(got: dict, want: dict, what: str) -> None:
             assert param["sha256"] == _sha(t), (what, prefix, suffix)
 
 
+# One case per plugin method and placement fact: which bytes each expert holds is the layout's own fact,
+# tested without vLLM (test_layout_contract.py, the --ep-size conversions below), so schemes are not repeated.
 EP_CASES = [  # family, scheme, placement asked for, placement vLLM takes
     ("qwen3-moe", "marlin-w4a16-g128", "linear", "linear"),
-    ("qwen3-moe", "triton-w4a16-g128-asym", "linear", "linear"),
     # vLLM places round-robin only for grouped routing (DeepSeek-V3); Qwen3 falls back to linear
     ("qwen3-moe", "marlin-w4a16-g128", "round_robin", "linear"),
-    ("deepseek-v3", "marlin-w4a16-g128", "linear", "linear"),
     ("deepseek-v3", "marlin-w4a16-g128", "round_robin", "round_robin"),
     ("deepseek-v3", "triton-w4a16-g128", "round_robin", "round_robin"),
-    ("qwen3-moe", "fast-w4a16-g32-asym", "linear", "linear"),
     ("deepseek-v3", "fast-w8a16-g128", "round_robin", "round_robin"),
     # each rank's experts give the layer's NVFP4 scale factor (Layout.experts_problem finds nothing)
     ("qwen3-moe", "marlin-nvfp4", "linear", "linear"),
@@ -286,10 +285,10 @@ def test_ep2_from_a_full_folder_each_rank_holds_its_experts(convert, tmp_path, f
         _assert_holds(got, _expected(convert, family, scheme, experts, 2), f"rank {r}")
 
 
-TP_CASES = [("qwen3-moe", s) for s in ("marlin-w4a16-g128", "marlin-w4a16-channel", "marlin-mxfp4", "triton-w4a16-g128")]
-TP_CASES += [("deepseek-v3", "marlin-w4a16-g128-asym"), ("deepseek-v3", "triton-w8a16-g128")]
-TP_CASES += [("qwen3-moe", s) for s in ("fast-w4a16-g32-asym", "fast-w4a16-channel", "fast-mxfp4")]
-TP_CASES += [("deepseek-v3", "fast-w8a16-g128")]
+# One case per plugin method (and MXFP4 beside int): each scheme's cuts are checked against per-rank
+# conversions without vLLM (CUT_CASES above); here, that the plugin applies a layout's declared cuts.
+TP_CASES = [("qwen3-moe", s) for s in ("marlin-w4a16-g128", "marlin-mxfp4", "fast-w4a16-g32-asym", "fast-mxfp4")]
+TP_CASES += [("deepseek-v3", "triton-w8a16-g128")]
 
 
 @needs_vllm
@@ -306,14 +305,14 @@ def test_tp2_from_a_full_folder_each_rank_holds_its_tp_conversion(convert, tmp_p
 
 
 # moeconvert's kernel (triton-fast) run by each rank: (family, scheme, shape)
+# one EP and one TP shape: the kernel's int8 and MXFP4 paths are tested against the reference on their own
+# (test_kernels_fast.py)
 FAST_FORWARD = [("deepseek-v3", "fast-w4a16-g128", dict(tp=2, ep=True, placement="round_robin")),
-                ("qwen3-moe", "fast-mxfp4", dict(tp=2, ep=True)),
-                ("qwen3-moe", "fast-w4a16-g32-asym", dict(tp=2)),
-                ("qwen3-moe", "fast-w8a16-g128", dict(tp=2))]
+                ("qwen3-moe", "fast-w4a16-g32-asym", dict(tp=2))]
 
 
 @needs_vllm
-@pytest.mark.parametrize("family,scheme,shape", FAST_FORWARD, ids=["fast-ep2-round-robin", "fast-ep2-mxfp4", "fast-tp2", "fast-tp2-int8"])
+@pytest.mark.parametrize("family,scheme,shape", FAST_FORWARD, ids=["fast-ep2-round-robin", "fast-tp2"])
 def test_the_ranks_run_moeconverts_kernel_and_their_outputs_sum_to_the_reference(convert, example_ckpt, tmp_path,
                                                                                 family, scheme, shape):
     """Each rank's ``MoeconvertFastExperts`` (under Triton's interpreter) on the same 5 routed tokens: an EP rank
@@ -336,7 +335,6 @@ def test_the_ranks_run_moeconverts_kernel_and_their_outputs_sum_to_the_reference
 
 @needs_vllm
 @pytest.mark.parametrize("family,mode,scheme", [("deepseek-v3", "layers", "marlin-w4a16-g128"),
-                                               ("qwen3-moe", "model", "marlin-w4a16-g128"),
                                                ("qwen3-moe", "model", "fast-w4a16-g32-asym")])
 def test_dp2_with_ep_each_rank_holds_its_ep_conversion(convert, tmp_path, family, mode, scheme):
     """``--data-parallel-size 2 --enable-expert-parallel``: vLLM folds DP into EP (EP 2 = DP 2 x TP 1); on
@@ -353,7 +351,7 @@ def test_dp2_with_ep_each_rank_holds_its_ep_conversion(convert, tmp_path, family
 
 
 @needs_vllm
-@pytest.mark.parametrize("scheme", ["marlin-w4a16-g128", "fast-w4a16-g128"])
+@pytest.mark.parametrize("scheme", ["marlin-w4a16-g128"])  # which layers a rank builds is no layout's fact
 def test_pp2_each_rank_builds_and_loads_only_its_layers(convert, tmp_path, scheme):
     """``--pipeline-parallel-size 2`` through vLLM's whole-model loader: each rank builds its half of the
     layers, and each MoE layer it builds holds the folder's tensors (TP 1, EP 1) unchanged."""
@@ -395,9 +393,12 @@ GPT_OSS_SHAPES = {  # name: vLLM's parallel flags (2 ranks), through the whole m
 }
 
 
+# every shape on Marlin; triton_kernels' layout where its cuts differ (EP, TP), not for what PP and DP add
+GPT_OSS_CASES = [("marlin-mxfp4", s) for s in sorted(GPT_OSS_SHAPES)] + [("triton-mxfp4", "ep2"), ("triton-mxfp4", "tp2")]
+
+
 @needs_vllm
-@pytest.mark.parametrize("shape", sorted(GPT_OSS_SHAPES))
-@pytest.mark.parametrize("scheme", ["marlin-mxfp4", "triton-mxfp4"])
+@pytest.mark.parametrize("scheme,shape", GPT_OSS_CASES)
 def test_gpt_oss_each_rank_holds_its_conversion_with_the_moeconvert_load_format(convert, tmp_path, scheme, shape):
     """gpt-oss with ``--load-format moeconvert`` (its only load format): vLLM's whole model on 2 ranks, each
     rank's expert parameters hold the bytes of the conversion made for it: its experts (``--ep-size
