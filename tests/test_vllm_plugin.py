@@ -135,11 +135,31 @@ def _file_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _jobs(tmp_path_factory, jobs: list, *mode: str, env: dict[str, str] | None = None) -> list:
+    """One vLLM child process over a list of jobs (a process start costs as much as a job)."""
+    path = tmp_path_factory.mktemp("vllm-jobs") / "jobs.json"
+    path.write_text(json.dumps(jobs))
+    got = _child(path, *mode, env=env)
+    assert isinstance(got, list) and len(got) == len(jobs), got
+    return got
+
+
+@pytest.fixture(scope="module")
+def layer_checks(folders, tmp_path_factory):
+    """Every scheme's folder, its MoE layers built, loaded and processed, in one child (the triton-fast
+    folders need Triton's interpreter to build their kernel on the CPU; nothing runs a kernel here)."""
+    if not VLLM_PYTHON:
+        pytest.skip("needs a Python with vLLM 0.33.0 (MOECONVERT_VLLM_PYTHON or .venv-vllm-cpu)")
+    names = sorted(SCHEMES)
+    return dict(zip(names, _jobs(tmp_path_factory, [str(folders[n][1]) for n in names], "--layers-jobs",
+                                 env=INTERPRET)))
+
+
 @needs_vllm
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
-def test_vllms_moe_layer_holds_the_files_bytes_after_processing(folders, scheme):
+def test_vllms_moe_layer_holds_the_files_bytes_after_processing(layer_checks, folders, scheme):
     _, out = folders[scheme]
-    got = _child(out, env=INTERPRET if scheme.startswith("fast-") else None)
+    got = layer_checks[scheme]
     assert "error" not in got, got["error"]
     manifest = json.loads((out / "moeconvert.json").read_text())
     files = _file_tensors(out)
@@ -158,14 +178,29 @@ def test_vllms_moe_layer_holds_the_files_bytes_after_processing(folders, scheme)
             assert param["shape"] == entry["shape"]
 
 
+WHOLE = ["w4a16-g128", "bf16-mxfp4", "triton-w4a16-g128-asym", "fast-w4a16-g32-asym"]
+
+
+@pytest.fixture(scope="module")
+def whole_model_checks(folders, gpt_oss_folders, tmp_path_factory):
+    """Every whole-model load of this module in one child: WHOLE with vLLM's default loader, each gpt-oss
+    folder with ``--load-format moeconvert``, and the gpt-oss Marlin folder with the default loader."""
+    if not VLLM_PYTHON:
+        pytest.skip("needs a Python with vLLM 0.33.0 (MOECONVERT_VLLM_PYTHON or .venv-vllm-cpu)")
+    jobs = {("whole", n): [str(folders[n][1]), "auto"] for n in WHOLE}
+    jobs |= {("gpt-oss", n): [str(gpt_oss_folders[n][1]), "moeconvert"] for n in sorted(GPT_OSS)}
+    jobs[("gpt-oss-auto", "marlin")] = [str(gpt_oss_folders["marlin"][1]), "auto"]
+    return dict(zip(jobs, _jobs(tmp_path_factory, list(jobs.values()), "--whole-models", env=INTERPRET)))
+
+
 @needs_vllm
-@pytest.mark.parametrize("scheme", ["w4a16-g128", "bf16-mxfp4", "triton-w4a16-g128-asym", "fast-w4a16-g32-asym"])
-def test_vllm_loads_the_whole_model_from_the_folder(folders, scheme):
+@pytest.mark.parametrize("scheme", WHOLE)
+def test_vllm_loads_the_whole_model_from_the_folder(whole_model_checks, folders, scheme):
     """What ``vllm serve`` does up to its first forward, on the CPU platform: vLLM's ModelConfig picks the
     plugin's method from config.json, vLLM's default loader builds the model and feeds it every tensor of
     the folder (the name mapping included), then processes every module."""
     _, out = folders[scheme]
-    got = _child(out, "--whole-model", env=INTERPRET if scheme.startswith("fast-") else None)
+    got = whole_model_checks[("whole", scheme)]
     assert "error" not in got, got["error"]
     assert got["quantization"] == "moeconvert"
     files = _file_tensors(out)
@@ -366,7 +401,7 @@ def test_a_gpt_oss_folder_tells_vllm_its_load_format(gpt_oss_folders, name):
 
 @needs_vllm
 @pytest.mark.parametrize("name", sorted(GPT_OSS))
-def test_vllm_serves_a_gpt_oss_folder_with_the_moeconvert_load_format(gpt_oss_folders, name):
+def test_vllm_serves_a_gpt_oss_folder_with_the_moeconvert_load_format(whole_model_checks, gpt_oss_folders, name):
     """``vllm serve OUT --load-format moeconvert`` up to its first forward, on the CPU platform (TP 1): the
     plugin's loader reads each MoE layer's experts into the method's parameters and vLLM's GptOssModel loads
     the rest; every expert parameter then holds the file's bytes (the w2 bias included: TP 1 is rank 0),
@@ -375,7 +410,7 @@ def test_vllm_serves_a_gpt_oss_folder_with_the_moeconvert_load_format(gpt_oss_fo
     kernels need CUDA: the forward runs in the GPU tests below."""
     _, out = gpt_oss_folders[name]
     _, _, method, experts_class = GPT_OSS[name]
-    got = _child(out, "--whole-model", "--load-format", "moeconvert", env=INTERPRET if name == "fast" else None)
+    got = whole_model_checks[("gpt-oss", name)]
     assert "error" not in got, got["error"]
     assert got["quantization"] == "moeconvert"
     files = _file_tensors(out)
@@ -393,11 +428,10 @@ def test_vllm_serves_a_gpt_oss_folder_with_the_moeconvert_load_format(gpt_oss_fo
 
 
 @needs_vllm
-def test_a_gpt_oss_folder_is_refused_with_any_other_loader_in_one_line(gpt_oss_folders):
+def test_a_gpt_oss_folder_is_refused_with_any_other_loader_in_one_line(whole_model_checks):
     """vLLM's default loader would hand the stacked experts to GptOssModel.load_weights, which slices and
     transposes every tensor named w13_weight / w2_weight itself: refused when the first layer is built."""
-    _, out = gpt_oss_folders["marlin"]
-    got = _child(out, "--whole-model")
+    got = whole_model_checks[("gpt-oss-auto", "marlin")]
     assert got["layers"] == {} and "\n" not in got["error"], got["error"]
     assert got["error"].startswith("ValueError: moeconvert: model.layers.0.mlp.experts: a gpt-oss folder is served "
                                    "with --load-format moeconvert only"), got["error"]

@@ -11,6 +11,9 @@ vllm-startup``'s result.
 format]`` of the list, in this one process, printed as a JSON list (``[folder, load format, family]``: as if the
 plugin were not proven on that family).
 
+``python vllm_plugin_child.py FOLDERS.json --layers-jobs``: the MoE layers of each folder of the list, as below,
+in this one process, printed as a JSON list.
+
 ``python vllm_plugin_child.py FOLDER [--tp-size N] [--pretend-vllm VERSION] [--layout-lists V1,V2] [--skip SUFFIX] [--direct] [--whole-model]``: builds every MoE layer the folder's manifest holds
 with vLLM's own ``FusedMoEFactory`` on the CPU platform (one-process gloo group), the quantization config
 taken from the folder's config.json through vLLM's registry (after the plugin's ``register``), loads the
@@ -26,7 +29,7 @@ import sys
 from pathlib import Path
 
 GPU_MODES = ("--forward", "--bench", "--generate")
-if "--sources" in sys.argv or "--whole-models" in sys.argv or not any(m in sys.argv for m in GPU_MODES) and not sys.argv[1].endswith(".json"):
+if "--sources" in sys.argv or "--whole-models" in sys.argv or "--layers-jobs" in sys.argv or not any(m in sys.argv for m in GPU_MODES) and not sys.argv[1].endswith(".json"):
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     import importlib.util
 
@@ -41,7 +44,7 @@ def main() -> None:
     folder = Path(sys.argv[1])
     if "--generate" in sys.argv:
         return _generate(folder)
-    if folder.suffix == ".json" and "--sources" not in sys.argv and "--whole-models" not in sys.argv:  # a list of [mode, folder, source]: many GPU checks in one vLLM process
+    if folder.suffix == ".json" and not {"--sources", "--whole-models", "--layers-jobs"} & set(sys.argv):  # a list of [mode, folder, source]: many GPU checks in one vLLM process
         print(json.dumps([_gpu(mode, Path(f), Path(s)) for mode, f, s in json.loads(folder.read_text())]))
         return
     for mode in GPU_MODES:
@@ -79,6 +82,9 @@ def main() -> None:
     if "--whole-model" in sys.argv:
         load_format = sys.argv[sys.argv.index("--load-format") + 1] if "--load-format" in sys.argv else "auto"
         print(json.dumps(_whole_model(folder, {"layers": {}}, load_format)))
+        return
+    if "--layers-jobs" in sys.argv:  # FOLDER is a JSON list of folders: each one's MoE layers in turn
+        print(json.dumps([_layers(Path(f), tp_size) for f in json.loads(folder.read_text())]))
         return
     if "--sources" in sys.argv:  # FOLDER is a JSON list of [folder, source, linear prefixes]
         print(json.dumps([_served_source(Path(f), Path(src), prefixes)
