@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -194,24 +196,75 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ranks(folder: Path, tmp_path: Path, world: int = 2, **shape) -> list[dict]:
-    """Every rank of ``shape`` (``mode`` "layers" or "model", ``tp``, ``pp``, ``dp``, ``ep``, ``placement``,
-    ``redundant``) run at once, each a vLLM process on the CPU platform; what each reports."""
-    spec = tmp_path / f"shape-{_free_port()}.json"
-    spec.write_text(json.dumps({"mode": "layers", **shape}))
-    env = {**os.environ, **VLLM_CPU_ENV, "MASTER_ADDR": "127.0.0.1"}
-    if _manifest(folder)["layout"]["name"] == "triton-fast":  # moeconvert's kernel runs on the CPU interpreted only
-        env["TRITON_INTERPRET"] = "1"
-    port = _free_port()
-    procs = [subprocess.Popen([VLLM_PYTHON, str(CHILD), str(folder), str(r), str(world), str(port), str(spec)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for r in range(world)]
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    return outs
+class _Ranks:
+    """``world`` vLLM processes on the CPU platform (tests/vllm_parallel_child.py), started once for the module
+    and given one shape after another: vLLM's import (about 11 s a process) is paid once, not per shape. A
+    shape that does not answer within the timeout stops them; the next shape starts new ones."""
+
+    def __init__(self, tmp: Path, world: int = 2):
+        self.tmp, self.world, self.procs, self.logs = tmp, world, [], []
+
+    def start(self) -> None:
+        # moeconvert's kernel (triton-fast folders' forward) runs on the CPU interpreted only; the other
+        # shapes run no kernel
+        env = {**os.environ, **VLLM_CPU_ENV, "MASTER_ADDR": "127.0.0.1", "TRITON_INTERPRET": "1"}
+        self.logs = [open(self.tmp / f"rank{r}-{_free_port()}.log", "w+") for r in range(self.world)]
+        self.procs = [subprocess.Popen([VLLM_PYTHON, str(CHILD), str(r), str(self.world)], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+                      for r, log in enumerate(self.logs)]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+        for log in self.logs:
+            log.close()
+        self.procs, self.logs = [], []
+
+    def _stderr(self, r: int) -> str:
+        self.logs[r].flush()
+        return Path(self.logs[r].name).read_text()[-3000:]
+
+    def run(self, folder: Path, shape: dict, timeout: float = 600) -> list[dict]:
+        if not self.procs or any(p.poll() is not None for p in self.procs):
+            self.stop()
+            self.start()
+        job = json.dumps({"folder": str(folder), "port": _free_port(), "shape": shape}) + "\n"
+        for p in self.procs:
+            p.stdin.write(job)
+            p.stdin.flush()
+        outs, deadline = [], time.monotonic() + timeout
+        for r, p in enumerate(self.procs):
+            while True:
+                ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+                line = p.stdout.readline() if ready else ""
+                if not line:  # timed out, or the process ended
+                    why = "timed out" if p.poll() is None else f"exited with {p.returncode}"
+                    err = self._stderr(r)
+                    self.stop()
+                    raise AssertionError(f"rank {r} {why} on {shape}: {err}")
+                if line.startswith(RESULT):
+                    outs.append(json.loads(line[len(RESULT):]))
+                    break
+        return outs
+
+
+RESULT = "RESULT "  # the child's answer line (tests/vllm_parallel_child.py)
+
+
+@pytest.fixture(scope="module")
+def rank_pool(tmp_path_factory):
+    pool = _Ranks(tmp_path_factory.mktemp("ranks"))
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture
+def _ranks(rank_pool):
+    """``_ranks(folder, tmp_path, **shape)``: every rank of ``shape`` (``mode`` "layers" or "model", ``tp``,
+    ``pp``, ``dp``, ``ep``, ``placement``, ``redundant``, ``load_format``, ``forward``) run at once, each in
+    its vLLM process; what each reports."""
+    return lambda folder, tmp_path, **shape: rank_pool.run(folder, {"mode": "layers", **shape})
 
 
 def _sha(t: torch.Tensor) -> str:
@@ -270,7 +323,7 @@ EP_CASES = [  # family, scheme, placement asked for, placement vLLM takes
 
 @needs_vllm
 @pytest.mark.parametrize("family,scheme,asked,placed", EP_CASES)
-def test_ep2_from_a_full_folder_each_rank_holds_its_experts(convert, tmp_path, family, scheme, asked, placed):
+def test_ep2_from_a_full_folder_each_rank_holds_its_experts(_ranks, convert, tmp_path, family, scheme, asked, placed):
     """``--enable-expert-parallel`` on 2 ranks (TP 2 becomes EP 2): each rank's parameters hold the bytes of
     the conversion made for its experts, which vLLM's own expert map names."""
     full = convert(family, scheme)
@@ -293,7 +346,7 @@ TP_CASES += [("deepseek-v3", "triton-w8a16-g128")]
 
 @needs_vllm
 @pytest.mark.parametrize("family,scheme", TP_CASES)
-def test_tp2_from_a_full_folder_each_rank_holds_its_tp_conversion(convert, tmp_path, family, scheme):
+def test_tp2_from_a_full_folder_each_rank_holds_its_tp_conversion(_ranks, convert, tmp_path, family, scheme):
     """TP 2 without EP, served from the full folder by the layout's declared cuts: each rank's parameters
     hold the bytes of ``--tp-size 2 --tp-rank r``."""
     full = convert(family, scheme)
@@ -313,7 +366,7 @@ FAST_FORWARD = [("deepseek-v3", "fast-w4a16-g128", dict(tp=2, ep=True, placement
 
 @needs_vllm
 @pytest.mark.parametrize("family,scheme,shape", FAST_FORWARD, ids=["fast-ep2-round-robin", "fast-tp2"])
-def test_the_ranks_run_moeconverts_kernel_and_their_outputs_sum_to_the_reference(convert, example_ckpt, tmp_path,
+def test_the_ranks_run_moeconverts_kernel_and_their_outputs_sum_to_the_reference(_ranks, convert, example_ckpt, tmp_path,
                                                                                 family, scheme, shape):
     """Each rank's ``MoeconvertFastExperts`` (under Triton's interpreter) on the same 5 routed tokens: an EP rank
     adds only its experts' pairs (ids mapped through vLLM's expert map, round-robin included), a TP rank its
@@ -336,7 +389,7 @@ def test_the_ranks_run_moeconverts_kernel_and_their_outputs_sum_to_the_reference
 @needs_vllm
 @pytest.mark.parametrize("family,mode,scheme", [("deepseek-v3", "layers", "marlin-w4a16-g128"),
                                                ("qwen3-moe", "model", "fast-w4a16-g32-asym")])
-def test_dp2_with_ep_each_rank_holds_its_ep_conversion(convert, tmp_path, family, mode, scheme):
+def test_dp2_with_ep_each_rank_holds_its_ep_conversion(_ranks, convert, tmp_path, family, mode, scheme):
     """``--data-parallel-size 2 --enable-expert-parallel``: vLLM folds DP into EP (EP 2 = DP 2 x TP 1); on
     Qwen3 through vLLM's whole-model loader, as ``vllm serve`` loads it."""
     full = convert(family, scheme)
@@ -352,7 +405,7 @@ def test_dp2_with_ep_each_rank_holds_its_ep_conversion(convert, tmp_path, family
 
 @needs_vllm
 @pytest.mark.parametrize("scheme", ["marlin-w4a16-g128"])  # which layers a rank builds is no layout's fact
-def test_pp2_each_rank_builds_and_loads_only_its_layers(convert, tmp_path, scheme):
+def test_pp2_each_rank_builds_and_loads_only_its_layers(_ranks, convert, tmp_path, scheme):
     """``--pipeline-parallel-size 2`` through vLLM's whole-model loader: each rank builds its half of the
     layers, and each MoE layer it builds holds the folder's tensors (TP 1, EP 1) unchanged."""
     full = convert("qwen3-moe", scheme)
@@ -370,7 +423,7 @@ def test_pp2_each_rank_builds_and_loads_only_its_layers(convert, tmp_path, schem
 
 
 @needs_vllm
-def test_eplb_redundant_experts_are_copies_of_their_logical_experts(convert, tmp_path):
+def test_eplb_redundant_experts_are_copies_of_their_logical_experts(_ranks, convert, tmp_path):
     """EPLB with 2 redundant experts on EP 2 (Triton WNA16, whose vLLM method allows EPLB): physical expert
     ``E + j`` is a copy of logical expert ``j`` (vLLM's initial arrangement, eplb_state.py), so rank 1 holds
     physical 5..9 = logical 5, 6, 7, 0, 1, each from its own conversion."""
@@ -399,7 +452,7 @@ GPT_OSS_CASES = [("marlin-mxfp4", s) for s in sorted(GPT_OSS_SHAPES)] + [("trito
 
 @needs_vllm
 @pytest.mark.parametrize("scheme,shape", GPT_OSS_CASES)
-def test_gpt_oss_each_rank_holds_its_conversion_with_the_moeconvert_load_format(convert, tmp_path, scheme, shape):
+def test_gpt_oss_each_rank_holds_its_conversion_with_the_moeconvert_load_format(_ranks, convert, tmp_path, scheme, shape):
     """gpt-oss with ``--load-format moeconvert`` (its only load format): vLLM's whole model on 2 ranks, each
     rank's expert parameters hold the bytes of the conversion made for it: its experts (``--ep-size
     --ep-rank``), its TP rank (``--tp-size --tp-rank``: w13 and its bias cut, w2's bias on rank 0 only, zeros
@@ -459,7 +512,7 @@ REFUSED = {  # case: (folder, shape, the one line's telling part)
 
 @needs_vllm
 @pytest.mark.parametrize("case", sorted(REFUSED))
-def test_shapes_a_folder_does_not_cover_are_refused_in_one_line(convert, example_ckpt, tmp_path, case):
+def test_shapes_a_folder_does_not_cover_are_refused_in_one_line(_ranks, convert, example_ckpt, tmp_path, case):
     what, shape, want = REFUSED[case]
     if len(what) > 2 and isinstance(what[2], dict):  # a folder of other sizes (and options)
         kw, verb = SCHEMES[what[1]]
@@ -482,7 +535,7 @@ def test_shapes_a_folder_does_not_cover_are_refused_in_one_line(convert, example
 @needs_vllm
 @pytest.mark.parametrize("shape", [dict(tp=2, ep=True), dict(tp=2), dict(dp=2, ep=True)],
                          ids=["ep2", "tp2", "dp2-ep2"])
-def test_each_rank_reads_only_its_experts_with_the_moeconvert_load_format(convert, tmp_path, shape):
+def test_each_rank_reads_only_its_experts_with_the_moeconvert_load_format(_ranks, convert, tmp_path, shape):
     """vLLM's whole-model load with ``--load-format moeconvert`` (the plugin's registered model loader):
     each rank's expert parameters hold its per-rank conversion's bytes, and what the process read while
     loading (the kernel's rchar counter in /proc/self/io) is the rank's share of the stacked tensors plus
@@ -534,7 +587,7 @@ def _stacked_and_rest(full: Path) -> tuple[int, int]:
 
 @needs_vllm
 @pytest.mark.parametrize("case", sorted(STORED_TP))
-def test_tp2_stored_by_tp_sizes_each_rank_reads_only_its_conversion(example_ckpt, tmp_path, case):
+def test_tp2_stored_by_tp_sizes_each_rank_reads_only_its_conversion(_ranks, example_ckpt, tmp_path, case):
     """``convert --tp-sizes 1,2`` where Marlin cannot cut TP 2 out of the full tensors, then vLLM's whole-model
     load at TP 2 with ``--load-format moeconvert``: each rank's parameters hold ``--tp-size 2 --tp-rank r``'s
     bytes, read from the rank's stored block and nothing of the other rank's or of the full tensors."""

@@ -1,12 +1,14 @@
 """One rank of a vLLM parallel shape on the CPU platform, run by tests/test_vllm_parallel.py (N at once).
 
-``python vllm_parallel_child.py FOLDER RANK WORLD PORT SHAPE.json``: vLLM's process groups for the shape
-(``harness.process_group``: TP, PP, DP, EP, expert placement, EPLB's redundant experts), then either each MoE
-layer of the folder's manifest built by vLLM's ``FusedMoEFactory`` and loaded as the model's loader loads it
-(``"mode": "layers"``), or the whole model built and loaded by vLLM's default loader (``"mode": "model"``:
-what ``vllm serve`` does, PP included). Prints, as JSON, what this rank's vLLM holds for each MoE layer it
-built: the experts its expert map gives it, the placement vLLM chose, each parameter's sha256 and shape.
-Errors are printed as ``{"error": "..."}``.
+``python vllm_parallel_child.py RANK WORLD``: one rank that runs shape after shape (one vLLM import for every
+shape of the test module), each a JSON line ``{"folder", "port", "shape"}`` on stdin: vLLM's process groups
+for the shape (``harness.process_group``: TP, PP, DP, EP, expert placement, EPLB's redundant experts; they are
+destroyed before the next line is read), then either each MoE layer of the folder's manifest built by vLLM's
+``FusedMoEFactory`` and loaded as the model's loader loads it (``"mode": "layers"``), or the whole model
+built and loaded by vLLM's default loader (``"mode": "model"``: what ``vllm serve`` does, PP included).
+Answers each line with one line ``RESULT {...}`` on stdout (vLLM's own log lines go there too): what this
+rank's vLLM holds for each MoE layer it built: the experts its expert map gives it, the placement vLLM
+chose, each parameter's sha256 and shape. Errors are reported as ``{"error": "..."}``.
 """
 
 import hashlib
@@ -18,9 +20,18 @@ from pathlib import Path
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
+RESULT = "RESULT "
+
+
 def main() -> None:
-    folder, rank, world, port = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    shape = json.loads(Path(sys.argv[5]).read_text())
+    _setup()
+    rank, world = int(sys.argv[1]), int(sys.argv[2])
+    for line in sys.stdin:
+        job = json.loads(line)
+        print(RESULT + json.dumps(_run(Path(job["folder"]), rank, world, job["port"], job["shape"])), flush=True)
+
+
+def _setup() -> None:
     import torch
 
     from vllm.plugins import load_general_plugins
@@ -32,9 +43,10 @@ def main() -> None:
     _plain_torch_linear_layers()  # torch's GEMM for plain linear layers, on a CPU with AMX tiles too
     torch.accelerator.empty_cache = lambda: None  # the loader empties the accelerator's cache; a CPU build has none
     load_general_plugins()
+    _count_loader_reads()
 
-    from moeconvert.integrations.vllm.harness import process_group
 
+def _run(folder: Path, rank: int, world: int, port: int, shape: dict) -> dict:
     out: dict = {"rank": rank, "layers": {}}
     group = dict(rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
                  tensor_parallel_size=shape.get("tp", 1), pipeline_parallel_size=shape.get("pp", 1),
@@ -48,7 +60,7 @@ def main() -> None:
             _layers(folder, group, out, shape)
     except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
         out["error"] = f"{type(e).__name__}: {e}"
-    print(json.dumps(out))
+    return out
 
 
 def _layers(folder: Path, group: dict, out: dict, shape: dict) -> None:
@@ -114,24 +126,34 @@ def _model(folder: Path, group: dict, out: dict) -> None:
 
     from moeconvert.integrations.vllm.harness import process_group
 
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-
-    # what the process reads while the loader loads the weights, from the OS's own counter (rchar: bytes
-    # read by read()-family calls; the moeconvert loader reads with preadv, vLLM's default one maps files)
-    loaders = [cls for cls in DefaultModelLoader.__subclasses__() if cls.__name__ == "MoeconvertModelLoader"]
-    for cls in [DefaultModelLoader, *loaders]:
-        def counted(self, model, model_config, _load=cls.__dict__["load_weights"]):
-            before = _rchar()
-            _load(self, model, model_config)
-            out["read_bytes"] = _rchar() - before
-
-        cls.load_weights = counted
+    _READ.clear()
     mc = ModelConfig(model=str(folder), dtype="bfloat16", enforce_eager=True, max_model_len=256)
     with process_group("cpu", model_config=mc, **group) as vc:
         model = get_model(vllm_config=vc)
         for name, module in model.named_modules():
             if isinstance(module, RoutedExperts):
                 out["layers"][name.removesuffix(".routed_experts")] = _report(module)
+    if "bytes" in _READ:
+        out["read_bytes"] = _READ["bytes"]
+
+
+#: what the process read while the last model's weights were loaded (``_count_loader_reads``)
+_READ: dict = {}
+
+
+def _count_loader_reads() -> None:
+    """What the process reads while a loader loads the weights, from the OS's own counter (rchar: bytes read
+    by read()-family calls; the moeconvert loader reads with preadv, vLLM's default one maps files)."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    loaders = [cls for cls in DefaultModelLoader.__subclasses__() if cls.__name__ == "MoeconvertModelLoader"]
+    for cls in [DefaultModelLoader, *loaders]:
+        def counted(self, model, model_config, _load=cls.__dict__["load_weights"]):
+            before = _rchar()
+            _load(self, model, model_config)
+            _READ["bytes"] = _rchar() - before
+
+        cls.load_weights = counted
 
 
 def _rchar() -> int:

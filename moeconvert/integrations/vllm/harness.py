@@ -73,12 +73,14 @@ def process_group(device: str, *, rank: int, world_size: int, init_method: str, 
     caller, as torchrun does): vLLM then keeps its DP ranks in the one world group and reads the DP rank
     from ``RANK`` (config/parallel.py), so ``RANK`` is set here; ``initialize_model_parallel`` cuts that
     group into vLLM's own TP, PP, DP and EP groups. Every process must enter with the same arguments but
-    its rank, and the same ``init_method`` (``tcp://127.0.0.1:PORT``)."""
+    its rank, and the same ``init_method`` (``tcp://127.0.0.1:PORT``). On leaving, the groups are destroyed
+    (error or not), so that the process can enter again for another shape."""
     import os
 
     from vllm.config import (DeviceConfig, EPLBConfig, KernelConfig, LoadConfig, ParallelConfig, VllmConfig,
                              set_current_vllm_config)
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
     os.environ["RANK"] = str(rank)
     # vLLM 0.34.0 refuses PP > 1 with external_launcher (config/vllm.py, _get_model_runner_unsupported_features:
@@ -105,10 +107,14 @@ def process_group(device: str, *, rank: int, world_size: int, init_method: str, 
         vc.parallel_config.enable_eplb = True
         vc.parallel_config.eplb_config = EPLBConfig(num_redundant_experts=num_redundant_experts)
     with set_current_vllm_config(vc):
-        init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank, backend="gloo",
-                                     distributed_init_method=init_method)
-        initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
-        yield vc
+        try:
+            init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank, backend="gloo",
+                                         distributed_init_method=init_method)
+            initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+            yield vc
+        finally:
+            destroy_model_parallel()
+            destroy_distributed_environment()
 
 
 def build_layer(cfg, *, prefix: str, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
