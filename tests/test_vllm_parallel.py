@@ -53,12 +53,38 @@ SCHEMES = {
     "fast-mxfp4": (dict(scheme="bf16", intermediate_size=256), ["quantize", "--format", "mxfp4", "--backend", "triton-fast"]),
     # compressed-tensors NVFP4 on Marlin: no TP rank is a slice (each rank padded and scaled on its own)
     "marlin-nvfp4": (dict(scheme="nvfp4", intermediate_size=256), ["repack", "--backend", "marlin"]),
+    # the other source formats (``int_method``: GPTQ / AWQ made from the bf16 example by helpers.make_int_checkpoint):
+    # the same layouts, the source's quantization config kept for every other layer
+    "marlin-gptq": (dict(scheme="bf16", intermediate_size=512, int_method="gptq", group_size=32),
+                    ["repack", "--backend", "marlin"]),
+    "marlin-awq": (dict(scheme="bf16", intermediate_size=512, int_method="awq", group_size=64),
+                   ["repack", "--backend", "marlin"]),
+    "marlin-mxfp4-ct": (dict(scheme="mxfp4", intermediate_size=256), ["repack", "--backend", "marlin"]),
+    # humming: no TP rank is a slice (each rank's sublayers padded and tiled on their own)
+    "humming-gptq": (dict(scheme="bf16", intermediate_size=512, int_method="gptq", group_size=32),
+                     ["repack", "--backend", "humming"]),
+    "humming-nvfp4": (dict(scheme="nvfp4", intermediate_size=256), ["repack", "--backend", "humming"]),
 }
+
+
+def _source(example_ckpt, family: str, kw: dict) -> Path:
+    """The checkpoint a scheme converts: the example itself, or its GPTQ / AWQ copy."""
+    from helpers import make_int_checkpoint
+
+    kw = dict(kw)
+    method, group = kw.pop("int_method", None), kw.pop("group_size", None)
+    if method is None:
+        return example_ckpt(family, **kw, **({} if group is None else {"group_size": group}))
+    bf16 = example_ckpt(family, **kw)
+    out = bf16.parent / f"{method}-g{group}"
+    if not (out / "config.json").exists():
+        make_int_checkpoint(bf16, out, method, bits=4, group_size=group)
+    return out
 
 
 def _convert(example_ckpt, base: Path, family: str, scheme: str, *extra) -> Path:
     kw, verb = SCHEMES[scheme]
-    src = example_ckpt(family, **kw)
+    src = _source(example_ckpt, family, kw)
     out = base / "-".join([family, scheme, *(str(x).strip("-") for x in extra)])
     if not (out / "moeconvert.json").exists():
         cli(verb[0], src, out, *verb[1:], *extra, expect=0)
@@ -88,7 +114,8 @@ def _layout_and_shape(manifest: dict, entry: dict):
 
 
 # (family, scheme): every layout the plugin serves, gpt-oss's (interleaved w13 rows, expert biases) included
-CUT_CASES = [("qwen3-moe", s) for s in sorted(SCHEMES) if s not in ("triton-mxfp4", "marlin-nvfp4")]
+CUT_CASES = [("qwen3-moe", s) for s in sorted(SCHEMES) if s not in ("triton-mxfp4", "marlin-nvfp4")
+             and not s.startswith("humming")]
 CUT_CASES += [("gpt-oss", "marlin-mxfp4"), ("gpt-oss", "triton-mxfp4"), ("gpt-oss", "fast-mxfp4")]
 
 
@@ -161,7 +188,7 @@ def test_where_a_layout_says_a_tp_rank_is_not_a_slice_it_is_not(example_ckpt, tm
 
     scheme, sizes, why = NOT_A_SLICE[case]
     kw, verb = SCHEMES[scheme]
-    src = example_ckpt("qwen3-moe", **{**kw, **sizes})
+    src = _source(example_ckpt, "qwen3-moe", {**kw, **sizes})
     cli(verb[0], src, tmp_path / "full", *verb[1:], expect=0)
     manifest = _manifest(tmp_path / "full")
     entry = manifest["moe_layers"][0]
@@ -201,15 +228,15 @@ class _Ranks:
     and given one shape after another: vLLM's import (about 11 s a process) is paid once, not per shape. A
     shape that does not answer within the timeout stops them; the next shape starts new ones."""
 
-    def __init__(self, tmp: Path, world: int = 2):
-        self.tmp, self.world, self.procs, self.logs = tmp, world, [], []
+    def __init__(self, tmp: Path, world: int = 2, *flags: str):
+        self.tmp, self.world, self.flags, self.procs, self.logs = tmp, world, flags, [], []
 
     def start(self) -> None:
         # moeconvert's kernel (triton-fast folders' forward) runs on the CPU interpreted only; the other
         # shapes run no kernel
         env = {**os.environ, **VLLM_CPU_ENV, "MASTER_ADDR": "127.0.0.1", "TRITON_INTERPRET": "1"}
         self.logs = [open(self.tmp / f"rank{r}-{_free_port()}.log", "w+") for r in range(self.world)]
-        self.procs = [subprocess.Popen([VLLM_PYTHON, str(CHILD), str(r), str(self.world)], stdin=subprocess.PIPE,
+        self.procs = [subprocess.Popen([VLLM_PYTHON, str(CHILD), str(r), str(self.world), *self.flags], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, stderr=log, text=True, env=env)
                       for r, log in enumerate(self.logs)]
 
@@ -253,18 +280,26 @@ RESULT = "RESULT "  # the child's answer line (tests/vllm_parallel_child.py)
 
 
 @pytest.fixture(scope="module")
-def rank_pool(tmp_path_factory):
-    pool = _Ranks(tmp_path_factory.mktemp("ranks"))
-    yield pool
-    pool.stop()
+def rank_pools(tmp_path_factory):
+    """The ranks for every folder but humming's, and the ranks that answer as an SM90 GPU for humming's
+    (tests/vllm_plugin_child.py ``_humming_on_a_cpu``)."""
+    base = tmp_path_factory.mktemp("ranks")
+    pools = {False: _Ranks(base), True: _Ranks(base, 2, "--humming")}
+    yield pools
+    for pool in pools.values():
+        pool.stop()
 
 
 @pytest.fixture
-def _ranks(rank_pool):
+def _ranks(rank_pools):
     """``_ranks(folder, tmp_path, **shape)``: every rank of ``shape`` (``mode`` "layers" or "model", ``tp``,
     ``pp``, ``dp``, ``ep``, ``placement``, ``redundant``, ``load_format``, ``forward``) run at once, each in
     its vLLM process; what each reports."""
-    return lambda folder, tmp_path, **shape: rank_pool.run(folder, {"mode": "layers", **shape})
+    def run(folder: Path, tmp_path: Path, **shape) -> list[dict]:
+        humming = _manifest(folder)["layout"]["name"] == "humming"
+        return rank_pools[humming].run(folder, {"mode": "layers", **shape})
+
+    return run
 
 
 def _sha(t: torch.Tensor) -> str:
@@ -318,6 +353,12 @@ EP_CASES = [  # family, scheme, placement asked for, placement vLLM takes
     ("deepseek-v3", "fast-w8a16-g128", "round_robin", "round_robin"),
     # each rank's experts give the layer's NVFP4 scale factor (Layout.experts_problem finds nothing)
     ("qwen3-moe", "marlin-nvfp4", "linear", "linear"),
+    # the other source formats, under their own quantization configs
+    ("qwen3-moe", "marlin-gptq", "linear", "linear"),
+    ("qwen3-moe", "marlin-awq", "linear", "linear"),
+    ("qwen3-moe", "marlin-mxfp4-ct", "linear", "linear"),
+    ("qwen3-moe", "humming-gptq", "linear", "linear"),
+    ("qwen3-moe", "humming-nvfp4", "linear", "linear"),
 ]
 
 
@@ -341,7 +382,8 @@ def test_ep2_from_a_full_folder_each_rank_holds_its_experts(_ranks, convert, tmp
 # One case per plugin method (and MXFP4 beside int): each scheme's cuts are checked against per-rank
 # conversions without vLLM (CUT_CASES above); here, that the plugin applies a layout's declared cuts.
 TP_CASES = [("qwen3-moe", s) for s in ("marlin-w4a16-g128", "marlin-mxfp4", "fast-w4a16-g32-asym", "fast-mxfp4")]
-TP_CASES += [("deepseek-v3", "triton-w8a16-g128")]
+TP_CASES += [("deepseek-v3", "triton-w8a16-g128"), ("qwen3-moe", "marlin-gptq"), ("qwen3-moe", "marlin-awq"),
+             ("qwen3-moe", "marlin-mxfp4-ct")]
 
 
 @needs_vllm
@@ -517,7 +559,7 @@ def test_shapes_a_folder_does_not_cover_are_refused_in_one_line(_ranks, convert,
     if len(what) > 2 and isinstance(what[2], dict):  # a folder of other sizes (and options)
         kw, verb = SCHEMES[what[1]]
         folder = tmp_path / "full"
-        cli(verb[0], example_ckpt(what[0], **{**kw, **what[2]}), folder, *verb[1:], *what[3:], expect=0)
+        cli(verb[0], _source(example_ckpt, what[0], {**kw, **what[2]}), folder, *verb[1:], *what[3:], expect=0)
     else:
         folder = convert(*what)
     for r, got in enumerate(_ranks(folder, tmp_path, **shape)):
@@ -564,6 +606,9 @@ STORED_TP = {  # case: (scheme, example sizes where a TP 2 rank is not a slice o
     "marlin-channel-rank-padded": ("marlin-w4a16-channel", dict(intermediate_size=192)),
     "marlin-g128-one-w2-group": ("marlin-w4a16-g128", dict(intermediate_size=256)),
     "marlin-mxfp4-rank-padded": ("marlin-mxfp4", dict(intermediate_size=128)),
+    # humming: every TP size is stored (vLLM's CPU platform builds no NVFP4 / MXFP4 linear layer, so the whole
+    # model is loaded from a GPTQ source; humming-nvfp4's EP case above builds its MoE layers alone)
+    "humming-gptq": ("humming-gptq", {}),
 }
 
 
@@ -593,7 +638,7 @@ def test_tp2_stored_by_tp_sizes_each_rank_reads_only_its_conversion(_ranks, exam
     bytes, read from the rank's stored block and nothing of the other rank's or of the full tensors."""
     scheme, sizes = STORED_TP[case]
     kw, verb = SCHEMES[scheme]
-    src = example_ckpt("qwen3-moe", **{**kw, **sizes})
+    src = _source(example_ckpt, "qwen3-moe", {**kw, **sizes})
     full = tmp_path / "full"
     cli(verb[0], src, full, *verb[1:], "--tp-sizes", "1,2", expect=0)
     assert all(m["tp_sizes"]["2"]["stored"] for m in _manifest(full)["moe_layers"])

@@ -1,6 +1,6 @@
 """One rank of a vLLM parallel shape on the CPU platform, run by tests/test_vllm_parallel.py (N at once).
 
-``python vllm_parallel_child.py RANK WORLD``: one rank that runs shape after shape (one vLLM import for every
+``python vllm_parallel_child.py RANK WORLD [--humming]``: one rank that runs shape after shape (one vLLM import for every
 shape of the test module), each a JSON line ``{"folder", "port", "shape"}`` on stdin: vLLM's process groups
 for the shape (``harness.process_group``: TP, PP, DP, EP, expert placement, EPLB's redundant experts; they are
 destroyed before the next line is read), then either each MoE layer of the folder's manifest built by vLLM's
@@ -26,6 +26,10 @@ RESULT = "RESULT "
 def main() -> None:
     _setup()
     rank, world = int(sys.argv[1]), int(sys.argv[2])
+    if "--humming" in sys.argv[3:]:  # humming's folders: the process answers as an SM90 GPU (no kernel runs)
+        from vllm_plugin_child import _humming_on_a_cpu
+
+        _humming_on_a_cpu(90)
     for line in sys.stdin:
         job = json.loads(line)
         print(RESULT + json.dumps(_run(Path(job["folder"]), rank, world, job["port"], job["shape"])), flush=True)
