@@ -8,6 +8,7 @@ import ast
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 from helpers import cli  # tests/ is on sys.path under pytest
@@ -101,3 +102,25 @@ def test_the_format_is_the_bottom_layer():
     mods = imported("import moeconvert.format")
     assert "moeconvert.format.manifest" in mods
     assert [m for m in mods if m not in ("moeconvert", "moeconvert.errors") and not m.startswith("moeconvert.format")] == []
+
+
+def test_the_wheel_lists_every_package_of_the_source_tree():
+    """A regular (not editable) install holds only the packages pyproject.toml lists: a package missing
+    there imports in the repository and fails at a user's (``pip install 'moeconvert[vllm]'``), e.g.
+    ``No module named 'moeconvert.readers'`` when vLLM loads the plugin."""
+    root = Path(__file__).resolve().parents[1]
+    tools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = {name: root / path for name, path in tools["package-dir"].items()}
+
+    def where(package: str) -> Path:  # the folder setuptools takes a package from
+        parent = max((n for n in dirs if package == n or package.startswith(n + ".")), key=len)
+        return dirs[parent].joinpath(*package[len(parent):].strip(".").split(".")) if package != parent else dirs[parent]
+
+    listed = set(tools["packages"])
+    assert all((where(p) / "__init__.py").is_file() for p in listed), listed
+    found = set()
+    for top, folder in dirs.items():
+        for init in folder.rglob("__init__.py"):
+            rel = init.parent.relative_to(folder).parts
+            found.add(".".join((top, *rel)) if rel else top)
+    assert found <= listed, sorted(found - listed)
