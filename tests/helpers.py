@@ -611,11 +611,13 @@ FAMILY_CONFIGS: dict[str, dict] = {
                           hybrid_layer_pattern=[0, 1], layernorm_epsilon=1e-5, swa_num_attention_heads=4,
                           swa_num_key_value_heads=2, swa_head_dim=16, swa_v_head_dim=16, sliding_window_size=128,
                           add_swa_attention_sink_bias=True),
-    # zero_expert_type: LongCat-Flash's config.json writes it and vLLM's LongcatMoe asserts it is set (transformers'
-    # config class keeps it as it is); 4 zero experts beside the 8 routed ones
+    # zero_expert_type, mla_scale_q_lora, mla_scale_kv_lora: LongCat-Flash's config.json writes them and vLLM's
+    # LongcatFlash model reads them (transformers' config class keeps them as they are); 4 zero experts beside the
+    # 8 routed ones
     "longcat_flash": dict(_TINY, num_layers=2, expert_ffn_hidden_size=32, ffn_hidden_size=64, n_routed_experts=8,
                           moe_topk=2, zero_expert_num=4, zero_expert_type="identity", q_lora_rank=32, kv_lora_rank=32,
-                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.0),
+                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.0,
+                          mla_scale_q_lora=True, mla_scale_kv_lora=True),
     "qwen3_next": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, num_experts=8,
                        num_experts_per_tok=2, shared_expert_intermediate_size=32, norm_topk_prob=True,
                        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,

@@ -447,6 +447,70 @@ def test_longcat_flash_through_every_path(longcat, tmp_path):
         assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02, f"layer {i}"
 
 
+def test_longcat_flash_gptq_is_repacked_to_marlin_and_runs_its_zero_experts(tmp_path):
+    # the routed experts quantized per expert (GPTQ round-to-nearest, H 128 and I 64: the smallest sizes Marlin
+    # takes), repacked for vLLM's Marlin; transformers' LongcatFlashMoE holding the weights the codes stand for
+    from moeconvert.runtime import load
+
+    bf16 = make_family_checkpoint(tmp_path / "bf16", "longcat_flash", hidden_size=128, expert_ffn_hidden_size=64)
+    src = make_int_checkpoint(bf16, tmp_path / "gptq", "gptq", bits=4, group_size=32)
+    out = tmp_path / "marlin"
+    cli("repack", str(src), str(out), "--backend", "marlin", expect=0)
+    cli("verify", str(out), "--against", str(src), expect=0)
+    layers = json.loads((out / "moeconvert.json").read_text())["moe_layers"]
+    assert [(x["source_scheme"]["kind"], x["zero_experts"]) for x in layers] == [("wna16", {"num": 4, "type": "identity"})] * 2
+    model = transformers.AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32)
+    m = load(out, device="cpu")
+    x = torch.randn(12, 128, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    for i in (0, 1):
+        moe = model.model.layers[i].mlp
+        with torch.no_grad():
+            for e in range(8):
+                gu, dn = moe.experts.gate_up_proj[e], moe.experts.down_proj[e]
+                for w in (gu[:64], gu[64:], dn):
+                    w.copy_(rtn_dequantized(w, 4, 32, sym=True))
+            moe.router.e_score_correction_bias[10] = 1.0
+            _, w, ids = moe.router(x.float())
+            theirs = moe(x.float())
+        ours = m.moe_layers[f"model.layers.{i}.mlp.experts"](x, w, ids).float()
+        assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02, f"layer {i}"
+
+
+@pytest.mark.parametrize("backend,needle", [
+    ("triton", "activation 'swiglustep' has no triton_kernels MoE"),
+    ("triton-fast", "activation = swiglustep: the triton-fast kernel applies silu or swigluoai or situ"),
+    ("flashinfer-trtllm", "activation = swiglustep: the FlashInfer TRT-LLM MXFP4 kernel"),
+    ("marlin", None),  # MarlinExperts runs it (apply_moe_activation)
+])
+def test_mxfp4_layouts_take_swiglustep_where_their_kernel_runs_it(backend, needle):
+    from moeconvert.canonical import LayerShape
+    from moeconvert.layouts import get_layout
+    from moeconvert.schemes import MXFP4Scheme
+
+    layout = get_layout(backend, "mxfp4")
+    shape = dict(num_experts=8, hidden_size=512, intermediate_size=512, dtype="bfloat16")
+    silu = layout._check(LayerShape(**shape), MXFP4Scheme())
+    step = layout._check(LayerShape(**shape, activation="swiglustep"), MXFP4Scheme())
+    assert [p for p in step if p not in silu] == ([] if needle is None else [next(p for p in step if needle in p)])
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda m: m["moe_layers"][0]["zero_experts"].update(type="drop"), "moe_layers[0].zero_experts.type: expected identity"),
+    (lambda m: m["moe_layers"][0].update(top_k=13), "moe_layers[0].top_k: expected at most num_experts_global 8 + "
+                                                    "zero_experts.num, found 13"),
+    (lambda m: m["moe_layers"][0].update(activation="swiglustep", activation_params={"alpha": 1.702}),
+     "moe_layers[0].activation_params.alpha: unknown parameter of swiglustep (expected limit)"),
+])
+def test_a_manifest_with_bad_zero_experts_or_swiglustep_params_is_refused(edit, needle, longcat, tmp_path):
+    out = tmp_path / "out"
+    cli("repack", str(longcat), str(out), "--backend", "plain", expect=0)
+    manifest = json.loads((out / "moeconvert.json").read_text())
+    edit(manifest)
+    (out / "moeconvert.json").write_text(json.dumps(manifest))
+    err = cli("verify", str(out), expect=2).err
+    assert needle in err and err.strip().count("\n") == 0, err
+
+
 @pytest.mark.parametrize("family,edit,needle", [
     ("step3p5", {"swiglu_limits": [0, 0, 5.0]}, "config.json: swiglu_limits[2]: vLLM's swiglustep clamps at 7.0 only"),
     ("step3p5", {"n_routed_experts": 4}, "config.json n_routed_experts = 4"),

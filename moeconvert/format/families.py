@@ -341,7 +341,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
               _k("swiglu_limits", "list[number|null]", None, nullable=True)),
         experts_key="n_routed_experts", moe_layers=LISTED, block="moe", storage=(FUSED_SEPARATE,), expert_bias=False,
         layer_activation=("swiglu_limits", "swiglustep", "limit"), routing=None, router=("gate", "router_bias"),
-        shared=("share_expert",), shared_beside_block=True, mtp_key="num_nextn_predict_layers"),
+        shared=("share_expert",), shared_beside_block=True, mtp_key="num_nextn_predict_layers", plugin_proven=True),
     # DeepSeek-V4: the keys of transformers' DeepseekV4Config; the tensor names of the published checkpoints,
     # as vLLM 0.33.0's DeepseekV4 loader maps them (vllm/models/deepseek_v4/{cpu,nvidia}/model.py:
     # layers.L.ffn.experts.E.w1/w2/w3 with ckpt_gate_proj_name "w1", ffn.gate.{weight,bias,tid2eid},
@@ -380,10 +380,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
               _k("zero_expert_num", "int>=0", 256), _k("zero_expert_type", "str", None, nullable=True)),
         experts_key="n_routed_experts", intermediate_key="expert_ffn_hidden_size", top_k_key="moe_topk",
         layers_key="num_layers", routing=None, router=("router",), zero_experts_key="zero_expert_num",
-        # vllm/model_executor/layers/fused_moe/router/zero_expert_router.py (0.33.0, 0.34.0)
-        plugin_unprovable="vLLM adds the zero experts' output with a Triton kernel (ZeroExpertRouter's "
-                          "zero_experts_compute_triton), and vLLM's CPU platform has no Triton, so its LongCat-Flash "
-                          "MoE layer never runs there"),
+        plugin_proven=True),
     # No transformers class: the keys are those of vLLM 0.33.0's KimiK3Config (its text_config is a
     # KimiLinearConfig, vllm/transformers_utils/configs/kimi_k3.py, kimi_linear.py), the tensor names those
     # its loader maps (vllm/models/kimi_k3: block_sparse_moe.experts.N.w1/w2/w3, ckpt_gate_proj_name "w1"),
