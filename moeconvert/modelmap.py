@@ -27,9 +27,9 @@ from moeconvert.format.families import (FAMILIES as TABLE, FIRST_K_DENSE, FUSED_
 from moeconvert.sources import Source
 
 # Per-expert tensors: {prefix}.{e}.{proj}.{suffix}; prefix ends in "<layers>.<L>.<block>.experts" (the
-# block names of the family table: mlp, block_sparse_moe, feed_forward, ffn).
+# block names of the family table: mlp, block_sparse_moe, feed_forward, ffn, moe).
 _PER_EXPERT = re.compile(
-    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe|feed_forward|ffn)\.experts)"
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe|feed_forward|ffn|moe)\.experts)"
     r"\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.(?P<suffix>[A-Za-z0-9_]+)$"
 )
 # Fused tensors: {prefix}.gate_up_proj[_bias|_blocks|_scales], {prefix}.down_proj[...]
@@ -109,11 +109,15 @@ def sparse_layers(fam: Family, values: dict, section: str = "") -> "SparseLayers
         # ("3,4,..."); without either, transformers (layers 3..) and vLLM (layers 1..) build different models
         types, listed = values["mlp_layer_types"], values["moe_layers_enum"]
         if types is not None:
-            if len(types) != n or any(t not in ("dense", "sparse") for t in types):
+            # published configs pad the list with the MTP layers' entries (transformers' Step3p7TextConfig cuts
+            # a list of num_hidden_layers + num_nextn_predict_layers back to num_hidden_layers)
+            nextn = values["num_nextn_predict_layers"]
+            if len(types) not in (n, n + nextn) or any(t not in ("dense", "sparse") for t in types):
                 raise MoeConvertError("invalid value", file=CONFIG_NAME, tensor=f"{section}mlp_layer_types",
-                                      expected=f'{n} entries ({section}num_hidden_layers), each "dense" or "sparse"',
-                                      found=show_value(types))
-            return SparseLayers(n, first=0, step=1, skip=frozenset(i for i, t in enumerate(types) if t != "sparse"))
+                                      expected=f'{n} entries ({section}num_hidden_layers'
+                                      + (f", or {n + nextn} with the MTP layers" if nextn else "")
+                                      + '), each "dense" or "sparse"', found=show_value(types))
+            return SparseLayers(n, first=0, step=1, skip=frozenset(i for i, t in enumerate(types[:n]) if t != "sparse"))
         if listed is None:
             raise MoeConvertError("the config does not say which layers are MoE (transformers then makes layers 3.. "
                                   "MoE, vLLM layers 1..)", file=CONFIG_NAME, tensor=f"{section}mlp_layer_types",

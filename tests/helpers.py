@@ -1060,3 +1060,23 @@ def make_step3p5_checkpoint(out: Path, *, E: int = 8, H: int = 64, I: int = 32, 
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def split_step3p5_experts(src: Path, dst: Path) -> Path:
+    """``src`` (:func:`make_step3p5_checkpoint`) with each layer's three 3-D ``moe.{gate,up,down}_proj.weight``
+    split into one ``moe.experts.E.{gate,up,down}_proj.weight`` per expert: the per-expert form vLLM's Step3p5
+    loader reads for quantized checkpoints (llm-compressor's)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    out = {}
+    for k, t in load_file(src / "model.safetensors").items():
+        block, _, proj = k.removesuffix(".weight").rpartition(".")
+        if block.endswith(".moe") and proj in ("gate_proj", "up_proj", "down_proj"):
+            out.update({f"{block}.experts.{e}.{proj}.weight": t[e].contiguous() for e in range(t.shape[0])})
+        else:
+            out[k] = t
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from helpers import (cli, make_bailing_checkpoint, make_family_checkpoint, make_int_checkpoint, make_step3p5_checkpoint,
-                     rtn_dequantized, split_fused_experts, wrap_text_model)
+                     rtn_dequantized, split_fused_experts, split_step3p5_experts, wrap_text_model)
 from moeconvert.errors import MoeConvertError
 from moeconvert.format.families import FAMILIES, REQUIRED, Key, read_keys
 
@@ -408,6 +408,51 @@ def test_step3p5_through_every_path(step3p5, tmp_path):
         experts.limit = None  # the same experts unclamped: the clamp is what makes layer 2 agree
         unclamped = experts(x.float(), ids, w)
         assert ((unclamped - theirs).abs().max() / theirs.abs().max() > 0.1) == (i == 2), f"layer {i}"
+
+
+def test_step3p5_gptq_per_expert_is_repacked_to_marlin(tmp_path):
+    # quantized Step-3.5 experts are stored per expert (vLLM's loader reads moe.experts.E.*); GPTQ round-to-nearest
+    # at H 128, I 64 (the smallest sizes Marlin takes), repacked for vLLM's Marlin, against transformers' experts
+    # holding the weights the codes stand for, the clamp included on layer 2
+    from moeconvert.runtime import load
+
+    bf16 = make_step3p5_checkpoint(tmp_path / "bf16", H=128, I=64)
+    src = make_int_checkpoint(split_step3p5_experts(bf16, tmp_path / "split"), tmp_path / "gptq", "gptq", bits=4,
+                              group_size=32)
+    out = tmp_path / "marlin"
+    cli("repack", str(src), str(out), "--backend", "marlin", expect=0)
+    cli("verify", str(out), "--against", str(src), expect=0)
+    layers = json.loads((out / "moeconvert.json").read_text())["moe_layers"]
+    assert [(x["prefix"], x["source_scheme"]["kind"], x["activation"]) for x in layers] == [
+        ("model.layers.1.moe.experts", "wna16", "silu"), ("model.layers.2.moe.experts", "wna16", "swiglustep")]
+    m = load(out, device="cpu")
+    gen = torch.Generator().manual_seed(8)
+    x = (torch.randn(16, 128, generator=gen) * 40).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(16)])
+    w = torch.rand(16, 2, generator=gen)
+    for i in (1, 2):
+        experts = _step3p5_experts(bf16, i)
+        with torch.no_grad():
+            for e in range(8):
+                gu, dn = experts.gate_up_proj[e], experts.down_proj[e]
+                for t in (gu[:64], gu[64:], dn):
+                    t.copy_(rtn_dequantized(t, 4, 32, sym=True))
+        theirs = experts(x.float(), ids, w)
+        ours = m.moe_layers[f"model.layers.{i}.moe.experts"](x, w, ids).float()
+        assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02, f"layer {i}"
+
+
+def test_step3p5_layer_lists_padded_with_the_mtp_layers_are_read_as_transformers_cuts_them():
+    # published configs carry num_hidden_layers + num_nextn_predict_layers entries; transformers keeps the first
+    # num_hidden_layers (Step3p7TextConfig.__post_init__), and the MTP layers' experts are allowed after them
+    from moeconvert.format.families import BY_NAME
+    from moeconvert.modelmap import sparse_layers
+
+    fam = BY_NAME["step3p5"]
+    raw = dict(hidden_size=64, n_routed_experts=8, moe_intermediate_size=32, num_hidden_layers=3,
+               num_nextn_predict_layers=1, mlp_layer_types=["dense", "sparse", "dense", "sparse"])
+    theirs = transformers.Step3p7TextConfig(**raw).mlp_layer_types
+    assert list(sparse_layers(fam, read_keys(raw, fam))) == [i for i, t in enumerate(theirs) if t == "sparse"] == [1]
 
 
 # -- LongCat-Flash: zero-computation experts beside the routed ones -----------------------------------------

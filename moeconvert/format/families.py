@@ -38,7 +38,8 @@ FUSED_TRANSPOSED = "fused-transposed"
 FUSED_INTERLEAVED = "fused-transposed-interleaved"
 #: Step-3.5: three 3-D tensors held by the MoE block itself, ``{block}.gate_proj.weight [E, I, H]``,
 #: ``{block}.up_proj.weight [E, I, H]``, ``{block}.down_proj.weight [E, H, I]`` (vLLM's Step3p5Model.load_weights:
-#: "Old packed 3D format"); the layer's experts are written under ``{block}.experts``, vLLM's FusedMoE prefix
+#: "Old packed 3D format"), float only; the layer's experts are written under ``{block}.experts``, vLLM's FusedMoE
+#: prefix
 FUSED_SEPARATE = "fused-separate"
 STORAGES = (PER_EXPERT, FUSED, FUSED_TRANSPOSED, FUSED_INTERLEAVED, FUSED_SEPARATE)
 
@@ -339,7 +340,10 @@ FAMILIES: tuple[FamilySpec, ...] = (
               _k("num_hidden_layers", "int>=1", None), _k("mlp_layer_types", "list[str]", None, nullable=True),
               _k("moe_layers_enum", "str", None, nullable=True), _k("num_nextn_predict_layers", "int>=0", 0),
               _k("swiglu_limits", "list[number|null]", None, nullable=True)),
-        experts_key="n_routed_experts", moe_layers=LISTED, block="moe", storage=(FUSED_SEPARATE,), expert_bias=False,
+        # quantized checkpoints hold the experts per expert (vLLM's loader: "New per-expert format from LLM
+        # Compressor", moe.experts.E.{gate,up,down}_proj.*)
+        experts_key="n_routed_experts", moe_layers=LISTED, block="moe", storage=(FUSED_SEPARATE, PER_EXPERT),
+        expert_bias=False,
         layer_activation=("swiglu_limits", "swiglustep", "limit"), routing=None, router=("gate", "router_bias"),
         shared=("share_expert",), shared_beside_block=True, mtp_key="num_nextn_predict_layers", plugin_proven=True),
     # DeepSeek-V4: the keys of transformers' DeepseekV4Config; the tensor names of the published checkpoints,
