@@ -468,7 +468,8 @@ def test_longcat_flash_through_every_path(longcat, tmp_path):
 
     report = json.loads(cli("inspect", str(longcat), "--json", expect=0).out)
     assert report["family"] == "longcat-flash"
-    assert [x["prefix"] for x in report["moe_layers"]] == [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
+    assert [(x["prefix"], x["num_experts"], x["zero_experts"]) for x in report["moe_layers"]] == [
+        (f"model.layers.{i}.mlp.experts", 8, 4) for i in (0, 1)]
     plain, mx = tmp_path / "plain", tmp_path / "mx"
     cli("repack", str(longcat), str(plain), "--backend", "plain", expect=0)
     cli("quantize", str(longcat), str(mx), "--format", "mxfp4", "--backend", "marlin", expect=0)
