@@ -44,7 +44,6 @@ _FUSED_OTHER = re.compile(
 )
 
 
-
 def _separate(fam: "FamilySpec") -> re.Pattern:
     """The ``fused-separate`` form (Step-3.5): ``{block}.{gate,up,down}_proj.{suffix}`` held by the MoE block
     itself, 3-D over experts."""
@@ -123,7 +122,7 @@ def sparse_layers(fam: Family, values: dict, section: str = "") -> "SparseLayers
                                   "MoE, vLLM layers 1..)", file=CONFIG_NAME, tensor=f"{section}mlp_layer_types",
                                   expected="mlp_layer_types or moe_layers_enum", found="neither")
         items = [x.strip() for x in listed.split(",") if x.strip()]
-        if not all(x.isdigit() and len(x) <= 18 for x in items):
+        if not all(x.isascii() and x.isdigit() and len(x) <= 18 for x in items):
             raise MoeConvertError("invalid value", file=CONFIG_NAME, tensor=f"{section}moe_layers_enum",
                                   expected="comma-separated layer indices", found=show_value(listed))
         moe = {int(x) for x in items}
@@ -250,15 +249,15 @@ def map_model(source: Source) -> ModelMap:
         raise MoeConvertError("quantized experts stored fused (3-D) are not read: quantized experts are read per "
                               "expert", file=source.tensors[odd].file.name, tensor=odd,
                               expected=_expected_names(fam, per_expert=True))
+    fused = any(m and m["block"] == fam.block for m in map(_FUSED.match, source.tensors))
     if FUSED_SEPARATE in fam.storage:
-        pattern = _separate(fam)
-        quantized = next((n for n in source.tensors if (m := pattern.match(n)) and m["suffix"] != "weight"), None)
-        if quantized is not None:
+        separate = [m for m in map(_separate(fam).match, source.tensors) if m]
+        quantized = next((m[0] for m in separate if m["suffix"] != "weight"), None)
+        if quantized is not None:  # vLLM's loader maps FP8 / NVFP4 scales beside them; no reader here takes those
             raise MoeConvertError("quantized experts stored fused (3-D) are not read: quantized experts are read per "
                                   "expert", file=source.tensors[quantized].file.name, tensor=quantized,
                                   expected=_expected_names(fam))
-    fused = any(m and m["block"] == fam.block for m in map(_FUSED.match, source.tensors)) or (
-        FUSED_SEPARATE in fam.storage and any(map(_separate(fam).match, source.tensors)))
+        fused = bool(separate)
     if fused and not set(fam.storage) - {PER_EXPERT}:
         name = next(n for n in source.tensors if _FUSED.match(n))
         raise MoeConvertError(f"{fam.name} stores its experts per expert, but this tensor is a fused 3-D one",

@@ -442,6 +442,20 @@ def test_step3p5_gptq_per_expert_is_repacked_to_marlin(tmp_path):
         assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02, f"layer {i}"
 
 
+def test_step3p5_quantized_3d_experts_are_refused_naming_the_tensor(step3p5, tmp_path):
+    # vLLM's loader maps FP8 / NVFP4 scales beside the 3-D weights (moe.gate_proj.weight_scale ...); no reader
+    # here takes that form: refused on one line naming the tensor, nothing written
+    from safetensors.torch import load_file, save_file
+
+    bad = _copy(step3p5, tmp_path / "bad")
+    tensors = load_file(bad / "model.safetensors")
+    tensors["model.layers.1.moe.gate_proj.weight_scale"] = torch.ones(8, 32)
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    r = cli("repack", str(bad), str(tmp_path / "out"), "--backend", "plain", expect=2)
+    assert "model.layers.1.moe.gate_proj.weight_scale" in r.err and "stored fused (3-D) are not read" in r.err, r.err
+    assert r.err.strip().count("\n") == 0 and not (tmp_path / "out").exists()
+
+
 def test_step3p5_layer_lists_padded_with_the_mtp_layers_are_read_as_transformers_cuts_them():
     # published configs carry num_hidden_layers + num_nextn_predict_layers entries; transformers keeps the first
     # num_hidden_layers (Step3p7TextConfig.__post_init__), and the MTP layers' experts are allowed after them
@@ -562,6 +576,8 @@ def test_a_manifest_with_bad_zero_experts_or_swiglustep_params_is_refused(edit, 
     ("step3p5", {"n_routed_experts": 4}, "config.json n_routed_experts = 4"),
     ("step3p5", {"mlp_layer_types": ["dense", "dense", "sparse"]}, "layer 1 has expert tensors but the config says it is dense"),
     ("step3p5", {"mlp_layer_types": None}, "config.json: mlp_layer_types: the config does not say which layers are MoE"),
+    ("step3p5", {"mlp_layer_types": None, "moe_layers_enum": "1,2,x"}, "config.json: moe_layers_enum: invalid value"),
+    ("step3p5", {"mlp_layer_types": None, "moe_layers_enum": "2"}, "layer 1 has expert tensors but the config says it is dense"),
     ("longcat", {"zero_expert_type": "drop"}, "config.json: zero_expert_type"),
     ("longcat", {"n_routed_experts": 12}, "layer does not hold every routed expert"),
     ("longcat", {"moe_topk": 13}, "config.json: moe_topk: top-k is larger than the number of routed experts"),
