@@ -128,7 +128,7 @@ class LayerShape:
     hidden_size: int  # H
     intermediate_size: int  # I per TP partition, unpadded
     has_bias: bool = False
-    activation: str = "silu"  # "silu" (SiLU-and-mul), "swigluoai" (gpt-oss clamped swiglu) or "situ" (Kimi-K3)
+    activation: str = "silu"  # "silu" (SiLU-and-mul), "swigluoai" (gpt-oss), "situ" (Kimi-K3), "swiglustep" (Step-3.5)
     dtype: str = "bfloat16"  # the model's params dtype (vLLM casts scales and biases to it)
     bias_dtype: str | None = None  # dtype of the checkpoint's expert biases
     extra: dict = field(default_factory=dict)

@@ -244,6 +244,8 @@ def build_manifest(plan: ConversionPlan, digests: dict[str, str], quality: dict[
             "bias_dtype": lp.shape.bias_dtype,
             # written only where true, so that every other family's manifest reads as before
             **({"apply_router_weight_on_input": True} if m.router_on_input else {}),
+            # LongCat-Flash's zero-computation experts: no tensors, the router's ids E .. E + n - 1
+            **({"zero_experts": {"num": m.zero_experts, "type": m.zero_expert_type}} if m.zero_experts else {}),
             "scheme": lp.scheme.to_json(),
             "source_scheme": m.scheme.to_json(),
             "router": m.router,

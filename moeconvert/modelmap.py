@@ -22,14 +22,14 @@ from moeconvert.errors import MoeConvertError
 from moeconvert.readers import Reader, SourceFormat, source_format
 from moeconvert.schemes import Scheme, float_dtype_name
 from moeconvert.format import CONFIG_NAME, config_value, family_name, show_value
-from moeconvert.format.families import (FAMILIES as TABLE, FIRST_K_DENSE, INTERLEAVE, LAYER_RANGE, MLP_LAYER_TYPES,
-                                       PER_EXPERT, SPARSE_STEP, FamilySpec, read_keys)
+from moeconvert.format.families import (FAMILIES as TABLE, FIRST_K_DENSE, FUSED_SEPARATE, INTERLEAVE, LAYER_RANGE,
+                                       LISTED, MLP_LAYER_TYPES, PER_EXPERT, SPARSE_STEP, FamilySpec, read_keys)
 from moeconvert.sources import Source
 
 # Per-expert tensors: {prefix}.{e}.{proj}.{suffix}; prefix ends in "<layers>.<L>.<block>.experts" (the
-# block names of the family table: mlp, block_sparse_moe, feed_forward, ffn).
+# block names of the family table: mlp, block_sparse_moe, feed_forward, ffn, moe).
 _PER_EXPERT = re.compile(
-    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe|feed_forward|ffn)\.experts)"
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe|feed_forward|ffn|moe)\.experts)"
     r"\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.(?P<suffix>[A-Za-z0-9_]+)$"
 )
 # Fused tensors: {prefix}.gate_up_proj[_bias|_blocks|_scales], {prefix}.down_proj[...]
@@ -42,6 +42,14 @@ _FUSED = re.compile(
 _FUSED_OTHER = re.compile(
     r"^(?:.*\.)?layers\.\d+\.(?:mlp|block_sparse_moe|feed_forward|ffn)\.experts\.(?:gate_up_proj|down_proj)[._]\w"
 )
+
+
+def _separate(fam: "FamilySpec") -> re.Pattern:
+    """The ``fused-separate`` form (Step-3.5): ``{block}.{gate,up,down}_proj.{suffix}`` held by the MoE block
+    itself, 3-D over experts."""
+    return re.compile(rf"^(?P<block>(?:.*\.)?layers\.(?P<layer>\d+)\.{re.escape(fam.block)})"
+                      rf"\.(?P<proj>{'|'.join(map(re.escape, fam.roles))})\.(?P<suffix>[A-Za-z0-9_]+)$")
+
 
 # Any layer's tensors (attention, norms, experts, MTP): bounds what num_hidden_layers may claim.
 _ANY_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -95,6 +103,30 @@ def sparse_layers(fam: Family, values: dict, section: str = "") -> "SparseLayers
                                   tensor=f"{section}moe_layers", expected=f"every {step}th layer below {n}",
                                   found=show_value(listed))
         return sparse
+    if rule == LISTED:
+        # Step-3.5: vLLM's _is_moe_layer reads mlp_layer_types, else the published config's moe_layers_enum
+        # ("3,4,..."); without either, transformers (layers 3..) and vLLM (layers 1..) build different models
+        types, listed = values["mlp_layer_types"], values["moe_layers_enum"]
+        if types is not None:
+            # published configs pad the list with the MTP layers' entries (transformers' Step3p7TextConfig cuts
+            # a list of num_hidden_layers + num_nextn_predict_layers back to num_hidden_layers)
+            nextn = values["num_nextn_predict_layers"]
+            if len(types) not in (n, n + nextn) or any(t not in ("dense", "sparse") for t in types):
+                raise MoeConvertError("invalid value", file=CONFIG_NAME, tensor=f"{section}mlp_layer_types",
+                                      expected=f'{n} entries ({section}num_hidden_layers'
+                                      + (f", or {n + nextn} with the MTP layers" if nextn else "")
+                                      + '), each "dense" or "sparse"', found=show_value(types))
+            return SparseLayers(n, first=0, step=1, skip=frozenset(i for i, t in enumerate(types[:n]) if t != "sparse"))
+        if listed is None:
+            raise MoeConvertError("the config does not say which layers are MoE (transformers then makes layers 3.. "
+                                  "MoE, vLLM layers 1..)", file=CONFIG_NAME, tensor=f"{section}mlp_layer_types",
+                                  expected="mlp_layer_types or moe_layers_enum", found="neither")
+        items = [x.strip() for x in listed.split(",") if x.strip()]
+        if not all(x.isascii() and x.isdigit() and len(x) <= 18 for x in items):
+            raise MoeConvertError("invalid value", file=CONFIG_NAME, tensor=f"{section}moe_layers_enum",
+                                  expected="comma-separated layer indices", found=show_value(listed))
+        moe = {int(x) for x in items}
+        return SparseLayers(n, first=0, step=1, skip=frozenset(i for i in range(n) if i not in moe))
     if rule == LAYER_RANGE:
         # transformers' Ernie4_5_MoeDecoderLayer: (i + 1) % interval == 0 and start <= i <= end (-1: the last)
         start = values["moe_layer_start_index"]
@@ -164,6 +196,10 @@ class MoELayerMap:
     fused_names: dict[str, dict[str, str]] = field(default_factory=dict)
     router: list[str] = field(default_factory=list)
     shared: list[str] = field(default_factory=list)
+    #: zero-computation experts the router may pick besides the routed ones (ids E .. E + n - 1; LongCat-Flash),
+    #: and what each computes ("identity": weight * x)
+    zero_experts: int = 0
+    zero_expert_type: str | None = None
 
     def source_tensors(self) -> list[str]:
         if self.fused:
@@ -214,6 +250,14 @@ def map_model(source: Source) -> ModelMap:
                               "expert", file=source.tensors[odd].file.name, tensor=odd,
                               expected=_expected_names(fam, per_expert=True))
     fused = any(m and m["block"] == fam.block for m in map(_FUSED.match, source.tensors))
+    if FUSED_SEPARATE in fam.storage:
+        separate = [m for m in map(_separate(fam).match, source.tensors) if m]
+        quantized = next((m[0] for m in separate if m["suffix"] != "weight"), None)
+        if quantized is not None:  # vLLM's loader maps FP8 / NVFP4 scales beside them; no reader here takes those
+            raise MoeConvertError("quantized experts stored fused (3-D) are not read: quantized experts are read per "
+                                  "expert", file=source.tensors[quantized].file.name, tensor=quantized,
+                                  expected=_expected_names(fam))
+        fused = bool(separate)
     if fused and not set(fam.storage) - {PER_EXPERT}:
         name = next(n for n in source.tensors if _FUSED.match(n))
         raise MoeConvertError(f"{fam.name} stores its experts per expert, but this tensor is a fused 3-D one",
@@ -256,6 +300,8 @@ def _check_sparse_layers(source: Source, fam: Family, values: dict, section: str
 
 
 def _expected_names(fam: Family, per_expert: bool = False) -> str:
+    if FUSED_SEPARATE in fam.storage and not per_expert:
+        return f"model.layers.L.{fam.block}.{{" + ",".join(fam.roles) + "}.weight (3-D over experts)"
     if PER_EXPERT not in fam.storage and not per_expert:
         return f"model.layers.L.{fam.block}.experts.{{gate_up_proj,down_proj}}"
     return f"…layers.L.{fam.block}.experts.E.{{" + ",".join(fam.roles) + "}.weight"
@@ -292,10 +338,11 @@ def _routing_top_k(values: dict, fam: Family, E: int, E_key: str, section: str) 
     """Top-k and the routing parameters the runtime's router reads from the copied config.json, checked
     now so that a config the router cannot follow is refused before converting, not at the first token."""
     top_k = values[fam.top_k_key]
-    if top_k is not None and top_k > E:
+    zero = values[fam.zero_experts_key] if fam.zero_experts_key else 0
+    if top_k is not None and top_k > E + zero:
         raise MoeConvertError("top-k is larger than the number of routed experts", file=CONFIG_NAME,
-                              tensor=f"{section}{fam.top_k_key}", expected=f"at most {E} ({section}{E_key})",
-                              found=top_k)
+                              tensor=f"{section}{fam.top_k_key}", expected=f"at most {E} ({section}{E_key})"
+                              + (f" + {zero} ({section}{fam.zero_experts_key})" if zero else ""), found=top_k)
     if fam.routing in ("grouped", "softmax_group_limited"):
         method = values.get("topk_method", "greedy")
         n_group, topk_group = values.get("n_group") or 1, values.get("topk_group") or 1
@@ -342,10 +389,11 @@ def _with_prefix(names: list[str], prefix: str) -> list[str]:
 def _router_and_shared(source: Source, fam: Family, prefix: str, names: list[str]) -> tuple[list[str], list[str]]:
     """``names``: the source's tensor names, sorted (once per model, not per layer)."""
     block = prefix.rsplit(".", 1)[0]
+    beside = block.rsplit(".", 1)[0] if fam.shared_beside_block else block
     # a module's tensors, or a tensor held by the block itself (MiniMax-M2's e_score_correction_bias)
     router = sorted(n for r in fam.router for n in _with_prefix(names, f"{block}.{r}.")
                     + ([f"{block}.{r}"] if f"{block}.{r}" in source.tensors else []))
-    shared = sorted(n for s in fam.shared for n in _with_prefix(names, f"{block}.{s}."))
+    shared = sorted(n for s in fam.shared for n in _with_prefix(names, f"{beside}.{s}."))
     return router, shared
 
 
@@ -353,6 +401,41 @@ def activation_params(fam: Family, values: dict) -> dict:
     """The activation's parameters, as the family's declared keys give them (never a null read as a
     default: families.read_key); a parameter the config leaves unset (null where allowed) is omitted."""
     return {name: values[key] for key, name in fam.activation_params if values[key] is not None}
+
+
+#: Step-3.5's swiglustep: vLLM's FusedMoEBlock asserts a set swiglu_limits entry is 7.0, and its fused-MoE
+#: swiglustep (swiglustep_and_mul_triton, called without a limit by apply_moe_activation) clamps at 7.0
+SWIGLUSTEP_LIMIT = 7.0
+
+
+def layer_activation(fam: Family, values: dict, layer: int, section: str = "") -> tuple[str, dict]:
+    """The activation of MoE layer ``layer`` and its parameters: the family's, or, where the family's
+    per-layer list sets the layer's entry (not absent, null or 0), the activation that list selects
+    (vLLM's Step3p5 FusedMoEBlock: ``swiglu_limits[layer_idx]`` when ``layer_idx < len(swiglu_limits)``)."""
+    if fam.layer_activation is not None:
+        key, name, param = fam.layer_activation
+        entries = values[key] or []
+        value = entries[layer] if layer < len(entries) else None
+        if value not in (None, 0):
+            if name == "swiglustep" and value != SWIGLUSTEP_LIMIT:
+                raise MoeConvertError(f"vLLM's swiglustep clamps at {SWIGLUSTEP_LIMIT} only (its Step3p5 MoE block "
+                                      "asserts it)", file=CONFIG_NAME, tensor=f"{section}{key}[{layer}]",
+                                      expected=f"{SWIGLUSTEP_LIMIT}, 0 or null", found=show_value(value))
+            return name, {param: float(value)}
+    return fam.activation, activation_params(fam, values)
+
+
+def zero_experts(fam: Family, values: dict, section: str = "") -> tuple[int, str | None]:
+    """(how many zero-computation experts the router picks besides the routed ones, their type)."""
+    if fam.zero_experts_key is None or not values[fam.zero_experts_key]:
+        return 0, None
+    kind = values.get("zero_expert_type")
+    if kind not in (None, "identity"):
+        # vLLM's zero_experts_compute_triton computes "identity" only; transformers' LongcatFlashMoE always does
+        raise MoeConvertError("zero experts of another type than identity are not computed by vLLM",
+                              file=CONFIG_NAME, tensor=f"{section}zero_expert_type", expected="identity",
+                              found=show_value(kind))
+    return values[fam.zero_experts_key], "identity"
 
 
 def _map_per_expert(source: Source, fam: Family, values: dict, fmt: SourceFormat, sizes: ConfigSizes) -> list[MoELayerMap]:
@@ -397,10 +480,12 @@ def _map_per_expert(source: Source, fam: Family, values: dict, fmt: SourceFormat
                                   tensor=prefix, file=str(source.ident), expected=I_cfg, found=I)
         has_bias = "bias" in first["gate"]
         router, shared = _router_and_shared(source, fam, prefix, names)
+        activation, params = layer_activation(fam, values, layer_of[prefix], sizes.section)
+        zero, zero_type = zero_experts(fam, values, sizes.section)
         layers.append(MoELayerMap(
             prefix=prefix, layer=layer_of[prefix], num_experts=E_cfg, top_k=sizes.top_k,
-            hidden_size=H, intermediate_size=I, scheme=scheme, activation=fam.activation,
-            activation_params=activation_params(fam, values),
+            hidden_size=H, intermediate_size=I, scheme=scheme, activation=activation,
+            activation_params=params, zero_experts=zero, zero_expert_type=zero_type,
             has_bias=has_bias,
             bias_dtype=float_dtype_name(source.tensors[first["gate"]["bias"]].dtype) if has_bias else None,
             fused=False, format=reader.name, format_config=fmt.config, experts=ex_list, router=router, shared=shared,
@@ -421,17 +506,29 @@ def _map_fused(source: Source, fam: Family, values: dict, fmt: SourceFormat, siz
     storage = next(st for st in fam.storage if st != PER_EXPERT)
     by_prefix: dict[str, dict[str, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
     layer_of = {}
-    for name in source.tensors:
-        m = _FUSED.match(name)
-        if m and m["block"] == fam.block:
-            by_prefix[m["prefix"]][m["proj"]][m["suffix"] or "weight"] = name
-            layer_of[m["prefix"]] = _index(source, name, m["layer"])
+    if storage == FUSED_SEPARATE:
+        # Step-3.5: the block's own {gate,up,down}_proj.weight; the experts are written under {block}.experts
+        pattern = _separate(fam)
+        for name in source.tensors:
+            if m := pattern.match(name):
+                by_prefix[f"{m['block']}.experts"][fam.roles[m["proj"]]]["weight"] = name
+                layer_of[f"{m['block']}.experts"] = _index(source, name, m["layer"])
+    else:
+        for name in source.tensors:
+            m = _FUSED.match(name)
+            if m and m["block"] == fam.block:
+                by_prefix[m["prefix"]][m["proj"]][m["suffix"] or "weight"] = name
+                layer_of[m["prefix"]] = _index(source, name, m["layer"])
     t = source.tensors
     all_names = sorted(t)
     layers = []
     for prefix, names in by_prefix.items():
-        gu, dn = dict(names.get("gate_up_proj", {})), dict(names.get("down_proj", {}))
-        fused_names = {"gate_up": gu, "down": dn}
+        if storage == FUSED_SEPARATE:
+            fused_names = {role: dict(names.get(role, {})) for role in ("gate", "up", "down")}
+            gu, dn = fused_names["gate"], fused_names["down"]
+        else:
+            gu, dn = dict(names.get("gate_up_proj", {})), dict(names.get("down_proj", {}))
+            fused_names = {"gate_up": gu, "down": dn}
         has_bias = "_bias" in gu
         if fam.expert_bias is not None and (has_bias != fam.expert_bias or ("_bias" in dn) != fam.expert_bias):
             # gpt-oss' experts always have both biases (transformers' GptOssExperts); the other fused
@@ -442,16 +539,19 @@ def _map_fused(source: Source, fam: Family, values: dict, fmt: SourceFormat, siz
                                   + " gate_up_proj_bias and down_proj_bias", file=str(source.ident),
                                   tensor=missing[0], expected="present" if fam.expert_bias else "absent",
                                   found="missing" if fam.expert_bias else "present")
-        reader: Reader = fmt.reader_for(prefix, {role: f"{prefix}.{proj}" for role, proj in
-                                         (("gate_up", "gate_up_proj"), ("down", "down_proj"))})
+        modules = ({role: f"{prefix.rsplit('.', 1)[0]}.{proj}" for proj, role in fam.roles.items()}
+                   if storage == FUSED_SEPARATE else
+                   {role: f"{prefix}.{proj}" for role, proj in (("gate_up", "gate_up_proj"), ("down", "down_proj"))})
+        reader: Reader = fmt.reader_for(prefix, modules)
         scheme = reader.fused_scheme(source, prefix, fused_names, sizes, storage)
         router, shared = _router_and_shared(source, fam, prefix, all_names)
         # the activation's parameters, as the family's declared keys give them (never a null read as a default)
-        params = activation_params(fam, values)
+        activation, params = layer_activation(fam, values, layer_of[prefix], sizes.section)
+        zero, zero_type = zero_experts(fam, values, sizes.section)
         layers.append(MoELayerMap(
             prefix=prefix, layer=layer_of[prefix], num_experts=E_cfg, top_k=sizes.top_k,
-            hidden_size=H_cfg, intermediate_size=I_cfg, scheme=scheme, activation=fam.activation,
-            activation_params=params, has_bias=has_bias,
+            hidden_size=H_cfg, intermediate_size=I_cfg, scheme=scheme, activation=activation,
+            activation_params=params, has_bias=has_bias, zero_experts=zero, zero_expert_type=zero_type,
             bias_dtype=float_dtype_name(t[gu["_bias"]].dtype) if has_bias else None, fused=True,
             format=reader.name, format_config=fmt.config, fused_names=fused_names, router=router, shared=shared,
             storage=storage, router_on_input=fam.router_on_input,

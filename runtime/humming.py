@@ -60,6 +60,9 @@ def activation_impl(name: str, params: dict | None) -> str | None:
         alpha, limit = _float(p.get("alpha", SWIGLUOAI_ALPHA)), _float(p.get("limit", SWIGLUOAI_LIMIT))
         gate = f"fminf(a, {limit})"
         return f"(fmaxf(fminf(b, {limit}), -{limit}) + 1.f) * {gate} / (1.f + expf(-{alpha} * {gate}))"
+    if name == "swiglustep":  # Step-3.5: the SiLU clamped after it, as vLLM's humming SWIGLUSTEP expression
+        limit = _float((params or {}).get("limit", 7.0))
+        return f"fminf(a / (1.f + expf(-a)), {limit}) * fmaxf(fminf(b, {limit}), -{limit})"
     if name == "situ":  # vLLM's SituAndMul; the expression vLLM gives humming for SITU (humming/activation.py)
         p = params or {}
         beta = _float(p.get("beta", 1.0))

@@ -18,7 +18,9 @@ class MoELayer:
     """``layer(hidden_states, topk_weights, topk_ids)`` -> routed experts' output ``[M, H]``.
 
     * ``hidden_states`` ``[M, H]`` (or ``[..., H]``), bfloat16/float16 (float32 runs on the reference);
-    * ``topk_weights`` ``[M, k]``, ``topk_ids`` ``[M, k]`` global expert ids (as :meth:`route` gives);
+    * ``topk_weights`` ``[M, k]``, ``topk_ids`` ``[M, k]`` global expert ids (as :meth:`route` gives); where the
+      manifest declares zero experts (LongCat-Flash), ids ``num_experts_global`` .. ``+ zero_experts.num - 1``
+      are those, each adding ``weight * x`` on a whole (TP 1, EP 1) layer;
     * ``kernel`` names what runs (see dispatch.py), ``kernel_note`` why it is not the layout's own.
     """
 
@@ -122,7 +124,27 @@ class MoELayer:
                 yj = self._run(xj, ones, topk_ids[:, j:j + 1])
                 y = yj if y is None else y + yj
             return y.reshape(hidden_states.shape)
-        return self._run(hidden_states, topk_weights, topk_ids)
+        if not self.entry.zero_experts:
+            return self._run(hidden_states, topk_weights, topk_ids)
+        # the kernels never see a zero expert's id: as vLLM's ZeroExpertRouter, it becomes expert 0 with weight 0
+        zero = topk_ids.long() >= self.entry.num_experts_global
+        y = self._run(hidden_states, topk_weights.masked_fill(zero, 0.0), topk_ids.masked_fill(zero, 0))
+        return self._add_zero_experts(y, hidden_states, topk_weights, topk_ids)
+
+    def _add_zero_experts(self, y: torch.Tensor, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                          topk_ids: torch.Tensor) -> torch.Tensor:
+        """LongCat-Flash's identity zero experts: ``weight * x`` for each slot routed to one, added to the routed
+        experts' output as vLLM's MoE runner adds its ZeroExpertRouter's ``zero_experts_compute_triton`` output
+        (vllm/model_executor/layers/fused_moe/router/zero_expert_router.py). The routed experts ignore those ids
+        (reference_moe adds nothing for an id outside the layer's experts). A cut layer leaves the term to the
+        caller: every rank would add it, and the all-reduce would count it once per rank."""
+        E, Z = self.entry.num_experts_global, self.entry.zero_experts
+        if not Z or self.tp_size != 1 or self.entry.num_experts != E:
+            return y
+        ids = topk_ids.long()
+        w = torch.where((ids >= E) & (ids < E + Z), topk_weights.float(), 0.0).sum(-1, keepdim=True)
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        return (y.reshape(x.shape).float() + x.float() * w).to(y.dtype).reshape(y.shape)
 
     def _run(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.kernel == dispatch.REFERENCE:

@@ -80,6 +80,11 @@ class LayerEntry:
         return self.raw["top_k"]
 
     @property
+    def zero_experts(self) -> int:
+        """Zero-computation experts the router may pick (global ids ``num_experts_global`` and up; LongCat-Flash)."""
+        return (self.raw.get("zero_experts") or {}).get("num", 0)
+
+    @property
     def router_weight_on_input(self) -> bool:
         """The router weight scales the expert's input, not its output (Llama 4)."""
         return self.raw.get("apply_router_weight_on_input", False)

@@ -13,7 +13,7 @@ dequantized once, to float32:
 Then, per expert ``e`` and the tokens routed to it, all in float32::
 
     h = x @ w13[e].T (+ b13[e])            # [gate; up] rows, padded halves (zeros) included
-    a = act(h[:, :Ip], h[:, Ip:])          # silu(gate) * up, or gpt-oss' clamped swiglu
+    a = act(h[:, :Ip], h[:, Ip:])          # silu(gate) * up, or a clamped variant (docs/format.md)
     y += topk_weight * (a @ w2[e].T (+ b2[e]))
 
 ``x`` is zero-padded from H to the block's (padded) K and ``y`` cut back to H. The result is cast
@@ -64,9 +64,17 @@ def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float = 1.0,
     return g * up
 
 
-ACTIVATIONS = {"silu": silu_and_mul, "swigluoai": swigluoai_and_mul, "situ": situ_and_mul}
+def swiglustep_and_mul(gate: torch.Tensor, up: torch.Tensor, limit: float = 7.0) -> torch.Tensor:
+    """Step-3.5's clamped SwiGLU on split halves, as vLLM's ``swiglustep_and_mul_triton`` and
+    ``SwigluStepAndMul.forward_native`` (vllm/model_executor/layers/activation.py) compute it: SiLU of gate
+    clamped from above at ``limit`` after the SiLU, times up clamped to ``[-limit, limit]``."""
+    return torch.nn.functional.silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
+
+
+ACTIVATIONS = {"silu": silu_and_mul, "swigluoai": swigluoai_and_mul, "situ": situ_and_mul,
+               "swiglustep": swiglustep_and_mul}
 #: activation -> the ``activation_params`` its function takes (the manifest's names)
-PARAMS = {"silu": ("limit",), "swigluoai": ("alpha", "limit"), "situ": ("beta", "linear_beta")}
+PARAMS = {"silu": ("limit",), "swigluoai": ("alpha", "limit"), "situ": ("beta", "linear_beta"), "swiglustep": ("limit",)}
 
 
 def activation_fn(name: str, params: dict | None = None):

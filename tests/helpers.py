@@ -611,6 +611,13 @@ FAMILY_CONFIGS: dict[str, dict] = {
                           hybrid_layer_pattern=[0, 1], layernorm_epsilon=1e-5, swa_num_attention_heads=4,
                           swa_num_key_value_heads=2, swa_head_dim=16, swa_v_head_dim=16, sliding_window_size=128,
                           add_swa_attention_sink_bias=True),
+    # zero_expert_type, mla_scale_q_lora, mla_scale_kv_lora: LongCat-Flash's config.json writes them and vLLM's
+    # LongcatFlash model reads them (transformers' config class keeps them as they are); 4 zero experts beside the
+    # 8 routed ones
+    "longcat_flash": dict(_TINY, num_layers=2, expert_ffn_hidden_size=32, ffn_hidden_size=64, n_routed_experts=8,
+                          moe_topk=2, zero_expert_num=4, zero_expert_type="identity", q_lora_rank=32, kv_lora_rank=32,
+                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.0,
+                          mla_scale_q_lora=True, mla_scale_kv_lora=True),
     "qwen3_next": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, num_experts=8,
                        num_experts_per_tok=2, shared_expert_intermediate_size=32, norm_topk_prob=True,
                        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
@@ -920,6 +927,19 @@ def vllm_situ_and_mul(version: str) -> Callable[[torch.Tensor, float, float | No
     return lambda x, beta, linear_beta=None: fn(types.SimpleNamespace(beta=float(beta), linear_beta=linear_beta), x)
 
 
+def vllm_swiglustep_and_mul(version: str) -> Callable[[torch.Tensor, float], torch.Tensor]:
+    """vLLM ``version``'s own ``SwigluStepAndMul.forward_native`` (vllm/model_executor/layers/activation.py), run
+    on the CPU as written there: ``f(x [..., 2I], limit) -> [..., I]`` (or skip, saying why)."""
+    import types
+
+    read = vllm_reader(version)
+    rel = "model_executor/layers/activation.py"
+    cls = top_level(read(rel))["SwigluStepAndMul"]
+    forward = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward_native")
+    fn = exec_nodes([forward], f"vllm/{rel}", {"torch": torch, "F": torch.nn.functional})["forward_native"]
+    return lambda x, limit: fn(types.SimpleNamespace(limit=float(limit)), x)
+
+
 def vllm_supports_activation(version: str, rel: str, cls_name: str, activation: str) -> bool:
     """vLLM ``version``'s ``cls_name._supports_activation`` (in ``model_executor/layers/fused_moe/<rel>``) for
     ``activation``, run from its source with the version's own ``MoEActivation`` and ``apply_moe_activation``
@@ -986,3 +1006,77 @@ def vllm_humming_activation(version: str, activation: str, situ_beta: float | No
     ns = exec_nodes(nodes, f"vllm/{rel}", {**ns, "replace": dataclasses.replace})
     config = ns["ApplyMoEActivationConfig"](activation_situ_beta=situ_beta, activation_situ_linear_beta=situ_linear_beta)
     return ns["get_humming_activation"](ns["MoEActivation"](activation), config)["activation_impl"]
+
+
+def make_step3p5_checkpoint(out: Path, *, E: int = 8, H: int = 64, I: int = 32, seed: int = 0, **config) -> Path:
+    """A tiny Step-3.5 (``step3p5``) checkpoint of three decoder layers: layer 0 dense, layers 1 and 2 MoE, layer
+    2's routed experts clamped (``swiglu_limits`` 7.0 there: vLLM's swiglustep). Its config.json is transformers'
+    own ``Step3p7TextConfig`` (model_type step3p5) plus the fields vLLM's Step3p5 model reads that the class keeps
+    as they are (use_moe_router_bias, need_fp32_gate, moe_router_activation, norm_expert_weight:
+    vllm/model_executor/models/step3p5.py FusedMoEBlock). transformers has no causal LM of this type whose
+    save_pretrained writes it, so the tensors carry the names vLLM's Step3p5Model.load_weights maps: the routed
+    experts as three 3-D tensors ``model.layers.L.moe.{gate,up,down}_proj.weight`` (``[E, I, H]``, ``[E, I, H]``,
+    ``[E, H, I]``), ``moe.gate.weight``, ``moe.router_bias``, the shared expert ``share_expert.{gate,up,down}_proj``
+    beside ``moe``, the dense layer's ``mlp.{gate,up,down}_proj``; attention and norms as its decoder layer holds
+    them. ``config`` overrides the config's keywords."""
+    from safetensors.torch import save_file
+    from transformers import Step3p7TextConfig
+
+    kw = dict(hidden_size=H, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              vocab_size=128, intermediate_size=96, moe_intermediate_size=I, share_expert_dim=32, n_routed_experts=E,
+              num_experts_per_tok=2, mlp_layer_types=["dense", "sparse", "sparse"], swiglu_limits=[0.0, 0.0, 7.0],
+              swiglu_limits_shared=[0.0, 0.0, 0.0], torch_dtype="bfloat16")
+    cfg = Step3p7TextConfig(**{**kw, **config}).to_dict()
+    cfg.update(architectures=["Step3p5ForCausalLM"], use_moe_router_bias=True, need_fp32_gate=True,
+               moe_router_activation="sigmoid", norm_expert_weight=True)
+    gen = torch.Generator().manual_seed(seed)
+    t: dict[str, torch.Tensor] = {}
+
+    def w(name: str, *shape: int) -> None:
+        t[name] = (torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
+
+    w("model.embed_tokens.weight", 128, H)
+    w("lm_head.weight", 128, H)
+    t["model.norm.weight"] = torch.ones(H, dtype=torch.bfloat16)
+    for i in range(3):
+        p = f"model.layers.{i}"
+        for n, rows in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
+            w(f"{p}.self_attn.{n}.weight", rows, H)
+        w(f"{p}.self_attn.o_proj.weight", H, 64)
+        for n in ("self_attn.q_norm", "self_attn.k_norm"):
+            t[f"{p}.{n}.weight"] = torch.ones(16, dtype=torch.bfloat16)
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            t[f"{p}.{n}.weight"] = torch.ones(H, dtype=torch.bfloat16)
+        if i == 0:
+            w(f"{p}.mlp.gate_proj.weight", 96, H), w(f"{p}.mlp.up_proj.weight", 96, H), w(f"{p}.mlp.down_proj.weight", H, 96)
+            continue
+        w(f"{p}.moe.gate_proj.weight", E, I, H), w(f"{p}.moe.up_proj.weight", E, I, H)
+        w(f"{p}.moe.down_proj.weight", E, H, I)
+        t[f"{p}.moe.gate.weight"] = (torch.randn(E, H, generator=gen) * 0.05)
+        t[f"{p}.moe.router_bias"] = torch.zeros(E)
+        w(f"{p}.share_expert.gate_proj.weight", 32, H), w(f"{p}.share_expert.up_proj.weight", 32, H)
+        w(f"{p}.share_expert.down_proj.weight", H, 32)
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def split_step3p5_experts(src: Path, dst: Path) -> Path:
+    """``src`` (:func:`make_step3p5_checkpoint`) with each layer's three 3-D ``moe.{gate,up,down}_proj.weight``
+    split into one ``moe.experts.E.{gate,up,down}_proj.weight`` per expert: the per-expert form vLLM's Step3p5
+    loader reads for quantized checkpoints (llm-compressor's)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    out = {}
+    for k, t in load_file(src / "model.safetensors").items():
+        block, _, proj = k.removesuffix(".weight").rpartition(".")
+        if block.endswith(".moe") and proj in ("gate_proj", "up_proj", "down_proj"):
+            out.update({f"{block}.experts.{e}.{proj}.weight": t[e].contiguous() for e in range(t.shape[0])})
+        else:
+            out[k] = t
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

@@ -287,6 +287,20 @@ def test_situ_is_vllms_situ_and_mul(linear_beta, vllm_version):
     assert torch.equal(ours, theirs(x, 0.75, linear_beta))
 
 
+def test_swiglustep_is_vllms_swiglustep_and_mul(vllm_version):
+    """Step-3.5's clamped SwiGLU against vLLM's own ``SwigluStepAndMul.forward_native`` (the function its
+    fused-MoE ``swiglustep_and_mul_triton`` computes), over values where both clamps bite."""
+    from moeconvert.runtime.reference import activation_fn
+
+    from helpers import vllm_swiglustep_and_mul
+
+    theirs = vllm_swiglustep_and_mul(vllm_version)
+    x = torch.randn(64, 2 * 48, generator=torch.Generator().manual_seed(6)) * 20
+    ours = activation_fn("swiglustep", {"limit": 7.0})(x[:, :48], x[:, 48:])
+    assert torch.equal(ours, theirs(x, 7.0))
+    assert not torch.equal(ours, activation_fn("silu", {})(x[:, :48], x[:, 48:]))  # the clamp changed something
+
+
 def test_kimi_k3_block_on_marlin_equals_vllms_situ_on_compressed_tensors_weights(kimi_k3_ckpt, tmp_path):
     """The tiny compressed-tensors MXFP4 Kimi-K3, repacked to marlin and loaded: each MoE layer gives
     sum_k w_k * down(SituAndMul(gate_up(x))) computed from compressed-tensors' own decompression of the

@@ -143,3 +143,27 @@ def test_kimi_k3_situ_on_its_kernels_matches_the_reference(kimi_k3_ckpt, tmp_pat
         ids = torch.stack([torch.randperm(layer.num_experts, device="cuda", generator=gen)[:2] for _ in range(M)])
         w = torch.rand(M, 2, device="cuda", generator=gen)
         assert rel(layer(x, w, ids.to(torch.int32)), layer.reference(x, w, ids)) < 2e-2
+
+
+@pytest.mark.parametrize("backend", ["marlin", "humming"])
+@pytest.mark.parametrize("M", [1, 300])
+def test_step3p5_swiglustep_on_its_kernels_matches_the_reference(tmp_path_factory, backend, M):
+    """Step-3.5's layers (silu on layer 1, swiglustep clamped at 7 on layer 2) between the GEMMs of vLLM's Marlin
+    and of humming, quantized to MXFP4 from the tiny bf16 checkpoint; inputs large enough that the clamp bites."""
+    if backend == "marlin":
+        _require_marlin()
+    elif not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from helpers import make_step3p5_checkpoint
+    from moeconvert.runtime import load
+
+    root = tmp_path_factory.mktemp("step3p5")
+    src = make_step3p5_checkpoint(root / "src", H=256, I=128)
+    cli("quantize", src, root / "out", "--format", "mxfp4", "--backend", backend, expect=0)
+    gen = torch.Generator(device="cuda").manual_seed(M)
+    for layer in load(root / "out", device="cuda"):
+        assert layer.kernel == ("vllm-marlin" if backend == "marlin" else "humming"), layer.kernel_note
+        x = (torch.randn(M, layer.hidden_size, device="cuda", generator=gen) * 40).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(layer.num_experts, device="cuda", generator=gen)[:2] for _ in range(M)])
+        w = torch.rand(M, 2, device="cuda", generator=gen)
+        assert rel(layer(x, w, ids.to(torch.int32)), layer.reference(x, w, ids)) < 2e-2, layer.prefix

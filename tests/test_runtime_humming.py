@@ -517,6 +517,22 @@ def test_humming_dispatch_runs_an_nvfp4_folder_as_the_reference(nvfp4_folder, M)
         assert err < 2e-2
 
 
+def test_swiglustep_expression_is_the_one_vllm_gives_humming(vllm_version):
+    """Step-3.5's swiglustep as humming's input processing runs it: ours and vLLM's SWIGLUSTEP expression
+    (``get_humming_activation``) take the runtime reference's values (evaluated in doubles), both clamps biting."""
+    from moeconvert.runtime.reference import activation_fn
+
+    from helpers import eval_c_activation, vllm_humming_activation
+
+    ours = rh.activation_impl("swiglustep", {"limit": 7.0})
+    theirs = vllm_humming_activation(vllm_version, "swiglustep")
+    ref = activation_fn("swiglustep", {"limit": 7.0})
+    for a, b in ((-9.0, 3.0), (-0.4, 7.5), (0.3, -12.0), (2.5, 0.5), (11.0, -6.0)):
+        want = float(ref(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)))
+        assert eval_c_activation(ours, a, b) == pytest.approx(want, rel=1e-12, abs=1e-15), (a, b)
+        assert eval_c_activation(theirs, a, b) == pytest.approx(want, rel=1e-12, abs=1e-15), (a, b)
+
+
 @pytest.mark.parametrize("linear_beta", [None, 4.0])
 def test_situ_expression_is_the_one_vllm_gives_humming(linear_beta, vllm_version):
     """Kimi-K3's SITU as humming's input processing runs it: our expression and the one vLLM's

@@ -192,12 +192,13 @@ EXPERTS_CLASSES = {"MarlinWNA16Method": ("experts/marlin_moe.py", "MarlinExperts
                    "TritonWNA16Method": ("experts/triton_moe.py", "TritonWNA16Experts")}
 
 
+@pytest.mark.parametrize("activation", ["situ", "swiglustep"])
 @pytest.mark.parametrize("name", list(EXPERTS_CLASSES))
-def test_situ_is_declared_where_vllms_experts_class_runs_it(name, vllm_version):
-    """Kimi-K3's SITU: a method declares it exactly where vLLM's own experts class for its kernel accepts it
-    (``_supports_activation``, run from that version's source)."""
+def test_activation_is_declared_where_vllms_experts_class_runs_it(name, activation, vllm_version):
+    """Kimi-K3's SITU and Step-3.5's swiglustep: a method declares each exactly where vLLM's own experts class
+    for its kernel accepts it (``_supports_activation``, run from that version's source)."""
     from helpers import vllm_supports_activation
 
     rel, cls = EXPERTS_CLASSES[name]
-    assert ("situ" in SPECS[name].activations) == vllm_supports_activation(vllm_version, rel, cls, "situ")
+    assert (activation in SPECS[name].activations) == vllm_supports_activation(vllm_version, rel, cls, activation)
     assert vllm_supports_activation(vllm_version, rel, cls, "silu")  # the oracle itself answers

@@ -614,6 +614,12 @@ FAMILY_FOLDERS = {
     "ernie4.5-moe": (("transformers", "ernie4_5_moe", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
     "hunyuan-v1-moe": (("transformers", "hunyuan_v1_moe", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
     "mimo-v2": (("transformers", "mimo_v2_flash", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    # three 3-D expert tensors per layer (helpers.make_step3p5_checkpoint: no transformers causal LM writes it);
+    # vLLM's FusedMoEBlock gives layer 2 (swiglu_limits 7.0) the swiglustep activation, layer 1 silu
+    "step3p5": (("step3p5", None, None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    # the routed experts only: vLLM's FusedMoE holds E of them (its router, E + zero_expert_num scores); the zero
+    # experts' term is vLLM's own (ZeroExpertRouter)
+    "longcat-flash": (("transformers", "longcat_flash", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
 }
 #: the class vLLM builds where it is not one of the family's (vLLM's registry maps HunYuanMoEV1ForCausalLM to its
 #: transformers backend)
@@ -636,11 +642,12 @@ def test_vllm_loads_each_proven_familys_whole_model(example_ckpt, tmp_path):
     the whole model and loads the folder through its own ``load_weights``; every MoE layer must then hold the
     file's bytes, with the router weight where the manifest says it goes. A family the table does not say
     the plugin is proven on is refused at start-up."""
-    from helpers import make_family_checkpoint
+    from helpers import make_family_checkpoint, make_step3p5_checkpoint
 
     jobs = []
     for family, ((kind, name, scheme), verb) in FAMILY_FOLDERS.items():
         src = example_ckpt(name, scheme=scheme) if kind == "example" else \
+            make_step3p5_checkpoint(tmp_path / f"{family}-src") if kind == "step3p5" else \
             make_family_checkpoint(tmp_path / f"{family}-src", name)
         cli(verb[0], src, tmp_path / family, *verb[1:], expect=0)
         jobs.append([str(tmp_path / family), "auto"])
@@ -664,6 +671,8 @@ def test_vllm_loads_each_proven_familys_whole_model(example_ckpt, tmp_path):
             layer = got["layers"][m["prefix"]]
             assert layer["loaded"] == sorted(f"routed_experts.{s}" for s in m["tensors"]), (family, m["prefix"])
             assert layer["router_weight_on_input"] == m.get("apply_router_weight_on_input", False), family
+            # vLLM's model gives each layer the activation the manifest declares for it (Step-3.5: per layer)
+            assert layer["activation"][0] == m["activation"], (family, m["prefix"], layer["activation"])
             for suffix, entry in m["tensors"].items():
                 want = hashlib.sha256(files[entry["name"]].contiguous().view(torch.uint8).numpy()).hexdigest()
                 assert layer["params"][f"routed_experts.{suffix}"]["sha256"] == want, (family, suffix)

@@ -45,7 +45,9 @@ def inspect(
                        "hidden_size": lm.hidden_size, "intermediate_size": lm.intermediate_size,
                        "format": lm.format, "scheme": lm.scheme.describe(), "activation": lm.activation,
                        "has_bias": lm.has_bias,
-                       "bytes": nbytes, "shared_experts": bool(lm.shared)})
+                       "bytes": nbytes, "shared_experts": bool(lm.shared),
+                       # LongCat-Flash's zero-computation experts (no tensors), written only where there are some
+                       **({"zero_experts": lm.zero_experts} if lm.zero_experts else {})})
     backends = {}
     for name in layout_names():
         layout = get_layout(name, scheme_kind(model, quant))

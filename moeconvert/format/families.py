@@ -36,7 +36,12 @@ FUSED_TRANSPOSED = "fused-transposed"
 #: gpt-oss: ``gate_up_proj [E, H, 2I]`` with gate/up interleaved on the last dim, ``down_proj [E, I, H]``, biases;
 #: or its MXFP4 form (``_blocks`` / ``_scales``, N-first, gate/up rows interleaved)
 FUSED_INTERLEAVED = "fused-transposed-interleaved"
-STORAGES = (PER_EXPERT, FUSED, FUSED_TRANSPOSED, FUSED_INTERLEAVED)
+#: Step-3.5: three 3-D tensors held by the MoE block itself, ``{block}.gate_proj.weight [E, I, H]``,
+#: ``{block}.up_proj.weight [E, I, H]``, ``{block}.down_proj.weight [E, H, I]`` (vLLM's Step3p5Model.load_weights:
+#: "Old packed 3D format"), float only; the layer's experts are written under ``{block}.experts``, vLLM's FusedMoE
+#: prefix
+FUSED_SEPARATE = "fused-separate"
+STORAGES = (PER_EXPERT, FUSED, FUSED_TRANSPOSED, FUSED_INTERLEAVED, FUSED_SEPARATE)
 
 # -- which decoder layers are MoE (each rule as transformers' decoder layer decides it) --------------
 
@@ -46,7 +51,10 @@ FIRST_K_DENSE = "first-k-dense"     # i >= first_k_dense_replace and i % moe_lay
 MLP_LAYER_TYPES = "mlp-layer-types" # mlp_layer_types[i] == "sparse"; absent: i >= first_k_dense_replace
 INTERLEAVE = "interleave"           # (i + 1) % interleave_moe_layer_step == 0 (moe_layers, when given, agrees)
 LAYER_RANGE = "range"               # start <= i <= end and (i + 1) % interval == 0 (ERNIE-4.5)
-LAYER_RULES = (ALL_LAYERS, SPARSE_STEP, FIRST_K_DENSE, MLP_LAYER_TYPES, INTERLEAVE, LAYER_RANGE)
+#: Step-3.5: mlp_layer_types[i] == "sparse"; absent: i in moe_layers_enum ("3,4,..."); both absent: refused
+#: (transformers' Step3p7TextConfig then makes layers 3.. sparse, vLLM's _is_moe_layer layers 1..)
+LISTED = "listed"
+LAYER_RULES = (ALL_LAYERS, SPARSE_STEP, FIRST_K_DENSE, MLP_LAYER_TYPES, INTERLEAVE, LAYER_RANGE, LISTED)
 
 # -- routing (the runtime's router, moeconvert/runtime/routing.py) -----------------------------------
 
@@ -84,7 +92,8 @@ class Key:
 #: registries in the wheels)
 VLLM_REGISTRIES = ("0.33.0", "0.34.0")
 
-KINDS = ("int>=1", "int>=0", "int", "number", "number>0", "bool", "str", "list[int>=0]", "list[str]")
+KINDS = ("int>=1", "int>=0", "int", "number", "number>0", "bool", "str", "list[int>=0]", "list[str]",
+         "list[number|null]")
 
 
 @dataclass(frozen=True)
@@ -108,6 +117,10 @@ class FamilySpec:
     activation_params: tuple[tuple[str, str], ...] = ()
     #: a config key that must name ``activation`` (Kimi-K3's hidden_act), or None
     activation_key: str | None = None
+    #: an activation some MoE layers run instead of ``activation``: (config key of a per-layer list, that
+    #: activation, the manifest's name of the parameter the list's entry gives); a layer whose entry is
+    #: absent, null or 0 runs ``activation`` (Step-3.5's swiglu_limits)
+    layer_activation: tuple[str, str, str] | None = None
     routing: str | None = "softmax"
     #: the router weight scales the expert's input, not its output (vLLM: apply_router_weight_on_input)
     router_on_input: bool = False
@@ -116,6 +129,11 @@ class FamilySpec:
     expert_bias: bool | None = None
     router: tuple[str, ...] = ("gate",)  # module names under the block holding the router's tensors
     shared: tuple[str, ...] = ()  # module names under the block holding shared experts (copied through)
+    #: the shared experts' modules are under the decoder layer, beside the block (Step-3.5's share_expert)
+    shared_beside_block: bool = False
+    #: config key of the number of zero-computation experts the router may pick besides the routed experts
+    #: (LongCat-Flash's zero_expert_num): they have no tensors; ids E .. E + Z - 1 each add weight * x
+    zero_experts_key: str | None = None
     mtp_key: str | None = None  # config key of the MTP layers stored after the last decoder layer
     #: wrapper model_types whose ``text_config`` holds this family's config (multimodal wrappers)
     wrappers: tuple[str, ...] = ()
@@ -305,11 +323,29 @@ FAMILIES: tuple[FamilySpec, ...] = (
         moe_layers=FIRST_K_DENSE, routing=None, shared=("shared_experts",),
         plugin_unprovable="vLLM builds its config from the checkpoint's own remote code (--trust-remote-code: "
                           "transformers has no bailing_moe class), which no checkpoint made here can ship"),
+    # Step-3.5: the keys of transformers' Step3p7TextConfig (model_type step3p5; its attribute_map reads
+    # moe_num_experts / moe_top_k, the published config's names, as n_routed_experts / num_experts_per_tok); the
+    # tensor names those vLLM's Step3p5Model.load_weights maps (vllm/model_executor/models/step3p5.py, the same in
+    # 0.33.0 and 0.34.0): model.layers.L.moe.{gate,up,down}_proj.weight, 3-D over experts, moe.gate.weight,
+    # moe.router_bias, and share_expert.* beside moe (its hf_to_vllm_mapper moves them under moe); the MoE
+    # layer rule its _is_moe_layer's. Routed by sigmoid scores with router_bias for the choice, renormalised
+    # where norm_expert_weight says (vLLM's FusedMoEBlock) or always (transformers' Step3p7TopKRouter): the
+    # caller routes. A layer whose swiglu_limits entry is set runs vLLM's swiglustep (FusedMoEBlock picks
+    # activation "swiglustep" there and asserts the entry is 7.0), the others SiLU.
     FamilySpec(
-        "step3p5", ("step3p5",), ("Step3p7TextConfig",), ("Step3p5ForCausalLM",),
-        refused="Step-3.5 stores its routed experts as three 3-D tensors moe.{gate,up,down}_proj.weight (vLLM's "
-                "Step3p5 loader), a storage the table does not have, and clamps the SwiGLU of some MoE layers only "
-                "(swiglu_limits, vLLM's swiglustep): an activation per layer, not per family"),
+        "step3p5", ("step3p5",), ("Step3p7TextConfig", "Step3p7Experts", "Step3p7SparseMoeBlock"),
+        ("Step3p5ForCausalLM",),
+        keys=(_H, _k("n_routed_experts", "int>=1", aliases=("moe_num_experts", "num_local_experts")),
+              _k("moe_intermediate_size", "int>=1"), _k("num_experts_per_tok", "int>=1", None, aliases=("moe_top_k",)),
+              _k("num_hidden_layers", "int>=1", None), _k("mlp_layer_types", "list[str]", None, nullable=True),
+              _k("moe_layers_enum", "str", None, nullable=True), _k("num_nextn_predict_layers", "int>=0", 0),
+              _k("swiglu_limits", "list[number|null]", None, nullable=True)),
+        # quantized checkpoints hold the experts per expert (vLLM's loader: "New per-expert format from LLM
+        # Compressor", moe.experts.E.{gate,up,down}_proj.*)
+        experts_key="n_routed_experts", moe_layers=LISTED, block="moe", storage=(FUSED_SEPARATE, PER_EXPERT),
+        expert_bias=False,
+        layer_activation=("swiglu_limits", "swiglustep", "limit"), routing=None, router=("gate", "router_bias"),
+        shared=("share_expert",), shared_beside_block=True, mtp_key="num_nextn_predict_layers", plugin_proven=True),
     # DeepSeek-V4: the keys of transformers' DeepseekV4Config; the tensor names of the published checkpoints,
     # as vLLM 0.33.0's DeepseekV4 loader maps them (vllm/models/deepseek_v4/{cpu,nvidia}/model.py:
     # layers.L.ffn.experts.E.w1/w2/w3 with ckpt_gate_proj_name "w1", ffn.gate.{weight,bias,tid2eid},
@@ -331,10 +367,24 @@ FAMILIES: tuple[FamilySpec, ...] = (
         plugin_unprovable="vLLM 0.33.0 / 0.34.0 run DeepSeek-V4's sparse attention on CPU only with their CPU "
                           "build's kernels (torch.ops._C.flash_mla_with_kvcache_cpu, AMX-backed), which their "
                           "published wheels do not ship, so its model never runs on vLLM's CPU platform"),
+    # LongCat-Flash: the keys of transformers' LongcatFlashConfig (num_layers decoder layers, each with one MoE
+    # block beside its two dense MLPs and two attentions), the tensor names its save_pretrained writes and vLLM's
+    # FlashModel.load_weights maps (mlp.experts.E.{gate,up,down}_proj.weight, mlp.router.classifier.weight,
+    # mlp.router.e_score_correction_bias). The router scores E + zero_expert_num experts; the zero experts have
+    # no tensors: vLLM's FusedMoE holds the E routed experts only, and its ZeroExpertRouter adds weight * x for
+    # each zero expert picked (zero_expert_type "identity", the only type zero_experts_compute_triton has;
+    # transformers' LongcatFlashMoE does the same). Softmax over all, the bias for the choice, no
+    # renormalisation, times routed_scaling_factor: the caller routes.
     FamilySpec(
-        "longcat-flash", ("longcat_flash",), ("LongcatFlashConfig",), ("LongcatFlashForCausalLM",),
-        refused="LongCat-Flash routes to zero-computation experts (zero_expert_num) that have no tensors, "
-                "and stacks two sub-layers per decoder layer"),
+        "longcat-flash", ("longcat_flash",), ("LongcatFlashConfig", "LongcatFlashExperts", "LongcatFlashMoE"),
+        ("LongcatFlashForCausalLM",),
+        keys=(_H, _k("n_routed_experts", "int>=1", aliases=("num_local_experts",)),
+              _k("expert_ffn_hidden_size", "int>=1", aliases=("moe_intermediate_size",)),
+              _k("moe_topk", "int>=1", None, aliases=("num_experts_per_tok",)), _k("num_layers", "int>=1", None),
+              _k("zero_expert_num", "int>=0", 256), _k("zero_expert_type", "str", None, nullable=True)),
+        experts_key="n_routed_experts", intermediate_key="expert_ffn_hidden_size", top_k_key="moe_topk",
+        layers_key="num_layers", routing=None, router=("router",), zero_experts_key="zero_expert_num",
+        plugin_proven=True),
     # No transformers class: the keys are those of vLLM 0.33.0's KimiK3Config (its text_config is a
     # KimiLinearConfig, vllm/transformers_utils/configs/kimi_k3.py, kimi_linear.py), the tensor names those
     # its loader maps (vllm/models/kimi_k3: block_sparse_moe.experts.N.w1/w2/w3, ckpt_gate_proj_name "w1"),
@@ -379,7 +429,9 @@ def _check_table() -> None:
         names = {k.name for k in f.keys}
         for key in (f.experts_key, f.intermediate_key, f.top_k_key, f.layers_key, f.hidden_key,
                     *(k for k, _ in f.activation_params), *((f.mtp_key,) if f.mtp_key else ()),
-                    *((f.activation_key,) if f.activation_key else ())):
+                    *((f.activation_key,) if f.activation_key else ()),
+                    *((f.layer_activation[0],) if f.layer_activation else ()),
+                    *((f.zero_experts_key,) if f.zero_experts_key else ())):
             assert key in names, f"{f.name}: {key} is read but not declared"
         assert all(k.kind in KINDS for k in f.keys), f.name
         assert set(f.storage) <= set(STORAGES) and f.moe_layers in LAYER_RULES and f.routing in ROUTINGS, f.name
@@ -392,7 +444,8 @@ _check_table()
 
 _WORDS = {"int>=1": "a positive integer", "int>=0": "an integer >= 0", "int": "an integer",
           "number": "a finite number", "number>0": "a finite number > 0", "bool": "true or false",
-          "str": "a string", "list[int>=0]": "a list of layer indices (integers >= 0)", "list[str]": "a list of strings"}
+          "str": "a string", "list[int>=0]": "a list of layer indices (integers >= 0)", "list[str]": "a list of strings",
+          "list[number|null]": "a list of finite numbers or nulls"}
 
 
 def _fits(kind: str, v) -> bool:
@@ -408,6 +461,8 @@ def _fits(kind: str, v) -> bool:
         return type(v) is list and all(type(x) is int and x >= 0 for x in v)
     if kind == "list[str]":
         return type(v) is list and all(type(x) is str for x in v)
+    if kind == "list[number|null]":
+        return type(v) is list and all(x is None or (type(x) in (int, float) and math.isfinite(x)) for x in v)
     raise AssertionError(kind)
 
 
@@ -451,13 +506,17 @@ def table_markdown() -> str:
         keys = " / ".join(f"`{k}`" for k in (f.experts_key, f.top_k_key, f.intermediate_key))
         names = "/".join(f.roles) if PER_EXPERT in f.storage else ""
         stored = "; ".join(f"{st}" + (f" (`{f.block}.experts.E.{{{names}}}`)" if st == PER_EXPERT
-                                      else f" (`{f.block}.experts.gate_up_proj`"
+                                      else f" (`{f.block}.{{{'/'.join(f.roles)}}}.weight`, float only)"
+                                      if st == FUSED_SEPARATE else f" (`{f.block}.experts.gate_up_proj`"
                                       + (", float only" if st in (FUSED, FUSED_TRANSPOSED) else "") + ")")
                            for st in f.storage)
         params = f" ({', '.join(n for _, n in f.activation_params)})" if f.activation_params else ""
-        routing = f"{f.activation}{params}, {f.routing or 'caller routes'}" + (", router weight on the input"
-                                                                      if f.router_on_input else "")
-        shared = ", ".join(f"`{s}`" for s in f.shared) or "none"
+        per_layer = (f"; {f.layer_activation[1]} ({f.layer_activation[2]}) where `{f.layer_activation[0]}` sets "
+                     "the layer's entry" if f.layer_activation else "")
+        routing = (f"{f.activation}{params}{per_layer}, {f.routing or 'caller routes'}"
+                   + (", router weight on the input" if f.router_on_input else "")
+                   + (f", zero experts (`{f.zero_experts_key}`, no tensors)" if f.zero_experts_key else ""))
+        shared = ", ".join(f"`{s}`" for s in f.shared) + (" (beside the block)" if f.shared_beside_block else "") or "none"
         name = f.name + (f" (planned only: {f.plan_only})" if f.plan_only else "")
         hf = ", ".join(f.hf_classes) or "none (the keys vLLM's model reads)"
         rows.append(f"| {name} | {types} | {keys} | {f.moe_layers} | {stored} | {routing} | {shared} | "

@@ -39,8 +39,12 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 _QUANT_FORMATS = ("mxfp4",)
 #: activation -> the parameters it takes (docs/runtime.md, "Activations")
-#: silu's ``limit``: DeepSeek-V4's swiglu_limit (gate and up clamped before SiLU-and-mul, when > 0)
-_ACTIVATIONS = {"silu": ("limit",), "swigluoai": ("alpha", "limit"), "situ": ("beta", "linear_beta")}
+#: silu's ``limit``: DeepSeek-V4's swiglu_limit (gate and up clamped before SiLU-and-mul, when > 0);
+#: swiglustep's: Step-3.5's (SiLU of gate clamped from above after it, up clamped on both sides)
+_ACTIVATIONS = {"silu": ("limit",), "swigluoai": ("alpha", "limit"), "situ": ("beta", "linear_beta"),
+                "swiglustep": ("limit",)}
+#: zero-computation experts' types (LongCat-Flash; vLLM's zero_experts_compute_triton computes identity only)
+ZERO_EXPERT_TYPES = ("identity",)
 _MISSING = object()
 
 
@@ -399,9 +403,14 @@ def validate_fields(m: dict) -> None:
         if e0 + n > n_global:
             raise field_error(f"{p}.num_experts", f"experts {e0}..{e0 + n - 1} run past num_experts_global "
                               f"{n_global}")
+        zero = get_field(raw, "zero_experts", p, "dict", default=None)
+        if zero is not None:
+            get_field(zero, "num", f"{p}.zero_experts", "int>0")
+            one_of(zero, "type", f"{p}.zero_experts", ZERO_EXPERT_TYPES)
         top_k = get_field(raw, "top_k", p, "int>0|null")
-        if top_k is not None and top_k > n_global:
-            raise field_error(f"{p}.top_k", f"expected at most num_experts_global {n_global}, found {top_k}")
+        if top_k is not None and top_k > n_global + (zero["num"] if zero else 0):
+            raise field_error(f"{p}.top_k", f"expected at most num_experts_global {n_global}"
+                              + (" + zero_experts.num" if zero else "") + f", found {top_k}")
         sizes = {k: get_field(raw, k, p, "int>0") for k in ("hidden_size", "intermediate_size", "intermediate_size_total",
                                                       "intermediate_size_padded", "hidden_size_padded")}
         for real, padded in (("hidden_size", "hidden_size_padded"), ("intermediate_size", "intermediate_size_padded")):

@@ -49,8 +49,9 @@ PAD_MULTIPLES = (256, 128)
 MODEL_DTYPE = torch.bfloat16
 #: activation -> order of the w13 rows in vLLM's memory (= GEMM1 output columns the activation reads):
 #: SiLU-and-mul takes the two halves; swigluoai takes even/odd columns (``x[..., ::2]``, ``x[..., 1::2]``);
-#: Kimi-K3's SITU (vLLM's ``situ_and_mul``, which MarlinExperts runs through ``apply_moe_activation``) the halves
-W13_ROWS = {"silu": "gate_up", "swigluoai": "interleaved", "situ": "gate_up"}
+#: Kimi-K3's SITU (vLLM's ``situ_and_mul``, which MarlinExperts runs through ``apply_moe_activation``) the halves,
+#: and so does Step-3.5's swiglustep (``swiglustep_and_mul_triton``, the same path)
+W13_ROWS = {"silu": "gate_up", "swigluoai": "interleaved", "situ": "gate_up", "swiglustep": "gate_up"}
 
 
 # ---------------------------------------------------------------------------------------------------

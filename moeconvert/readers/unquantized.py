@@ -7,7 +7,7 @@ import torch
 
 from moeconvert.canonical import ExpertBlock, Partition
 from moeconvert.errors import MoeConvertError
-from moeconvert.format.families import FUSED, FUSED_INTERLEAVED
+from moeconvert.format.families import FUSED, FUSED_INTERLEAVED, FUSED_SEPARATE
 from moeconvert.readers.base import (FLOAT_DTYPES, Expert, Projection, Reader, expect_dtype, expect_fused_shape,
                                      expect_shape, suffix_list)
 from moeconvert.readers.registry import register
@@ -50,6 +50,8 @@ class Unquantized(Reader):
         return Projection(source.read(names["weight"]))
 
     def fused_scheme(self, source: Source, prefix: str, names, sizes, storage: str) -> Scheme:
+        if storage == FUSED_SEPARATE:
+            return self._separate_scheme(source, prefix, names, sizes)
         gu, dn = names.get("gate_up", {}), names.get("down", {})
         for proj, by in (("gate_up_proj", gu), ("down_proj", dn)):
             extra = sorted(set(by) - self.fused_suffixes)
@@ -79,6 +81,26 @@ class Unquantized(Reader):
         check_fused_bias(source, prefix, gu, dn, E, H, I)
         return FloatScheme(dt)
 
+    def _separate_scheme(self, source: Source, prefix: str, names, sizes) -> Scheme:
+        """Step-3.5's three 3-D tensors (vLLM's Step3p5Model.load_weights hands ``loaded_weight[expert_id]`` of
+        each to FusedMoE's loader as that expert's w1 / w3 / w2): gate and up ``[E, I, H]``, down ``[E, H, I]``."""
+        block = prefix.rsplit(".", 1)[0]
+        t = source.tensors
+        for role, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            if "weight" not in names.get(role, {}):
+                raise MoeConvertError("missing expert tensor", file=str(source.ident),
+                                      tensor=f"{block}.{proj}.weight", expected="present", found="missing")
+        gate, up, down = (names[r]["weight"] for r in ("gate", "up", "down"))
+        dt = float_dtype_name(t[gate].dtype)
+        for other in (up, down):
+            if dt is None or t[other].dtype != t[gate].dtype:
+                raise MoeConvertError("fused expert weights must share one float dtype", file=str(source.ident),
+                                      tensor=other, expected=t[gate].dtype, found=t[other].dtype)
+        E, H, I = sizes.E, sizes.H, sizes.I
+        for name, want in ((gate, (E, I, H)), (up, (E, I, H)), (down, (E, H, I))):
+            expect_fused_shape(source, name, want, sizes)
+        return FloatScheme(dt)
+
     def decode_fused(self, source: Source, layer, part: Partition, e0: int, e1: int) -> ExpertBlock:
         """The three float storages, each to this rank's ``w13 [e, 2Ip, H]`` ([gate; up] rows) and ``w2
         [e, H, Ip]``:
@@ -91,6 +113,11 @@ class Unquantized(Reader):
         """
         Ip = layer.intermediate_size // part.tp_size
         rows = slice(part.tp_rank * Ip, (part.tp_rank + 1) * Ip)
+        if layer.storage == FUSED_SEPARATE:
+            # Step-3.5: gate [e, I, H] and up [e, I, H] -> [gate; up] rows of this rank; down [e, H, I]
+            gate, up, down = (source.read(layer.fused_names[r]["weight"], rows=(e0, e1)) for r in ("gate", "up", "down"))
+            return ExpertBlock(scheme=layer.scheme, w13=torch.cat([gate[:, rows], up[:, rows]], 1).contiguous(),
+                               w2=down[:, :, rows].contiguous())
         gu, dn = layer.fused_names["gate_up"], layer.fused_names["down"]
         w13 = source.read(gu["weight"], rows=(e0, e1))
         w2 = source.read(dn["weight"], rows=(e0, e1))

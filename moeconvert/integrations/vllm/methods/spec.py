@@ -72,21 +72,23 @@ _WNA16_EPLB = ("vLLM 0.33.0 moves experts between ranks only for kernels whose o
 
 #: every method, in the order a fix is looked for (vLLM's own kernels first, the most portable first)
 SPECS: dict[str, MethodSpec] = {s.name: s for s in (
-    # MarlinExperts runs any activation vLLM's apply_moe_activation runs (its _supports_activation), SITU
-    # included, on [gate; up] halves: silu and Kimi-K3's situ
-    MethodSpec("MarlinWNA16Method", "marlin", "marlin", ("wna16",), "vLLM's Marlin MoE kernel", ("silu", "situ"),
+    # MarlinExperts runs any activation vLLM's apply_moe_activation runs (its _supports_activation), SITU and
+    # SWIGLUSTEP included, on [gate; up] halves: silu, Kimi-K3's situ and Step-3.5's swiglustep
+    MethodSpec("MarlinWNA16Method", "marlin", "marlin", ("wna16",), "vLLM's Marlin MoE kernel",
+               ("silu", "situ", "swiglustep"),
                no_eplb=_WNA16_EPLB.format(what="Marlin WNA16"), portable=True),
-    # Marlin's MXFP4 layout holds w13's rows for silu, situ and swigluoai (apply_moe_activation); EPLB as vLLM's
-    # Mxfp4MoEMethod (quantization/mxfp4.py), Marlin backend included
+    # Marlin's MXFP4 layout holds w13's rows for silu, situ, swiglustep and swigluoai (apply_moe_activation); EPLB
+    # as vLLM's Mxfp4MoEMethod (quantization/mxfp4.py), Marlin backend included
     MethodSpec("MarlinMXFP4Method", "marlin", "marlin", ("mxfp4",), "vLLM's Marlin MoE kernel",
-               ("silu", "swigluoai", "situ"), portable=True),
+               ("silu", "swigluoai", "situ", "swiglustep"), portable=True),
     # vLLM's compressed-tensors NVFP4 method with its MARLIN backend (Hopper, 16-bit activations): [gate; up]
     # for SiLU-and-mul only (the layout's row order)
     MethodSpec("MarlinNVFP4Method", "marlin", "marlin", ("nvfp4",), "vLLM's Marlin MoE kernel", ("silu",),
                no_eplb="vLLM 0.33.0's CompressedTensorsW4A4Nvfp4MoEMethod moves experts between ranks for its "
                        "FlashInfer backends only, not Marlin (supports_eplb)", portable=True),
-    # EPLB as CompressedTensorsWNA16MoEMethod with the TRITON backend
-    MethodSpec("TritonWNA16Method", "triton_wna16", "triton", ("wna16",), "vLLM's Triton WNA16 MoE kernel", ("silu",),
+    # EPLB as CompressedTensorsWNA16MoEMethod with the TRITON backend; TritonWNA16Experts lists SWIGLUSTEP
+    MethodSpec("TritonWNA16Method", "triton_wna16", "triton", ("wna16",), "vLLM's Triton WNA16 MoE kernel",
+               ("silu", "swiglustep"),
                portable=True),
     # triton_kernels' fused epilogue (vLLM's TRITON backend) is swigluoai only, over Hopper's swizzles
     MethodSpec("TritonMXFP4Method", "triton_mxfp4", "triton", ("mxfp4",), "triton_kernels' matmul_ogs",
@@ -94,11 +96,11 @@ SPECS: dict[str, MethodSpec] = {s.name: s for s in (
                                        "takes no expert rebalancing"),
     # vLLM's humming experts take what apply_moe_activation takes (SITU: its humming activation expression)
     MethodSpec("HummingWNA16Method", "humming", "humming", ("wna16",), "humming-kernels' grouped GEMM",
-               ("silu", "situ"),
+               ("silu", "situ", "swiglustep"),
                no_eplb=_WNA16_EPLB.format(what="humming WNA16")),
     # EPLB as vLLM's Mxfp4MoEMethod
     MethodSpec("HummingMXFP4Method", "humming", "humming", ("mxfp4",), "humming-kernels' grouped GEMM",
-               ("silu", "situ")),
+               ("silu", "situ", "swiglustep")),
     # vLLM's compressed-tensors NVFP4 method with its HUMMING backend (SM90): [gate; up] for SiLU-and-mul only
     MethodSpec("HummingNVFP4Method", "humming", "humming", ("nvfp4",), "humming-kernels' grouped GEMM", ("silu",),
                no_eplb="vLLM 0.33.0's CompressedTensorsW4A4Nvfp4MoEMethod moves experts between ranks for its "
