@@ -5,7 +5,10 @@
 #
 #   scripts/bench-real-size.sh WORKDIR [LAYOUT ...]        (layouts default to: marlin humming)
 #
-# Needs a CUDA GPU, vLLM (`moeconvert[vllm]`) and, for humming, humming-kernels. Writes into WORKDIR: the
+# Needs a CUDA GPU, vLLM (`moeconvert[vllm]`) and, for humming, humming-kernels. From a checkout, install it
+# editable (`pip install -e '.[vllm]'`): `python -m` puts the checkout's moeconvert/ first on sys.path, and
+# that folder alone lacks moeconvert.runtime and moeconvert.kernels (pyproject.toml maps them from runtime/
+# and kernels/), so a regular install's plugin would fail to load there. Writes into WORKDIR: the
 # source (src/), one folder per layout (LAYOUT/), each conversion's log, and bench-LAYOUT.json with every run.
 # Each layout's first start-up in a process pays its kernels' JIT compiles (humming, Triton); a warm-up
 # start of the folder runs before the timed ones (WARMUP=0 leaves it out) so that both the source's and the folder's timed runs
