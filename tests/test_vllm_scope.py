@@ -65,3 +65,23 @@ def test_a_family_the_plugin_was_not_proven_on_is_refused_whatever_the_layout():
     for name in unproven:
         why = scope.refusal("marlin", "wna16", name, [("silu", {})])  # as the converter asks, before any vLLM
         assert why.startswith(f"the vLLM plugin has not been proven on {name} models"), why
+
+
+def test_registration_problem_says_in_one_line_why_vllm_would_not_serve_a_folder(monkeypatch):
+    """What ``bench vllm-serve`` says instead of vLLM's "Load format `moeconvert` is not supported": the plugin
+    not installed where vLLM looks (no entry point), or its ``register`` failed (here: an import failing)."""
+    import importlib.metadata
+    import sys
+
+    import moeconvert.integrations.vllm as plugin
+
+    monkeypatch.setattr(plugin, "REGISTER_ERROR", None)
+    assert plugin.registration_problem() is None  # this environment's install has the entry point
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.quantization", None)  # its import fails
+    plugin.register()  # never raises (vLLM would stop for every model)
+    assert plugin.registration_problem() == ("moeconvert's vLLM plugin did not register: ModuleNotFoundError: "
+                                             "import of vllm.model_executor.layers.quantization halted; None in "
+                                             "sys.modules")
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [])
+    problem = plugin.registration_problem()
+    assert "no 'vllm.general_plugins' entry point named moeconvert" in problem and "\n" not in problem

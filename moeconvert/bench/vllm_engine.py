@@ -128,6 +128,15 @@ def engine_run(folder: Path, *, moe_backend: str = "marlin", quantization: str |
     if max_model_len < max(_PROMPT_LENGTHS) + max_tokens:
         raise ValueError(f"max_model_len {max_model_len} leaves no room for the {max(_PROMPT_LENGTHS)}-token "
                          f"prompts and {max_tokens} tokens")
+    if load_format == "moeconvert" or (cfg.get("quantization_config") or {}).get("quant_method") == "moeconvert":
+        # said here in one line, not as vLLM's "Load format `moeconvert` is not supported" further on
+        from vllm.plugins import load_general_plugins
+
+        from moeconvert.integrations.vllm import registration_problem
+
+        load_general_plugins()
+        if (problem := registration_problem()) is not None:
+            raise RuntimeError(problem)
     records = _LoadRecords()
     loggers = records.listen()
     if torch.cuda.is_available():

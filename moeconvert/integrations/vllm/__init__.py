@@ -16,8 +16,12 @@ SUPPORTED_VLLM = ("0.33.0", "0.34.0")
 
 _log = logging.getLogger(__name__)
 
+#: why :func:`register` failed in this process (None: it did not, or has not run)
+REGISTER_ERROR: str | None = None
+
 
 def register() -> None:
+    global REGISTER_ERROR
     try:
         from vllm.model_executor.layers.quantization import register_quantization_config
 
@@ -31,4 +35,20 @@ def register() -> None:
 
         register_model_loader("moeconvert")(MoeconvertModelLoader)  # --load-format moeconvert
     except Exception as e:  # noqa: BLE001 - see the module docstring
+        REGISTER_ERROR = f"{type(e).__name__}: {e}"
         _log.warning("moeconvert: the vLLM plugin could not register its quantization method: %s", e)
+
+
+def registration_problem() -> str | None:
+    """Why vLLM in this process would not serve a moeconvert folder, in one line, or None: vLLM finds its
+    plugins by the ``vllm.general_plugins`` entry point of an installed distribution (a checkout on
+    ``PYTHONPATH`` has none), and :func:`register` can fail (e.g. an install missing one of the packages).
+    Call it after vLLM loaded its plugins (``vllm.plugins.load_general_plugins``)."""
+    from importlib.metadata import entry_points
+
+    if not any(ep.name == "moeconvert" for ep in entry_points(group="vllm.general_plugins")):
+        return ("moeconvert is not installed where vLLM looks for plugins: no 'vllm.general_plugins' entry point "
+                "named moeconvert (pip install moeconvert, or pip install -e . in a checkout)")
+    if REGISTER_ERROR is not None:
+        return f"moeconvert's vLLM plugin did not register: {REGISTER_ERROR}"
+    return None
