@@ -604,6 +604,8 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "ernie4_5_moe": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, moe_num_experts=8,
                          moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1),
     "hunyuan_v1_moe": dict(_TINY, num_hidden_layers=2, intermediate_size=32, num_experts=8, moe_topk=2),
+    "dots1": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, n_routed_experts=8,
+                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1),
     # moe_layer_freq, hybrid_layer_pattern, layernorm_epsilon, swa_*, sliding_window_size: MiMo-V2-Flash's config.json
     # writes them and vLLM's MiMoV2 model reads them (transformers' config class keeps them as they are)
     "mimo_v2_flash": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, n_routed_experts=8,

@@ -116,6 +116,8 @@ CASES = {  # id -> (model_type, save the model's fused tensors as it holds them,
     "glm-moe-dsa": ("glm_moe_dsa", False, "mlp"),  # DeepSeek-style grouped routing under a new type
     "qwen3-next": ("qwen3_next", False, "mlp"),  # a shared expert with its sigmoid gate
     "mimo-v2": ("mimo_v2_flash", False, "mlp"),  # grouped sigmoid routing; vLLM's per-layer moe_layer_freq
+    "glm4-moe-lite": ("glm4_moe_lite", False, "mlp"),  # DeepSeek-style routing, a dense first layer
+    "dots1": ("dots1", False, "mlp"),  # DeepSeek-V3's routing and shared expert under dots1's keys
 }
 
 
@@ -159,6 +161,45 @@ def test_family_through_every_path(case, family_ckpts, tmp_path):
         theirs = (theirs[0] if isinstance(theirs, tuple) else theirs).reshape(ours.shape)
         err = (ours.float() - theirs).abs().max() / theirs.abs().max()
         assert err < 0.03, f"{prefix}: runtime block differs from transformers' by {err:.3g}"
+
+
+#: families whose router moeconvert.runtime leaves to the caller (the table's ``caller routes``): id -> model_type
+CALLER_ROUTES = {"ernie4.5-moe": "ernie4_5_moe", "hunyuan-v1-moe": "hunyuan_v1_moe"}
+
+
+@pytest.mark.parametrize("case", list(CALLER_ROUTES))
+def test_caller_routed_family_through_every_path(case, tmp_path):
+    """inspect, repack, quantize mxfp4, verify; then each MoE layer's routed experts against transformers' own
+    experts module on the routing transformers' own router chose for the same tokens (caught with a forward
+    hook on that module), since the runtime leaves these families' routers to the caller."""
+    from moeconvert.runtime import load
+
+    mt = CALLER_ROUTES[case]
+    src = make_family_checkpoint(tmp_path / "ckpt", mt)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    report = json.loads(cli("inspect", str(src), "--json", expect=0).out)
+    assert report["family"] == case
+    plain, mx = tmp_path / "plain", tmp_path / "mx"
+    cli("repack", str(src), str(plain), "--backend", "plain", expect=0)
+    cli("quantize", str(src), str(mx), "--format", "mxfp4", "--backend", "marlin", expect=0)
+    for out in (plain, mx):
+        cli("verify", str(out), "--against", str(src), expect=0)
+    m = load(plain, device="cpu")
+    assert m.moe_layers, "no MoE layer loaded"
+    torch.manual_seed(1)
+    for prefix, layer in m.moe_layers.items():
+        block = model.model.layers[layer.entry.raw["layer"]].mlp
+        seen = {}
+        hook = block.experts.register_forward_hook(
+            lambda mod, args, kwargs, out: seen.update(args=[*args, *kwargs.values()], out=out), with_kwargs=True)
+        block(torch.randn(1, 5, layer.hidden_size))
+        hook.remove()
+        x, ids, weights = seen["args"][:3]  # transformers' experts(hidden_states, top_k_index, top_k_weights)
+        assert ids.dtype in (torch.int32, torch.int64) and weights.is_floating_point()
+        ours = layer(x.to(torch.bfloat16), weights.float(), ids)
+        theirs = seen["out"].reshape(ours.shape)
+        err = (ours.float() - theirs).abs().max() / theirs.abs().max()
+        assert err < 0.03, f"{prefix}: runtime experts differ from transformers' by {err:.3g}"
 
 
 # -- quantized Qwen3.5-MoE: as GPTQModel publishes it (Qwen/Qwen3.5-397B-A17B-GPTQ-Int4, -35B-A3B-GPTQ-Int4) --
