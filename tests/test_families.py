@@ -136,22 +136,31 @@ def family_ckpts(tmp_path_factory):
     return make
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_family_through_every_path(case, family_ckpts, tmp_path):
+def _through_the_cli(src: Path, tmp_path: Path, check_layers=None):
+    """inspect, repack plain, quantize mxfp4 (marlin), verify both (``check_layers``, given each folder's
+    manifest ``moe_layers``, asserts on them): (inspect's report, the plain folder loaded by
+    ``moeconvert.runtime`` on the CPU)."""
     from moeconvert.runtime import load
 
-    src, model = family_ckpts(case)
-    mt, fused, block = CASES[case]
-    r = cli("inspect", str(src), "--json", expect=0)
-    report = json.loads(r.out)
-    assert report["family"] in {f.name for f in FAMILIES if mt in f.model_types}
+    report = json.loads(cli("inspect", str(src), "--json", expect=0).out)
     plain, mx = tmp_path / "plain", tmp_path / "mx"
     cli("repack", str(src), str(plain), "--backend", "plain", expect=0)
     cli("quantize", str(src), str(mx), "--format", "mxfp4", "--backend", "marlin", expect=0)
     for out in (plain, mx):
         cli("verify", str(out), "--against", str(src), expect=0)
+        if check_layers is not None:
+            check_layers(json.loads((out / "moeconvert.json").read_text())["moe_layers"])
     m = load(plain, device="cpu")
     assert m.moe_layers, "no MoE layer loaded"
+    return report, m
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_family_through_every_path(case, family_ckpts, tmp_path):
+    src, model = family_ckpts(case)
+    mt, fused, block = CASES[case]
+    report, m = _through_the_cli(src, tmp_path)
+    assert report["family"] in {f.name for f in FAMILIES if mt in f.model_types}
     torch.manual_seed(1)
     for prefix, layer in m.moe_layers.items():
         i = layer.entry.raw["layer"]
@@ -172,20 +181,10 @@ def test_caller_routed_family_through_every_path(case, tmp_path):
     """inspect, repack, quantize mxfp4, verify; then each MoE layer's routed experts against transformers' own
     experts module on the routing transformers' own router chose for the same tokens (caught with a forward
     hook on that module), since the runtime leaves these families' routers to the caller."""
-    from moeconvert.runtime import load
-
-    mt = CALLER_ROUTES[case]
-    src = make_family_checkpoint(tmp_path / "ckpt", mt)
+    src = make_family_checkpoint(tmp_path / "ckpt", CALLER_ROUTES[case])
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    report = json.loads(cli("inspect", str(src), "--json", expect=0).out)
+    report, m = _through_the_cli(src, tmp_path)
     assert report["family"] == case
-    plain, mx = tmp_path / "plain", tmp_path / "mx"
-    cli("repack", str(src), str(plain), "--backend", "plain", expect=0)
-    cli("quantize", str(src), str(mx), "--format", "mxfp4", "--backend", "marlin", expect=0)
-    for out in (plain, mx):
-        cli("verify", str(out), "--against", str(src), expect=0)
-    m = load(plain, device="cpu")
-    assert m.moe_layers, "no MoE layer loaded"
     torch.manual_seed(1)
     for prefix, layer in m.moe_layers.items():
         block = model.model.layers[layer.entry.raw["layer"]].mlp
@@ -421,22 +420,15 @@ def _step3p5_experts(src: Path, layer: int) -> torch.nn.Module:
 
 
 def test_step3p5_through_every_path(step3p5, tmp_path):
-    from moeconvert.runtime import load
-
-    report = json.loads(cli("inspect", str(step3p5), "--json", expect=0).out)
-    assert report["family"] == "step3p5"
-    assert [(x["prefix"], x["activation"]) for x in report["moe_layers"]] == [
-        ("model.layers.1.moe.experts", "silu"), ("model.layers.2.moe.experts", "swiglustep")]
-    plain, mx = tmp_path / "plain", tmp_path / "mx"
-    cli("repack", str(step3p5), str(plain), "--backend", "plain", expect=0)
-    cli("quantize", str(step3p5), str(mx), "--format", "mxfp4", "--backend", "marlin", expect=0)
-    for out in (plain, mx):
-        cli("verify", str(out), "--against", str(step3p5), expect=0)
-        layers = json.loads((out / "moeconvert.json").read_text())["moe_layers"]
+    def check_layers(layers: list[dict]) -> None:
         assert [(x["activation"], x["activation_params"]) for x in layers] == [("silu", {}), ("swiglustep", {"limit": 7.0})]
         assert layers[1]["router"] == ["model.layers.2.moe.gate.weight", "model.layers.2.moe.router_bias"]
         assert layers[1]["shared_experts"] == [f"model.layers.2.share_expert.{p}_proj.weight" for p in ("down", "gate", "up")]
-    m = load(plain, device="cpu")
+
+    report, m = _through_the_cli(step3p5, tmp_path, check_layers)
+    assert report["family"] == "step3p5"
+    assert [(x["prefix"], x["activation"]) for x in report["moe_layers"]] == [
+        ("model.layers.1.moe.experts", "silu"), ("model.layers.2.moe.experts", "swiglustep")]
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(16, 64, generator=gen) * 40).to(torch.bfloat16)  # large enough that the clamp at 7 bites
     ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(16)])
@@ -519,23 +511,16 @@ def longcat(tmp_path_factory):
 
 
 def test_longcat_flash_through_every_path(longcat, tmp_path):
-    from moeconvert.runtime import load
+    def check_layers(layers: list[dict]) -> None:
+        assert [(x["num_experts"], x["zero_experts"]) for x in layers] == [(8, {"num": 4, "type": "identity"})] * 2
 
-    report = json.loads(cli("inspect", str(longcat), "--json", expect=0).out)
+    report, m = _through_the_cli(longcat, tmp_path, check_layers)
     assert report["family"] == "longcat-flash"
     assert [(x["prefix"], x["num_experts"], x["zero_experts"]) for x in report["moe_layers"]] == [
         (f"model.layers.{i}.mlp.experts", 8, 4) for i in (0, 1)]
-    plain, mx = tmp_path / "plain", tmp_path / "mx"
-    cli("repack", str(longcat), str(plain), "--backend", "plain", expect=0)
-    cli("quantize", str(longcat), str(mx), "--format", "mxfp4", "--backend", "marlin", expect=0)
-    for out in (plain, mx):
-        cli("verify", str(out), "--against", str(longcat), expect=0)
-        layers = json.loads((out / "moeconvert.json").read_text())["moe_layers"]
-        assert [(x["num_experts"], x["zero_experts"]) for x in layers] == [(8, {"num": 4, "type": "identity"})] * 2
     # transformers' whole LongcatFlashMoE (router, routed experts, identity zero experts) against the runtime's
     # layer given that router's choice; a bias on zero expert 9 makes every token pick it besides a routed one
     model = transformers.AutoModelForCausalLM.from_pretrained(longcat, dtype=torch.float32)
-    m = load(plain, device="cpu")
     x = torch.randn(12, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     for i in (0, 1):
         moe = model.model.layers[i].mlp
