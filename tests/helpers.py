@@ -594,7 +594,7 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "glm_moe_dsa": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, n_routed_experts=8,
                         num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
                         kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, index_head_dim=16,
-                        index_n_heads=2),
+                        index_n_heads=2, topk_method="noaux_tc", scoring_func="sigmoid"),
     # first_k_dense_replace: GLM-4.7-Flash's config.json writes it and vLLM's Glm4MoeLite model reads it
     # (transformers' config class keeps it as it is, and says the same with mlp_layer_types)
     "glm4_moe_lite": dict(_TINY, num_hidden_layers=2, moe_intermediate_size=32, intermediate_size=64, n_routed_experts=8,
@@ -851,6 +851,7 @@ def make_deepseek_v4_checkpoint(out: Path, *, expert_dtype: str = "fp4", E: int 
     cfg = dict(model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], vocab_size=vocab, hidden_size=H,
                moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=1, num_experts_per_tok=top_k,
                num_hidden_layers=2, mlp_layer_types=["hash_moe", "moe"], swiglu_limit=10.0, scoring_func="sqrtsoftplus",
+               topk_method="noaux_tc",
                routed_scaling_factor=1.5, norm_topk_prob=True, num_nextn_predict_layers=1, hidden_act="silu",
                expert_dtype=expert_dtype, torch_dtype="bfloat16",
                quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",

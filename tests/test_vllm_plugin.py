@@ -620,10 +620,20 @@ FAMILY_FOLDERS = {
     # the routed experts only: vLLM's FusedMoE holds E of them (its router, E + zero_expert_num scores); the zero
     # experts' term is vLLM's own (ZeroExpertRouter)
     "longcat-flash": (("transformers", "longcat_flash", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    # GLM-5: vLLM's GlmMoeDsaForCausalLM (DeepSeek-V2's classes, with the sparse attention's indexer); the child
+    # stands in for the sparse attention backend vLLM's CPU platform refuses (_sparse_attention_builds_on_the_cpu)
+    "glm-moe-dsa": (("transformers", "glm_moe_dsa", None), ["quantize", "--format", "mxfp4", "--backend", "marlin"]),
+    # DeepSeek-V4's own MXFP4 experts, repacked for Marlin (what the plugin serves them as), loaded with
+    # --load-format moeconvert (its loader maps per-expert names only); every layer clamps at swiglu_limit.
+    # moe_intermediate_size 128: vLLM's FP8 block linear layers (its shared expert) need N a multiple of 128
+    "deepseek-v4": (("deepseek-v4", None, None), ["repack", "--backend", "marlin"]),
 }
 #: the class vLLM builds where it is not one of the family's (vLLM's registry maps HunYuanMoEV1ForCausalLM to its
 #: transformers backend)
 VLLM_BACKEND = {"hunyuan-v1-moe": "TransformersMoEForCausalLM"}
+#: the module path vLLM's model class gives a checkpoint's layer prefix, where it is another (vLLM's
+#: DeepseekV4ForCausalLM.hf_to_vllm_mapper: the published checkpoint's layers.L is its model.layers.L)
+VLLM_MODULE_PREFIX = {"deepseek-v4": "model."}
 #: families the plugin is proven on by the tests above (the whole model, or the loader's own weight_loader calls)
 PROVEN_ABOVE = {"qwen3-moe": test_vllm_loads_the_whole_model_from_the_folder,
                 "deepseek-v3": test_deepseek_v3_loads_through_each_parameters_own_loader,
@@ -642,15 +652,17 @@ def test_vllm_loads_each_proven_familys_whole_model(example_ckpt, tmp_path):
     the whole model and loads the folder through its own ``load_weights``; every MoE layer must then hold the
     file's bytes, with the router weight where the manifest says it goes. A family the table does not say
     the plugin is proven on is refused at start-up."""
-    from helpers import make_family_checkpoint, make_step3p5_checkpoint
+    from helpers import make_deepseek_v4_checkpoint, make_family_checkpoint, make_step3p5_checkpoint
+    from moeconvert.integrations.vllm.scope import load_format
 
     jobs = []
     for family, ((kind, name, scheme), verb) in FAMILY_FOLDERS.items():
         src = example_ckpt(name, scheme=scheme) if kind == "example" else \
             make_step3p5_checkpoint(tmp_path / f"{family}-src") if kind == "step3p5" else \
+            make_deepseek_v4_checkpoint(tmp_path / f"{family}-src", I=128) if kind == "deepseek-v4" else \
             make_family_checkpoint(tmp_path / f"{family}-src", name)
         cli(verb[0], src, tmp_path / family, *verb[1:], expect=0)
-        jobs.append([str(tmp_path / family), "auto"])
+        jobs.append([str(tmp_path / family), load_format(family) or "auto"])
     unproven = [str(tmp_path / "mixtral"), "auto", "mixtral"]  # the table saying it is not proven on mixtral
     (tmp_path / "jobs.json").write_text(json.dumps(jobs + [unproven]))
     *results, refused = _child(tmp_path / "jobs.json", "--whole-models")
@@ -666,13 +678,19 @@ def test_vllm_loads_each_proven_familys_whole_model(example_ckpt, tmp_path):
         files = _file_tensors(out)
         manifest = json.loads((out / "moeconvert.json").read_text())
         assert manifest["family"] == family
-        assert sorted(got["layers"]) == sorted(m["prefix"] for m in manifest["moe_layers"]), family
+        module = VLLM_MODULE_PREFIX.get(family, "")
+        assert sorted(got["layers"]) == sorted(module + m["prefix"] for m in manifest["moe_layers"]), family
         for m in manifest["moe_layers"]:
-            layer = got["layers"][m["prefix"]]
+            layer = got["layers"][module + m["prefix"]]
             assert layer["loaded"] == sorted(f"routed_experts.{s}" for s in m["tensors"]), (family, m["prefix"])
             assert layer["router_weight_on_input"] == m.get("apply_router_weight_on_input", False), family
             # vLLM's model gives each layer the activation the manifest declares for it (Step-3.5: per layer)
             assert layer["activation"][0] == m["activation"], (family, m["prefix"], layer["activation"])
+            # SiLU's clamp where the manifest declares one (DeepSeek-V4's swiglu_limit), none where it does not
+            # (Step-3.5's swiglustep holds its 7.0 in the activation itself)
+            if m["activation"] == "silu":
+                want_limit = (m.get("activation_params") or {}).get("limit")
+                assert layer["clamp_limit"] == want_limit, (family, m["prefix"], layer["clamp_limit"])
             for suffix, entry in m["tensors"].items():
                 want = hashlib.sha256(files[entry["name"]].contiguous().view(torch.uint8).numpy()).hexdigest()
                 assert layer["params"][f"routed_experts.{suffix}"]["sha256"] == want, (family, suffix)
@@ -682,17 +700,17 @@ def test_vllm_loads_each_proven_familys_whole_model(example_ckpt, tmp_path):
 
 
 def test_a_family_the_plugin_is_not_proven_on_keeps_the_sources_config_and_says_why(tmp_path):
-    """GLM-5 (glm_moe_dsa) converts to a layout the plugin serves, but the plugin is not proven on the family
-    (vLLM's CPU platform cannot build its sparse attention): the folder keeps the source's config.json (vLLM
-    then never picks the plugin for it) and one warning says why."""
-    from helpers import make_family_checkpoint
+    """Ling 2.0 (bailing_moe_v2) converts to a layout the plugin serves, but the plugin is not proven on the
+    family (vLLM builds its config from the checkpoint's remote code): the folder keeps the source's
+    config.json (vLLM then never picks the plugin for it) and one warning says why."""
+    from helpers import make_bailing_checkpoint
 
-    src = make_family_checkpoint(tmp_path / "src", "glm_moe_dsa")
+    src = make_bailing_checkpoint(tmp_path / "src")
     run = cli("quantize", src, tmp_path / "out", "--format", "mxfp4", "--backend", "marlin", expect=0)
     assert (tmp_path / "out" / "config.json").read_bytes() == (src / "config.json").read_bytes()
     line = next(w for w in run.err.splitlines() if "config.json: copied as it is" in w)
-    assert "the vLLM plugin has not been proven on glm-moe-dsa models (its DeepSeek sparse attention has no " \
-           "backend on vLLM's CPU platform" in line, run.err
+    assert "the vLLM plugin has not been proven on bailing-moe models (vLLM builds its config from the " \
+           "checkpoint's own remote code" in line, run.err
 
 
 def test_the_plugin_is_a_vllm_entry_point():

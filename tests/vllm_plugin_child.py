@@ -76,6 +76,7 @@ def main() -> None:
 
     load_general_plugins()  # vLLM's own plugin loader: it finds our entry point and runs register()
     if "--whole-models" in sys.argv:  # FOLDERS.json, a list of [folder, load format]: each whole model in turn
+        _sparse_attention_builds_on_the_cpu()
         print(json.dumps([_whole_model_as_unproven(Path(f), fmt, *unproven)
                           for f, fmt, *unproven in json.loads(folder.read_text())]))
         return
@@ -225,9 +226,65 @@ def _kernels_build_on_the_cpu() -> None:
         cls._supports_current_device = staticmethod(lambda: True)
 
 
+def _sparse_attention_builds_on_the_cpu() -> None:
+    """Stand in, in this process only, for the CPU pieces GLM-5's and DeepSeek-V4's attention lack on vLLM
+    0.33.0's CPU platform with the wheel these tests run, so that vLLM's own model classes build the whole
+    model and load the folder. Nothing here is run: no forward pass happens in this process.
+
+    * GLM-5's DeepSeek sparse attention (``use_sparse`` MLA): ``CpuPlatform.get_attn_backend_cls`` raises
+      "Sparse Attention is not supported on CPU"; here it answers with vLLM's FlashMLA sparse backend class
+      (one a CUDA platform picks), whose constructor reserves its buffers from vLLM's workspace manager,
+      which vLLM's GPU worker initialises before it builds the model (gpu_worker.py
+      ``_init_workspace_and_model_runner``): initialised here on the CPU.
+    * FP8 block linear layers (DeepSeek-V4's attention and shared experts, quantized by the source's own fp8
+      config): vLLM's CPU kernels for them need AMX tiles and the ``fp8_scaled_mm_cpu`` op of vLLM's CPU build,
+      which this wheel lacks; a last-resort kernel on vLLM's own ``Fp8BlockScaledMMLinearKernel`` base
+      (its generic weight processing) is added to the CPU platform's list, and its GEMM raises.
+    * ``torch.ops._C.convert_weight_packed`` (the CPU build's AMX weight packing, which DeepSeek-V4's CPU
+      attention calls on its ``wo_a`` weight after loading): a copy of the weight.
+
+    No MoE byte depends on them: the routed experts are built by ``FusedMoEFactory`` with the plugin's method
+    (the plugin's quant config answers for every ``RoutedExperts``), their tensors are read into that
+    method's parameters and processed by it; these pieces are asked only for attention and for linear layers
+    outside the routed experts."""
+    import torch
+    from vllm.model_executor.kernels import linear
+    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.platforms.interface import PlatformEnum
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.worker.workspace import init_workspace_manager
+
+    picks = CpuPlatform.get_attn_backend_cls.__func__
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        if attn_selector_config.use_sparse and attn_selector_config.use_mla:
+            return AttentionBackendEnum.FLASHMLA_SPARSE.get_path()
+        return picks(cls, selected_backend, attn_selector_config, num_heads)
+
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    init_workspace_manager(torch.device("cpu"))
+
+    class NeverRunFp8BlockKernel(Fp8BlockScaledMMLinearKernel):
+        @classmethod
+        def is_supported(cls, compute_capability=None):
+            return True, None
+
+        def apply_block_scaled_mm(self, A, B, As, Bs):
+            raise NotImplementedError("the CPU test's stand-in FP8 block kernel is never run")
+
+    linear._POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CPU].append(NeverRunFp8BlockKernel)
+    if not hasattr(torch.ops._C, "convert_weight_packed"):
+        global _PACKING
+        _PACKING = torch.library.Library("_C", "FRAGMENT")  # kept alive: dropping it unregisters the op
+        _PACKING.define("convert_weight_packed(Tensor weight) -> Tensor")
+        _PACKING.impl("convert_weight_packed", lambda weight: weight.clone(), "CPU")
+
+
 def _report(experts, loaded: list[str], before: dict | None = None) -> dict:
     """What vLLM holds for one MoE layer after processing (parameter names relative to the runner)."""
     import torch
+    from vllm.model_executor.layers.fused_moe.activation import ApplyMoEActivationConfig
 
     kernel = experts.quant_method.moe_kernel
     qc = kernel.fused_experts.quant_config
@@ -244,6 +301,8 @@ def _report(experts, loaded: list[str], before: dict | None = None) -> dict:
             "scale_is_param": _over(scale, experts.w13_weight_scale),
             # what vLLM's activation gets: swigluoai's alpha, beta, clamp limit (None: the kernel's own)
             "activation": [experts.activation.value, qc.gemm1_alpha, qc.gemm1_beta, qc.gemm1_clamp_limit],
+            # the clamp vLLM's activation applies (the quant config's, else the model's swiglu_limit)
+            "clamp_limit": ApplyMoEActivationConfig.from_configs(experts.moe_config, qc).clamp_limit,
             "weight_dtype": str(qc.weight_quant_dtype), "a16": qc.quant_dtype is None,
             # NVFP4: the kernel's per-expert global scales (g1 / g2 alphas) are the parameters themselves
             "global_scales_are_params": [qc.g1_alphas is getattr(experts, "w13_weight_scale_2", None),
@@ -534,14 +593,15 @@ def _whole_model(folder: Path, out: dict, load_format: str = "auto") -> dict:
     or the plugin's ``moeconvert``) builds the whole model and loads every tensor of the folder (through the
     model's own ``load_weights``, the experts straight into their parameters with ``moeconvert``), then
     processes every module."""
-    import torch
     from vllm.config import ModelConfig
     from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.model_loader import get_model
 
     from moeconvert.integrations.vllm.harness import one_process
 
-    torch.accelerator.empty_cache = lambda: None  # the loader empties the accelerator's cache; a CPU build has none
+    # what vLLM's CPU worker imports first (cpu_worker.py): CUDA events and streams (DeepSeek-V4's attention
+    # makes some), the accelerator's cache the loader empties, ... answered as on the CPU
+    import vllm.v1.worker.cpu.shm  # noqa: F401
     try:
         mc = ModelConfig(model=str(folder), dtype="bfloat16", enforce_eager=True, max_model_len=256)
         out["quantization"] = mc.quantization

@@ -260,10 +260,9 @@ FAMILIES: tuple[FamilySpec, ...] = (
         router=("router",), shared=("shared_expert",), wrappers=("llama4",), plugin_proven=True),
     _deepseek_style("glm-moe-dsa", ("glm_moe_dsa",), ("GlmMoeDsaConfig", "GlmMoeDsaMoE"), ("GlmMoeDsaForCausalLM",),
                     rule=MLP_LAYER_TYPES, extra=(_k("mlp_layer_types", "list[str]", None, nullable=True),),
-                    # vllm/platforms/cpu.py CpuPlatform.get_attn_backend_cls raises for use_sparse
-                    plugin_unprovable="its DeepSeek sparse attention has no backend on vLLM's CPU platform (vLLM "
-                                      "0.33.0: \"Sparse Attention is not supported on CPU\"), so its model never "
-                                      "builds there"),
+                    # proven for its weights: vLLM's CPU platform has no sparse attention backend
+                    # (vllm/platforms/cpu.py get_attn_backend_cls raises for use_sparse), which the test stands in
+                    plugin_proven=True),
     _deepseek_style("glm4-moe-lite", ("glm4_moe_lite",), ("Glm4MoeLiteConfig", "Glm4MoeLiteMoE"),
                     ("Glm4MoeLiteForCausalLM",), rule=MLP_LAYER_TYPES,
                     # transformers' Glm4MoeLiteConfig: layer 0 dense when mlp_layer_types is not given
@@ -362,11 +361,9 @@ FAMILIES: tuple[FamilySpec, ...] = (
               _k("mlp_layer_types", "list[str]", None, nullable=True), _k("swiglu_limit", "number", 10.0)),
         experts_key="n_routed_experts", block="ffn", roles={"w1": "gate", "w3": "up", "w2": "down"},
         activation_params=(("swiglu_limit", "limit"),), routing=None, router=("gate",), shared=("shared_experts",),
-        # vllm/models/deepseek_v4/cpu/cpu_sparse.py: its CPU attention calls torch.ops._C.flash_mla_with_kvcache_cpu,
-        # which only vLLM's CPU build registers (csrc/cpu/sgl-kernels); the published wheel's libraries have none
-        plugin_unprovable="vLLM 0.33.0 / 0.34.0 run DeepSeek-V4's sparse attention on CPU only with their CPU "
-                          "build's kernels (torch.ops._C.flash_mla_with_kvcache_cpu, AMX-backed), which their "
-                          "published wheels do not ship, so its model never runs on vLLM's CPU platform"),
+        # proven for its weights: its CPU attention and FP8 linear kernels are the CPU build's (AMX), which the
+        # published wheel lacks and the test stands in
+        plugin_proven=True),
     # LongCat-Flash: the keys of transformers' LongcatFlashConfig (num_layers decoder layers, each with one MoE
     # block beside its two dense MLPs and two attentions), the tensor names its save_pretrained writes and vLLM's
     # FlashModel.load_weights maps (mlp.experts.E.{gate,up,down}_proj.weight, mlp.router.classifier.weight,

@@ -167,6 +167,7 @@ class MoeconvertConfig(QuantizationConfig):
             raise ValueError(f"moeconvert: quantization_config.dtype must be one of {sorted(_DTYPES)}, found {dtype!r}")
         self.dtype = _DTYPES[dtype]
         self.layers: dict[str, dict] = {}  # MoE layer prefix -> its manifest entry (maybe_update_config)
+        self.renames = None  # the model class's checkpoint-to-module renames (apply_vllm_mapper)
         self.manifest: dict | None = None
         self.inner = None
         source = raw.get("source_quantization_config")
@@ -211,6 +212,12 @@ class MoeconvertConfig(QuantizationConfig):
             orig_to_new_regex={_STACKED: r".experts.routed_experts.\1", _STORED_TP: None})
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        """vLLM's loader hands over the model class's renames from checkpoint names to its module names
+        (model_loader/utils.py configure_quant_config): the manifest names each MoE layer as the checkpoint does
+        (DeepSeek-V4's ``layers.L.ffn.experts``, which its model builds as ``model.layers.L.ffn.experts``)."""
+        self.renames = hf_to_vllm_mapper
+        if self.manifest is not None:
+            self._key_layers(self.manifest)
         if self.inner is not None:
             self.inner.apply_vllm_mapper(hf_to_vllm_mapper)
 
@@ -264,8 +271,14 @@ class MoeconvertConfig(QuantizationConfig):
         if manifest["dtype"] != self.raw["dtype"]:
             raise ValueError(f"moeconvert: config.json says dtype {self.raw['dtype']}, the manifest {manifest['dtype']}")
         self.manifest = manifest
-        # keyed by the prefix vLLM builds the layer with (MiniMax-M2's differs from its module path)
-        self.layers = {vllm_prefix(manifest["family"], m["prefix"]): m for m in manifest["moe_layers"]}
+        self._key_layers(manifest)
+
+    def _key_layers(self, manifest: dict) -> None:
+        """Key each manifest entry by the prefix vLLM builds the layer with: MiniMax-M2's block name differs
+        from its module path; the model class's renames, where it has them, map the checkpoint's name."""
+        renamed = self.renames.map_name if self.renames is not None else (lambda name: name)
+        self.layers = {renamed(vllm_prefix(manifest["family"], m["prefix"])) or m["prefix"]: m
+                       for m in manifest["moe_layers"]}
 
     @staticmethod
     def _check_served(manifest: dict, kind: str) -> None:

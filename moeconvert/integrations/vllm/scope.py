@@ -16,6 +16,10 @@ LOAD_FORMATS = {
     # tensor named w13_weight / w2_weight itself, whatever its layout, so the experts must not reach it
     "gpt-oss": ("moeconvert", "vLLM's gpt-oss loader slices and transposes every tensor named w13_weight / "
                               "w2_weight itself, whatever its layout"),
+    # vLLM 0.33.0's DeepSeek-V4 load_weights (models/deepseek_v4/{cpu,nvidia}/model.py) maps per-expert names
+    # (ffn.experts.E.w1 ...) only: a stacked experts tensor matches none of its expert mappings
+    "deepseek-v4": ("moeconvert", "vLLM's DeepSeek-V4 loader maps per-expert tensors (ffn.experts.E.w1/w2/w3) "
+                                  "only, not stacked ones"),
 }
 
 
