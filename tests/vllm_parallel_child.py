@@ -21,6 +21,10 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
 RESULT = "RESULT "
+#: every model and layer this process built, kept alive: vLLM caches facts by ``id(model)`` (models/utils.py
+#: ``is_pp_missing_parameter``: the PP layers a model lacks), made for one model per process; a freed model's
+#: id given to the next shape's model would hand that model the earlier one's facts
+_KEEP: list = []
 
 
 def main() -> None:
@@ -94,6 +98,7 @@ def _layers(folder: Path, group: dict, out: dict, shape: dict) -> None:
                     params[name].weight_loader(params[name], tensor)
             else:
                 list(runner.load_weights(named))
+            _KEEP.append(runner)
             experts = runner.routed_experts
             experts.quant_method.process_weights_after_loading(experts)
             out["layers"][m["prefix"]] = _report(experts)
@@ -134,6 +139,7 @@ def _model(folder: Path, group: dict, out: dict) -> None:
     mc = ModelConfig(model=str(folder), dtype="bfloat16", enforce_eager=True, max_model_len=256)
     with process_group("cpu", model_config=mc, **group) as vc:
         model = get_model(vllm_config=vc)
+        _KEEP.append(model)
         for name, module in model.named_modules():
             if isinstance(module, RoutedExperts):
                 out["layers"][name.removesuffix(".routed_experts")] = _report(module)
