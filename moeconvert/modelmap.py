@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from moeconvert.errors import MoeConvertError
-from moeconvert.readers import Reader, SourceFormat, source_format
+from moeconvert.readers import LayerNames, SourceFormat, source_format
 from moeconvert.schemes import Scheme, float_dtype_name
 from moeconvert.format import CONFIG_NAME, config_value, family_name, show_value
 from moeconvert.format.families import (FAMILIES as TABLE, FIRST_K_DENSE, FUSED_SEPARATE, INTERLEAVE, LAYER_RANGE,
@@ -469,8 +469,10 @@ def _map_per_expert(source: Source, fam: Family, values: dict, fmt: SourceFormat
                 raise MoeConvertError(f"expert 0 has no {role} projection", file=str(source.ident),
                                       tensor=f"{prefix}.0", expected="gate, up and down", found=", ".join(sorted(first)))
         ex_list = [experts[e] for e in ids]
-        reader = fmt.reader_for(prefix, {role: _module(names) for role, names in first.items()})
-        scheme = reader.scheme(source, prefix, first, fmt.config)
+        reader, format_config = fmt.layer(LayerNames(
+            prefix, fam.vllm_prefix(prefix), {role: _module(names) for role, names in first.items()},
+            tuple(_module(names) for ex in ex_list for names in ex.values())))
+        scheme = reader.scheme(source, prefix, first, format_config)
         H, I = reader.check(source, prefix, ex_list, scheme)
         if H != H_cfg:
             raise MoeConvertError(f"expert hidden size disagrees with config.json {sizes.H_key}", tensor=prefix,
@@ -488,7 +490,7 @@ def _map_per_expert(source: Source, fam: Family, values: dict, fmt: SourceFormat
             activation_params=params, zero_experts=zero, zero_expert_type=zero_type,
             has_bias=has_bias,
             bias_dtype=float_dtype_name(source.tensors[first["gate"]["bias"]].dtype) if has_bias else None,
-            fused=False, format=reader.name, format_config=fmt.config, experts=ex_list, router=router, shared=shared,
+            fused=False, format=reader.name, format_config=format_config, experts=ex_list, router=router, shared=shared,
             router_on_input=fam.router_on_input,
         ))
     return layers
@@ -542,7 +544,8 @@ def _map_fused(source: Source, fam: Family, values: dict, fmt: SourceFormat, siz
         modules = ({role: f"{prefix.rsplit('.', 1)[0]}.{proj}" for proj, role in fam.roles.items()}
                    if storage == FUSED_SEPARATE else
                    {role: f"{prefix}.{proj}" for role, proj in (("gate_up", "gate_up_proj"), ("down", "down_proj"))})
-        reader: Reader = fmt.reader_for(prefix, modules)
+        reader, format_config = fmt.layer(LayerNames(prefix, fam.vllm_prefix(prefix), modules,
+                                                     tuple(modules.values())))
         scheme = reader.fused_scheme(source, prefix, fused_names, sizes, storage)
         router, shared = _router_and_shared(source, fam, prefix, all_names)
         # the activation's parameters, as the family's declared keys give them (never a null read as a default)
@@ -553,7 +556,7 @@ def _map_fused(source: Source, fam: Family, values: dict, fmt: SourceFormat, siz
             hidden_size=H_cfg, intermediate_size=I_cfg, scheme=scheme, activation=activation,
             activation_params=params, has_bias=has_bias, zero_experts=zero, zero_expert_type=zero_type,
             bias_dtype=float_dtype_name(t[gu["_bias"]].dtype) if has_bias else None, fused=True,
-            format=reader.name, format_config=fmt.config, fused_names=fused_names, router=router, shared=shared,
+            format=reader.name, format_config=format_config, fused_names=fused_names, router=router, shared=shared,
             storage=storage, router_on_input=fam.router_on_input,
         ))
     return layers

@@ -524,6 +524,10 @@ def int_loaded(src: Path, prefix: str, num_experts: int, suffixes=("qweight", "s
     return out
 
 
+#: checkpoints written by AutoRound itself (tests/data/autoround/make.py)
+AUTOROUND = Path(__file__).resolve().parent / "data" / "autoround"
+
+
 def make_int_checkpoint(bf16_dir: Path, out: Path, method: str, *, bits: int = 4, group_size: int = 32,
                         config: dict | None = None, g_idx: bool = True, producer: str = "spec") -> Path:
     """A GPTQ (``method`` "gptq": symmetric, ``checkpoint_format`` gptq, zeros stored minus 1) or AWQ

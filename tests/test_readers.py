@@ -30,7 +30,7 @@ from moeconvert.example import make_example
 from moeconvert.modelmap import map_model
 from moeconvert.sources import open_source
 
-from helpers import (cli, int_loaded, make_int_checkpoint, same_bits, st_tensors, vllm_marlin_reference,
+from helpers import (AUTOROUND, cli, int_loaded, make_int_checkpoint, same_bits, st_tensors, vllm_marlin_reference,
                      vllm_process_awq_marlin, vllm_process_marlin)
 
 E, H, I = 4, 256, 128
@@ -163,6 +163,9 @@ def _v2_zeros(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name,config,tensors", [
     ("gptq4", {"checkpoint_format": "gptq_v2"}, _v2_zeros),
+    # rules that match no MoE layer (routers, attention), and one that restates the base config for the experts
+    ("gptq4", {"dynamic": {r"-:.*mlp\.gate$": {}, r"+:.*self_attn\..*": {"bits": 8},
+                           r"+:.*\.experts": {"bits": 4, "group_size": 32}}}, None),
     ("gptq8", {"desc_act": True}, None),  # channelwise: activation ordering is a no-op, and vLLM accepts it
 ])
 def test_accepted_variants_decode_to_the_same_block(sources, tmp_path, name, config, tensors):
@@ -255,6 +258,70 @@ def test_awq_repack_op_equals_its_python_stand_in(sources):
 
 
 # ---------------------------------------------------------------------------------------------------
+# checkpoints written by AutoRound itself (tests/data/autoround/make.py says how)
+
+AUTOROUND_LAYERS = {  # name -> per layer (bits, group size)
+    "gptq-w4g32": [(4, 32), (4, 32)],
+    "gptq-w4g32-w8-layer1": [(4, 32), (8, 32)],
+    "awq-w4g32": [(4, 32), (4, 32)],
+}
+
+
+def test_the_autoround_checkpoints_are_the_producers_own():
+    """What the tests below rely on, read from the files: AutoRound 0.16.1 wrote them, its routers are left
+    unquantized by its own config rules, and layer 1's experts in the mixed one are packed at 8 bits."""
+    for name in AUTOROUND_LAYERS:
+        qc = json.loads((AUTOROUND / name / "config.json").read_text())["quantization_config"]
+        assert (qc["provider"], qc["autoround_version"]) == ("auto-round", "0.16.1"), name
+    gptq = json.loads((AUTOROUND / "gptq-w4g32" / "config.json").read_text())["quantization_config"]
+    assert sorted(gptq["dynamic"]) == [rf"-:.*model\.layers\.{i}\.mlp\.gate.*" for i in (0, 1)]
+    mixed = json.loads((AUTOROUND / "gptq-w4g32-w8-layer1" / "config.json").read_text())["quantization_config"]
+    assert mixed["dynamic"][r"+:.*model\.layers\.1\.mlp\.experts.*"] == {"bits": 8, "group_size": 32, "sym": True}
+    awq = json.loads((AUTOROUND / "awq-w4g32" / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.mlp.gate" in awq["modules_to_not_convert"]
+    t = st_tensors(AUTOROUND / "gptq-w4g32-w8-layer1")
+    assert list(t["model.layers.0.mlp.experts.3.down_proj.qweight"].shape) == [128 // 8, 128]
+    assert list(t["model.layers.1.mlp.experts.3.down_proj.qweight"].shape) == [128 // 4, 128]
+
+
+def test_inspect_reads_each_layer_of_the_autoround_checkpoints_as_vllm_does():
+    for name, layers in AUTOROUND_LAYERS.items():
+        report = json.loads(cli("inspect", AUTOROUND / name, "--json", expect=0).out)
+        method = name.split("-")[0]
+        assert report["format"] == method
+        sym = "sym" if method == "gptq" else "asym"
+        assert [(x["format"], x["scheme"]) for x in report["moe_layers"]] == [
+            (method, f"w{bits}a16 g{g} {sym}") for bits, g in layers], name
+
+
+@pytest.mark.parametrize("name", list(AUTOROUND_LAYERS))
+def test_autoround_marlin_bytes_equal_vllm(name, tmp_path_factory, vllm_version):
+    """Every layer of the folder == vLLM's Marlin processing of the params its GPTQ / AWQ MoE method loads,
+    at the bits and group size vLLM's config gives that layer (``dynamic``: 8 bits for the mixed one's
+    layer 1), scales in the model dtype (float16: AutoRound's export on a CPU)."""
+    src = AUTOROUND / name
+    ours = marlin_out(src, tmp_path_factory.getbasetemp())
+    ref = vllm_marlin_reference(vllm_version)
+    nfirst = lambda t: t.transpose(1, 2).contiguous()
+    for layer, (bits, g) in zip(map_model(open_source(str(src))).layers, AUTOROUND_LAYERS[name]):
+        p = int_loaded(src, layer.prefix, 4)
+        if name.startswith("gptq"):
+            out = vllm_process_marlin(ref, bits, g, 128, {
+                "w13": nfirst(p["w13"]), "w2": nfirst(p["w2"]), "w13_scale": nfirst(p["s13"]).half(),
+                "w2_scale": nfirst(p["s2"]).half(), "w13_zero": None, "w2_zero": None, "w13_bias": None,
+                "w2_bias": None})
+        else:
+            out = vllm_process_awq_marlin(ref, g, 128, {
+                "w13": p["w13"], "w2": p["w2"], "w13_scale": p["s13"].half(), "w2_scale": p["s2"].half(),
+                "w13_zero": p["z13"], "w2_zero": p["z2"], "w13_bias": None, "w2_bias": None})
+        pairs = [("w13_weight", "w13"), ("w2_weight", "w2"), ("w13_weight_scale", "s13"), ("w2_weight_scale", "s2")]
+        if name.startswith("awq"):
+            pairs += [("w13_weight_zero_point", "z13"), ("w2_weight_zero_point", "z2")]
+        for ours_name, theirs in pairs:
+            assert same_bits(ours[f"{layer.prefix}.{ours_name}"], out[theirs]), (layer.prefix, ours_name)
+
+
+# ---------------------------------------------------------------------------------------------------
 # refusals: one line, exit 2, nothing written
 
 
@@ -293,7 +360,20 @@ REFUSALS = {
                                        ["quantization_config.checkpoint_format", "gptq or gptq_v2"]),
     "gptq v2 with v1 zeros": ("gptq4", {"checkpoint_format": "gptq_v2"}, None,
                               ["qzeros", "zero point out of range", "expected 8 everywhere", "found 7"]),
-    "gptq dynamic overrides": ("gptq4", {"dynamic": {"-:.*experts.*": {}}}, None, ["quantization_config.dynamic"]),
+    "gptq dynamic leaves packed experts unquantized": ("gptq4", {"dynamic": {"-:.*experts.*": {}}}, None,
+                                                       ["experts are stored quantized",
+                                                        "leaves the experts unquantized"]),
+    "gptq dynamic rule for one expert module": ("gptq4", {"dynamic": {r"+:.*experts\.2\.down_proj": {"bits": 8}}},
+                                                None, ["experts.2.down_proj", "another config than vLLM gives",
+                                                       r"found rule '+:.*experts\\.2\\.down_proj' (8 bits"]),
+    "gptq dynamic regex": ("gptq4", {"dynamic": {"+:.*(experts": {}}}, None,
+                           ["quantization_config.dynamic.+:.*(experts", "does not compile"]),
+    "gptq dynamic rule not an object": ("gptq4", {"dynamic": {"+:.*experts": 8}}, None,
+                                        ["quantization_config.dynamic.+:.*experts", "expected an object"]),
+    "gptq dynamic act-order": ("gptq4", {"dynamic": {r"+:.*q_proj": {"desc_act": True}}}, None,
+                               ["quantization_config.dynamic.+:.*q_proj", "activation ordering"]),
+    "gptq dynamic asymmetric experts": ("gptq4", {"dynamic": {"+:.*experts": {"sym": False}}}, None,
+                                        ["quantization_config.dynamic.+:.*experts", "asymmetric"]),
     "gptq g_idx permuted": ("gptq4", None, _set("experts.0.up_proj.g_idx", _permute_g_idx),
                             ["experts.0.up_proj.g_idx", "activation ordering"]),
     "gptq g_idx not groups": ("gptq4", None, _set("experts.0.up_proj.g_idx", lambda t: t * 0 + 9),

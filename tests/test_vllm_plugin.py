@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import VLLM_CPU_ENV, cli
+from helpers import AUTOROUND, VLLM_CPU_ENV, cli
 from moeconvert.verify import verify_output
 
 _REPO_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm-cpu"  # what scripts/setup.sh makes
@@ -473,6 +473,14 @@ SOURCES = {
                      {"model.layers.0.self_attn.o_proj": "UnquantizedLinearMethod"}),
     "mxfp4-humming": ("mxfp4", "humming", "HummingMXFP4Method", "HummingIndexedExperts", "CompressedTensorsConfig",
                       _MXFP4_CT_LINEAR),
+    # AutoRound's own checkpoints (tests/data/autoround): its routers left unquantized by its config's rules
+    # (GPTQ ``dynamic``, AWQ ``modules_to_not_convert``), and in the GPTQ one layer 1's experts at 8 bits
+    "autoround-gptq": ("autoround-gptq", "marlin", "MarlinWNA16Method", "MarlinExperts", "AutoGPTQConfig",
+                       {"model.layers.1.mlp.gate": "UnquantizedLinearMethod",
+                        "model.layers.1.self_attn.o_proj": "AutoGPTQLinearMethod"}),
+    "autoround-awq": ("autoround-awq", "marlin", "MarlinWNA16Method", "MarlinExperts", "AutoAWQConfig",
+                      {"model.layers.1.mlp.gate": "UnquantizedLinearMethod",
+                       "model.layers.1.self_attn.o_proj": "AutoAWQMarlinLinearMethod"}),
 }
 HUMMING_SOURCES = sorted(n for n in SOURCES if SOURCES[n][1] == "humming")
 MARLIN_SOURCES = sorted(n for n in SOURCES if SOURCES[n][1] == "marlin")
@@ -490,7 +498,8 @@ def source_folders(example_ckpt, tmp_path_factory):
                "awq": make_int_checkpoint(bf16, base / "awq-src", "awq", bits=4, group_size=64),
                "nvfp4": example_ckpt("qwen3-moe", "nvfp4", num_layers=2, num_experts=4),
                "mxfp4": example_ckpt("qwen3-moe", "mxfp4", num_layers=1, num_experts=4, intermediate_size=128),
-               "fp8-block": example_ckpt("deepseek-v3", "fp8-block", num_experts=4)}
+               "fp8-block": example_ckpt("deepseek-v3", "fp8-block", num_experts=4),
+               "autoround-gptq": AUTOROUND / "gptq-w4g32-w8-layer1", "autoround-awq": AUTOROUND / "awq-w4g32"}
     made = {}
     for name, (source, backend, *_) in SOURCES.items():
         src = sources[source]

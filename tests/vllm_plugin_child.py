@@ -200,7 +200,7 @@ def _served_source(folder: Path, src: Path, prefixes: list[str], layers=_layers)
         out["theirs"] = [type(theirs).__name__, theirs.get_name()]
         out["linear"] = {}
         manifest = json.loads((folder / "moeconvert.json").read_text())
-        if manifest["scheme"]["kind"] == "nvfp4":
+        if (manifest["scheme"] or {}).get("kind") == "nvfp4":
             out["source"] = _vllm_marlin_nvfp4(src, manifest)
         with one_process("cpu", model_config=mc):
             for prefix in prefixes:

@@ -156,6 +156,10 @@ class FamilySpec:
     def key(self, name: str) -> Key:
         return next(k for k in self.keys if k.name == name)
 
+    def vllm_prefix(self, prefix: str) -> str:
+        """The prefix vLLM's model class gives the MoE layer the checkpoint holds at ``prefix``."""
+        return prefix if self.vllm_block is None else prefix.replace(f".{self.block}.", f".{self.vllm_block}.")
+
 
 def _k(name: str, kind: str, default: object = REQUIRED, nullable: bool = False, aliases: tuple = ()) -> Key:
     return Key(name, kind, default, nullable, aliases)

@@ -21,11 +21,27 @@ from moeconvert.schemes import Scheme, WNA16Scheme
 from moeconvert.sources import Source
 
 ROLES = ("gate", "up", "down")
+#: what :meth:`Reader.layer_config` returns for a layer whose experts the format's rules leave unquantized
+LEFT_FLOAT = object()
 #: one expert's tensors: role (gate / up / down) -> suffix -> tensor name
 Expert = dict[str, dict[str, str]]
 
 INT_DTYPES = ("I8", "I16", "I32", "I64", "U8")
 FLOAT_DTYPES = ("BF16", "F16", "F32")
+
+
+@dataclass(frozen=True)
+class LayerNames:
+    """The names a format's per-module rules are matched against for one MoE layer."""
+
+    #: the experts' prefix in the checkpoint (``model.layers.0.mlp.experts``)
+    prefix: str
+    #: the prefix vLLM's model class builds the layer with (differs where the family declares ``vllm_block``)
+    vllm: str
+    #: role -> expert 0's module (``…experts.0.gate_proj``)
+    first: dict[str, str]
+    #: every expert projection's module, in the checkpoint
+    modules: tuple[str, ...] = ()
 
 
 @dataclass
@@ -63,6 +79,12 @@ class Reader:
     def quantizes(self, config, prefix: str) -> bool:
         """Whether ``config`` quantizes the experts under ``prefix`` (False: they are left float)."""
         return True
+
+    def layer_config(self, config, names: LayerNames):
+        """The config one MoE layer's experts are read with (``config`` with the format's per-module rules
+        for that layer applied), or :data:`LEFT_FLOAT` where those rules leave the layer's experts
+        unquantized."""
+        return config if self.quantizes(config, names.prefix) else LEFT_FLOAT
 
     # -- per-expert form: {prefix}.{e}.{proj}.{suffix} ------------------------------------------------
 

@@ -87,7 +87,7 @@ class DeepseekV4Fp4(MXFP4PackQuantized):
 class DeepseekV4Fp8(FP8Block):
     name = "deepseek-v4-fp8"
     title = "DeepSeek-V4 FP8 experts, 128x128 block scales (dequantized to bf16)"
-    quant_method = None  # chosen by expert_dtype (registry.SourceFormat.reader_for)
+    quant_method = None  # chosen by expert_dtype (registry.SourceFormat.layer)
     scale_suffix = "scale"
     suffixes = frozenset({"weight", "scale"})
 

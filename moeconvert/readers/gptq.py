@@ -17,19 +17,28 @@ processing as compressed-tensors (fused_moe/oracle/int_wna16.py ``_process_weigh
 So the canonical block is the codes as stored and the scales, and everything vLLM would ignore is checked
 instead: every stored zero must be the one the ``checkpoint_format`` says a symmetric checkpoint holds
 (v1 ``gptq`` stores zero - 1, i.e. 2^(b-1) - 1; ``gptq_v2`` stores 2^(b-1)), and ``g_idx`` must be plain.
+
+``dynamic`` (GPTQModel's and AutoRound's per-module rules: ``"-:regex"`` leaves the modules it matches
+unquantized, ``"+:regex"`` or a bare regex overrides ``bits`` / ``group_size`` / ``desc_act`` / ``sym``
+for them) is applied as vLLM applies it to a MoE layer (utils/gptq_utils.py ``get_dynamic_override``,
+``override_config``): the first rule whose regex ``re.match``-es the layer's prefix decides for all its
+experts. A producer applied the rules to each expert's own modules; where a rule would give one of them
+another config than the layer's prefix gets, vLLM would serve those bytes under the wrong config, so the
+layer is refused naming the rule and the module.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 import torch
 
 from moeconvert.errors import MoeConvertError
 from moeconvert.format import CONFIG_NAME, config_int, config_value, show_value
 from moeconvert.packing import unpack_int32
-from moeconvert.readers.base import (FLOAT_DTYPES, Expert, Projection, Reader, expect_dtype, expect_finite,
-                                     expect_shape, suffix_list)
+from moeconvert.readers.base import (FLOAT_DTYPES, LEFT_FLOAT, Expert, LayerNames, Projection, Reader, expect_dtype,
+                                     expect_finite, expect_shape, suffix_list)
 from moeconvert.readers.registry import register
 from moeconvert.schemes import Scheme, WNA16Scheme, float_dtype_name
 from moeconvert.sources import Source
@@ -38,10 +47,44 @@ _FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what the stored zer
 
 
 @dataclass(frozen=True)
+class Rule:
+    """One ``dynamic`` entry: its key as written, the regex, and the overrides (None: a ``-:`` rule)."""
+
+    key: str
+    regex: re.Pattern
+    overrides: dict | None
+
+
+@dataclass(frozen=True)
 class GPTQConfig:
     bits: int
     group_size: int  # -1: one group spanning K
     checkpoint_format: str  # "gptq" (v1) or "gptq_v2"
+    desc_act: bool = False
+    dynamic: tuple[Rule, ...] = ()
+
+    def rule(self, name: str) -> Rule | None:
+        """The rule vLLM applies to the module ``name``: the first whose regex matches it from its start."""
+        return next((r for r in self.dynamic if r.regex.match(name)), None)
+
+    def under(self, rule: Rule | None, section: str) -> "GPTQConfig | None":
+        """This config as ``rule`` leaves it for the modules it matches (None: left unquantized), refused
+        where vLLM refuses the result (``override_config``: only ``TYPE_MAP``'s bits and symmetry)."""
+        if rule is not None and rule.overrides is None:
+            return None
+        o = {} if rule is None else rule.overrides
+        # as vLLM's override_config reads them: a value of another type leaves the base config's
+        bits = o["bits"] if isinstance(o.get("bits"), int) else self.bits
+        group = o["group_size"] if isinstance(o.get("group_size"), int) else self.group_size
+        sym = o["sym"] if isinstance(o.get("sym"), bool) else True
+        key = f"{section}dynamic.{rule.key}" if rule is not None else section.rstrip(".")
+        if bits not in (4, 8):
+            raise _refuse("", key, "vLLM serves GPTQ MoE experts with 4 or 8 bits only", "bits 4 or 8", bits)
+        if not sym:
+            raise _refuse("", key, "asymmetric GPTQ is refused by vLLM 0.33.0 and 0.34.0", "sym true", sym)
+        if group == 0:
+            raise _refuse("", key, "no group size", "group_size -1 (channelwise) or > 0", group)
+        return replace(self, bits=bits, group_size=group, dynamic=())
 
     @property
     def stored_zero(self) -> int:
@@ -78,9 +121,8 @@ class GPTQ(Reader):
         if desc_act and group_size != -1:
             raise _refuse(section, "desc_act", "GPTQ group activation ordering is refused by vLLM 0.33.0 and 0.34.0 "
                           "(normalize_and_validate_gptq_desc_act)", "false", desc_act)
-        dynamic = qc.get("dynamic")
-        if dynamic:
-            raise _refuse(section, "dynamic", "per-module GPTQ overrides are not read", "null or {}", dynamic)
+        dynamic = _parse_dynamic(config_value(qc, "dynamic", dict, default=None, section=section) or {},
+                                 desc_act, group_size, section)
         fmt = config_value(qc, "checkpoint_format", str, default="gptq", section=section)
         if fmt not in _FORMATS:
             raise _refuse(section, "checkpoint_format", "unsupported GPTQ checkpoint format",
@@ -88,7 +130,32 @@ class GPTQ(Reader):
         pack_dtype = config_value(qc, "pack_dtype", str, default="int32", section=section)
         if pack_dtype != "int32":
             raise _refuse(section, "pack_dtype", "GPTQ words must be int32", "int32", pack_dtype)
-        return GPTQConfig(bits=bits, group_size=group_size, checkpoint_format=fmt)
+        return GPTQConfig(bits=bits, group_size=group_size, checkpoint_format=fmt, desc_act=desc_act,
+                          dynamic=dynamic)
+
+    def layer_config(self, config: GPTQConfig, names: LayerNames):
+        section = "quantization_config."
+        layer_rule = config.rule(names.prefix)
+        if config.rule(names.vllm) is not layer_rule:
+            rule = config.rule(names.vllm) or layer_rule
+            raise MoeConvertError(f"the dynamic rule {rule.key!r} matches only one of the MoE layer's checkpoint "
+                                  f"name and the name vLLM gives it ({names.vllm}), which vLLM's rules are "
+                                  "matched against", file=CONFIG_NAME, tensor=names.prefix,
+                                  expected="one rule for both names", found=f"{rule.key!r} for one")
+        layer = config.under(layer_rule, section)
+        seen: dict[int, GPTQConfig | None] = {id(layer_rule): layer}
+        for module in names.modules or tuple(names.first.values()):
+            rule = config.rule(module)
+            if id(rule) not in seen:
+                seen[id(rule)] = config.under(rule, section)
+            if seen[id(rule)] != layer:
+                shown = "none" if rule is None else repr(rule.key)
+                raise MoeConvertError(
+                    f"GPTQ dynamic rules give this expert module another config than vLLM gives its MoE layer "
+                    f"({names.prefix}: {_describe(layer)}), whose experts vLLM serves under one config",
+                    file=CONFIG_NAME, tensor=module, expected=f"the layer's rule ({_describe_rule(layer_rule)})",
+                    found=f"rule {shown} ({_describe(seen[id(rule)])})")
+        return LEFT_FLOAT if layer is None else layer
 
     def scheme(self, source: Source, prefix: str, first: Expert, config: GPTQConfig) -> Scheme:
         suffixes = set(first["gate"])
@@ -161,6 +228,43 @@ class GPTQ(Reader):
         codes = unpack_int32(source.read(names["qweight"]), scheme.bits, k, dim=0).T.contiguous()
         scale = expect_finite(source, names["scales"], source.read(names["scales"])).T.contiguous()
         return Projection(codes, scale)
+
+
+def _describe(config: GPTQConfig | None) -> str:
+    if config is None:
+        return "unquantized"
+    return f"{config.bits} bits, " + ("channelwise" if config.group_size == -1 else f"group {config.group_size}")
+
+
+def _describe_rule(rule: Rule | None) -> str:
+    return "none" if rule is None else repr(rule.key)
+
+
+def _parse_dynamic(dynamic: dict, desc_act: bool, group_size: int, section: str) -> tuple[Rule, ...]:
+    """``dynamic``'s rules, in order, each checked where vLLM 0.33.0 / 0.34.0 would fail on it: a regex that
+    does not compile, a positive rule that is not an object, activation ordering with groups in any
+    positive rule (``normalize_and_validate_gptq_desc_act``, at config parse, whatever the rule matches)."""
+    rules = []
+    for key, overrides in dynamic.items():
+        negative = key.startswith("-:")
+        pattern = key[2:] if negative or key.startswith("+:") else key
+        try:
+            regex = re.compile(pattern)
+        except re.error as e:
+            raise _refuse(section, f"dynamic.{key}", "a dynamic rule's regex does not compile", "a regex",
+                          f"{e}") from None
+        if negative:
+            rules.append(Rule(key, regex, None))
+            continue
+        if not isinstance(overrides, dict):
+            raise _refuse(section, f"dynamic.{key}", "a dynamic rule maps to its overrides", "an object",
+                          overrides)
+        rule_desc_act = overrides.get("desc_act", desc_act)
+        if rule_desc_act and overrides.get("group_size", group_size) != -1:
+            raise _refuse(section, f"dynamic.{key}", "GPTQ group activation ordering is refused by vLLM 0.33.0 "
+                          "and 0.34.0 (normalize_and_validate_gptq_desc_act)", "desc_act false", rule_desc_act)
+        rules.append(Rule(key, regex, dict(overrides)))
+    return tuple(rules)
 
 
 def _check_g_idx(source: Source, name: str, scheme: WNA16Scheme, k: int) -> None:

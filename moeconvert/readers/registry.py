@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from moeconvert.errors import MoeConvertError
 from moeconvert.format import CONFIG_NAME, config_value
-from moeconvert.readers.base import Reader
+from moeconvert.readers.base import LEFT_FLOAT, LayerNames, Reader
 from moeconvert.schemes import CompressedTensorsConfig
 
 #: DeepSeek-V4's own format (readers/deepseek_v4.py), chosen from the model's config as well as its
@@ -51,27 +51,27 @@ class SourceFormat:
     method: str
     config: object = None
 
-    def reader_for(self, prefix: str, module_names: dict[str, str]) -> Reader:
-        """The reader of the MoE layer at ``prefix`` (``module_names``: role -> expert 0's module name)."""
+    def layer(self, names: LayerNames) -> tuple[Reader, object]:
+        """The reader of one MoE layer and the config its experts are read with: the format's own, with its
+        per-module rules for the layer applied; the float reader where those rules leave it unquantized."""
         if self.method == "none":
-            return _READERS["float"]
-        if self.method == DEEPSEEK_V4:
-            reader = _READERS[self.config.reader_name()]
-            return reader if reader.quantizes(self.config, prefix) else _READERS["float"]
-        if self.method != "compressed-tensors":
-            reader = _quant_methods()[self.method]
-            return reader if reader.quantizes(self.config, prefix) else _READERS["float"]
-        # compressed-tensors: each config group names its own format; experts left unquantized are float
-        cfg: CompressedTensorsConfig = self.config
-        group = cfg.expert_group(module_names)
-        if group is None:
-            return _READERS["float"]
-        fmt, key = cfg.format_of(group)
-        formats = _compressed_tensors_formats()
-        if fmt not in formats:
-            raise MoeConvertError("compressed-tensors format not read for MoE experts", file=CONFIG_NAME,
-                                  tensor=key, expected="one of " + ", ".join(sorted(formats)), found=fmt)
-        return formats[fmt]
+            return _READERS["float"], None
+        if self.method == "compressed-tensors":
+            # each config group names its own format; experts left unquantized are float
+            cfg: CompressedTensorsConfig = self.config
+            group = cfg.expert_group(names.first)
+            if group is None:
+                return _READERS["float"], cfg
+            fmt, key = cfg.format_of(group)
+            formats = _compressed_tensors_formats()
+            if fmt not in formats:
+                raise MoeConvertError("compressed-tensors format not read for MoE experts", file=CONFIG_NAME,
+                                      tensor=key, expected="one of " + ", ".join(sorted(formats)), found=fmt)
+            return formats[fmt], cfg
+        reader = (_READERS[self.config.reader_name()] if self.method == DEEPSEEK_V4
+                  else _quant_methods()[self.method])
+        layer_config = reader.layer_config(self.config, names)
+        return (reader, layer_config) if layer_config is not LEFT_FLOAT else (_READERS["float"], self.config)
 
     def describe(self) -> str:
         if self.method == "compressed-tensors":

@@ -256,15 +256,16 @@ class MoeconvertConfig(QuantizationConfig):
                                   ("partition", self.partition, manifest["partition"])):
             if mine != theirs:
                 raise _refuse(key, f"{_show(theirs)}, what moeconvert.json says", mine, layout["name"])
-        kind = (manifest["scheme"] or {}).get("kind")
+        # the layers' own schemes: one kind may hold several (a GPTQ checkpoint's per-layer bits, ``dynamic``)
+        kinds = {m["scheme"]["kind"] for m in manifest["moe_layers"]}
         import vllm
 
-        why = refusal(manifest["layout"]["name"], kind, manifest["family"],
+        why = refusal(manifest["layout"]["name"], kinds.pop() if len(kinds) == 1 else None, manifest["family"],
                       [(m["activation"], m.get("activation_params") or {}) for m in manifest["moe_layers"]],
                       vllm_version=vllm.__version__)
         if why is not None:
             raise ValueError(f"moeconvert: {why}")
-        self._check_served(manifest, kind or manifest["moe_layers"][0]["scheme"]["kind"])
+        self._check_served(manifest, manifest["moe_layers"][0]["scheme"]["kind"])
         if self.raw.get("load_format") != load_format(manifest["family"]):
             raise _refuse("load_format", f"{_show(load_format(manifest['family']))} (what a {manifest['family']} "
                           "folder is served with)", self.raw.get("load_format"), layout["name"])

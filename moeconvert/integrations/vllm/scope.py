@@ -51,8 +51,7 @@ def proven_families() -> list[str]:
 
 def vllm_prefix(family: str, prefix: str) -> str:
     """The prefix vLLM's model class gives the MoE layer the manifest holds at ``prefix``."""
-    f = BY_NAME[family]
-    return prefix if f.vllm_block is None else prefix.replace(f".{f.block}.", f".{f.vllm_block}.")
+    return BY_NAME[family].vllm_prefix(prefix)
 
 
 def family_refusal(family: str, vllm_version: str | None = None) -> str | None:
@@ -84,7 +83,7 @@ def refusal(layout: str, kind: str | None, family: str, activations: list[tuple[
         return why
     spec = spec_for(layout, kind)
     if spec is None:
-        return f"the vLLM plugin serves {served()} folders; this one is {layout} {kind or 'of mixed schemes'}"
+        return f"the vLLM plugin serves {served()} folders; this one is {layout} {kind or 'of mixed scheme kinds'}"
     for activation, params in activations:
         ok, why = spec.supports_activation(activation, params)
         if not ok:
