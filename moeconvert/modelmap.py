@@ -21,7 +21,7 @@ from typing import Iterator
 from moeconvert.errors import MoeConvertError
 from moeconvert.readers import LayerNames, SourceFormat, source_format
 from moeconvert.schemes import Scheme, float_dtype_name
-from moeconvert.format import CONFIG_NAME, config_value, family_name, show_value
+from moeconvert.format import CONFIG_NAME, MANIFEST_NAME, config_value, family_name, show_value
 from moeconvert.format.families import (FAMILIES as TABLE, FIRST_K_DENSE, FUSED_SEPARATE, INTERLEAVE, LAYER_RANGE,
                                        LISTED, MLP_LAYER_TYPES, PER_EXPERT, SPARSE_STEP, FamilySpec, read_keys)
 from moeconvert.sources import Source
@@ -234,6 +234,10 @@ def model_dtype(cfg: dict, section: str = "") -> str:
 
 
 def map_model(source: Source) -> ModelMap:
+    if (source.root / MANIFEST_NAME).is_file():
+        raise MoeConvertError("a folder moeconvert wrote is not a source checkpoint: `moeconvert verify` checks it, "
+                              "moeconvert.runtime.load and vLLM with the plugin serve it", file=str(source.ident),
+                              tensor=MANIFEST_NAME, expected="a checkpoint's own folder", found="a moeconvert folder")
     raw_cfg = source.config
     fam = family_for(raw_cfg)
     cfg, section = _text_config(raw_cfg)

@@ -410,3 +410,13 @@ REFUSALS = {
 def test_refusals_are_one_line_and_write_nothing(sources, tmp_path, case):
     name, config, tensors, phrases = REFUSALS[case]
     refused(edited(sources[name], tmp_path, config, tensors), tmp_path, *phrases)
+
+
+def test_a_folder_moeconvert_wrote_is_refused_as_a_source(tmp_path):
+    """inspect / repack / quantize read checkpoints; one of our own folders (its moeconvert.json) is named as such
+    in one line, not reported as a family whose expert tensors are missing."""
+    folder = tmp_path / "folder"
+    cli("repack", AUTOROUND / "gptq-w4g32", folder, "--backend", "marlin", expect=0)
+    code, _, err = cli("inspect", folder)
+    assert code == 2 and err.count("\n") == 1 and "moeconvert.json: a folder moeconvert wrote is not a source" in err
+    refused(folder, tmp_path, "moeconvert.json", "`moeconvert verify` checks it")
