@@ -103,7 +103,7 @@ def edited(src: Path, tmp_path: Path, config: dict | None = None, tensors=None) 
 def test_an_unknown_quant_method_is_refused_naming_those_read(sources, tmp_path):
     line = refused(edited(sources["gptq4"], tmp_path, {"quant_method": "bitsandbytes"}), tmp_path,
                    "quantization_config.quant_method", "bitsandbytes")
-    assert "awq, compressed-tensors, fp8, gptq, mxfp4 or none" in line
+    assert "expected one of auto-round, awq, compressed-tensors, fp8, gptq, mxfp4 or none" in line
 
 
 def test_a_compressed_tensors_format_without_a_reader_is_refused_naming_those_read(tmp_path):
@@ -260,62 +260,72 @@ def test_awq_repack_op_equals_its_python_stand_in(sources):
 # ---------------------------------------------------------------------------------------------------
 # checkpoints written by AutoRound itself (tests/data/autoround/make.py says how)
 
-AUTOROUND_LAYERS = {  # name -> per layer (bits, group size)
-    "gptq-w4g32": [(4, 32), (4, 32)],
-    "gptq-w4g32-w8-layer1": [(4, 32), (8, 32)],
-    "awq-w4g32": [(4, 32), (4, 32)],
+#: name -> (the packing, inspect's format, each layer's reader, each layer's (bits, group size))
+AUTOROUND_CASES = {
+    "gptq-w4g32": ("gptq", "gptq", "gptq", [(4, 32), (4, 32)]),
+    "gptq-w4g32-w8-layer1": ("gptq", "gptq", "gptq", [(4, 32), (8, 32)]),
+    "awq-w4g32": ("awq", "awq", "awq", [(4, 32), (4, 32)]),
+    "auto-round-w4g32": ("gptq", "auto-round (auto_round:auto_gptq)", "auto-round-gptq", [(4, 32), (4, 32)]),
+    "auto-round-awq-w4g32": ("awq", "auto-round (auto_round:auto_awq)", "auto-round-awq", [(4, 32), (4, 32)]),
 }
 
 
 def test_the_autoround_checkpoints_are_the_producers_own():
     """What the tests below rely on, read from the files: AutoRound 0.16.1 wrote them, its routers are left
     unquantized by its own config rules, and layer 1's experts in the mixed one are packed at 8 bits."""
-    for name in AUTOROUND_LAYERS:
+    for name in AUTOROUND_CASES:
         qc = json.loads((AUTOROUND / name / "config.json").read_text())["quantization_config"]
-        assert (qc["provider"], qc["autoround_version"]) == ("auto-round", "0.16.1"), name
+        assert qc["autoround_version"] == "0.16.1", name
+        assert qc.get("provider") == "auto-round" or qc["quant_method"] == "auto-round", name
     gptq = json.loads((AUTOROUND / "gptq-w4g32" / "config.json").read_text())["quantization_config"]
     assert sorted(gptq["dynamic"]) == [rf"-:.*model\.layers\.{i}\.mlp\.gate.*" for i in (0, 1)]
     mixed = json.loads((AUTOROUND / "gptq-w4g32-w8-layer1" / "config.json").read_text())["quantization_config"]
     assert mixed["dynamic"][r"+:.*model\.layers\.1\.mlp\.experts.*"] == {"bits": 8, "group_size": 32, "sym": True}
     awq = json.loads((AUTOROUND / "awq-w4g32" / "config.json").read_text())["quantization_config"]
     assert "model.layers.0.mlp.gate" in awq["modules_to_not_convert"]
+    own = json.loads((AUTOROUND / "auto-round-w4g32" / "config.json").read_text())["quantization_config"]
+    assert (own["quant_method"], own["packing_format"]) == ("auto-round", "auto_round:auto_gptq")
+    assert own["extra_config"]["model.layers.0.mlp.gate"]["bits"] == 16
     t = st_tensors(AUTOROUND / "gptq-w4g32-w8-layer1")
     assert list(t["model.layers.0.mlp.experts.3.down_proj.qweight"].shape) == [128 // 8, 128]
     assert list(t["model.layers.1.mlp.experts.3.down_proj.qweight"].shape) == [128 // 4, 128]
 
 
 def test_inspect_reads_each_layer_of_the_autoround_checkpoints_as_vllm_does():
-    for name, layers in AUTOROUND_LAYERS.items():
+    for name, (packing, fmt, reader, layers) in AUTOROUND_CASES.items():
         report = json.loads(cli("inspect", AUTOROUND / name, "--json", expect=0).out)
-        method = name.split("-")[0]
-        assert report["format"] == method
-        sym = "sym" if method == "gptq" else "asym"
+        assert report["format"] == fmt
+        sym = "sym" if packing == "gptq" else "asym"
         assert [(x["format"], x["scheme"]) for x in report["moe_layers"]] == [
-            (method, f"w{bits}a16 g{g} {sym}") for bits, g in layers], name
+            (reader, f"w{bits}a16 g{g} {sym}") for bits, g in layers], name
 
 
-@pytest.mark.parametrize("name", list(AUTOROUND_LAYERS))
+@pytest.mark.parametrize("name", list(AUTOROUND_CASES))
 def test_autoround_marlin_bytes_equal_vllm(name, tmp_path_factory, vllm_version):
     """Every layer of the folder == vLLM's Marlin processing of the params its GPTQ / AWQ MoE method loads,
     at the bits and group size vLLM's config gives that layer (``dynamic``: 8 bits for the mixed one's
-    layer 1), scales in the model dtype (float16: AutoRound's export on a CPU)."""
+    layer 1), scales in the model dtype (float16 where AutoRound loaded the model on a CPU, bfloat16 where its
+    model-free mode kept the source's) as vLLM's loader copies them. AutoRound's own format
+    (``auto-round``) is served by vLLM's INC config with those same methods (``INCWNA16MoEScheme``)."""
     src = AUTOROUND / name
     ours = marlin_out(src, tmp_path_factory.getbasetemp())
     ref = vllm_marlin_reference(vllm_version)
     nfirst = lambda t: t.transpose(1, 2).contiguous()
-    for layer, (bits, g) in zip(map_model(open_source(str(src))).layers, AUTOROUND_LAYERS[name]):
+    packing, *_, layers = AUTOROUND_CASES[name]
+    dtype = getattr(torch, json.loads((src / "config.json").read_text())["dtype"])  # the params' dtype
+    for layer, (bits, g) in zip(map_model(open_source(str(src))).layers, layers):
         p = int_loaded(src, layer.prefix, 4)
-        if name.startswith("gptq"):
+        if packing == "gptq":
             out = vllm_process_marlin(ref, bits, g, 128, {
-                "w13": nfirst(p["w13"]), "w2": nfirst(p["w2"]), "w13_scale": nfirst(p["s13"]).half(),
-                "w2_scale": nfirst(p["s2"]).half(), "w13_zero": None, "w2_zero": None, "w13_bias": None,
+                "w13": nfirst(p["w13"]), "w2": nfirst(p["w2"]), "w13_scale": nfirst(p["s13"]).to(dtype),
+                "w2_scale": nfirst(p["s2"]).to(dtype), "w13_zero": None, "w2_zero": None, "w13_bias": None,
                 "w2_bias": None})
         else:
             out = vllm_process_awq_marlin(ref, g, 128, {
-                "w13": p["w13"], "w2": p["w2"], "w13_scale": p["s13"].half(), "w2_scale": p["s2"].half(),
+                "w13": p["w13"], "w2": p["w2"], "w13_scale": p["s13"].to(dtype), "w2_scale": p["s2"].to(dtype),
                 "w13_zero": p["z13"], "w2_zero": p["z2"], "w13_bias": None, "w2_bias": None})
         pairs = [("w13_weight", "w13"), ("w2_weight", "w2"), ("w13_weight_scale", "s13"), ("w2_weight_scale", "s2")]
-        if name.startswith("awq"):
+        if packing == "awq":
             pairs += [("w13_weight_zero_point", "z13"), ("w2_weight_zero_point", "z2")]
         for ours_name, theirs in pairs:
             assert same_bits(ours[f"{layer.prefix}.{ours_name}"], out[theirs]), (layer.prefix, ours_name)
@@ -420,3 +430,40 @@ def test_a_folder_moeconvert_wrote_is_refused_as_a_source(tmp_path):
     code, _, err = cli("inspect", folder)
     assert code == 2 and err.count("\n") == 1 and "moeconvert.json: a folder moeconvert wrote is not a source" in err
     refused(folder, tmp_path, "moeconvert.json", "`moeconvert verify` checks it")
+
+
+_ROUTERS = {f"model.layers.{i}.mlp.gate": {"bits": 16, "data_type": "fp"} for i in (0, 1)}
+AUTO_ROUND_REFUSALS = {
+    # name: (config edit of AutoRound's own GPTQ-packed checkpoint, phrases of the one line)
+    "an extra_config entry for a MoE layer": ({"extra_config": {**_ROUTERS, "model.layers.1.mlp.experts": {"bits": 8}}},
+                                              ["extra_config.model.layers.1.mlp.experts", "are not read"]),
+    "an extra_config entry for one expert": ({"extra_config": {**_ROUTERS, "model.layers.0.mlp.experts.3.up_proj":
+                                                               {"bits": 8}}},
+                                             ["extra_config.model.layers.0.mlp.experts.3.up_proj", "are not read"]),
+    "an extra_config regex matching experts": ({"extra_config": {**_ROUTERS, r".*down_proj$": {"bits": 8}}},
+                                               ["extra_config..*down_proj$", "are not read"]),
+    "FP8 packing": ({"packing_format": "auto_round:fp8"}, ["quantization_config.packing_format", "auto_round:fp8"]),
+    "MX data type": ({"data_type": "mx_fp"}, ["quantization_config.data_type", "expected int"]),
+    "asymmetric GPTQ packing": ({"sym": False}, ["quantization_config.sym", "MoeWNA16"]),
+    "another packing's backend": ({"backend": "awq"}, ["quantization_config.backend", 'found "awq"']),
+    "2 bits": ({"bits": 2}, ["quantization_config.bits", "4 or 8"]),
+    "blocks that leave the packed experts out": ({"block_name_to_quantize": "model.visual"},
+                                                 ["experts are stored quantized"]),
+}
+
+
+@pytest.mark.parametrize("case", list(AUTO_ROUND_REFUSALS))
+def test_auto_round_refusals_are_one_line_and_write_nothing(tmp_path, case):
+    config, phrases = AUTO_ROUND_REFUSALS[case]
+    refused(edited(AUTOROUND / "auto-round-w4g32", tmp_path, config), tmp_path, *phrases)
+
+
+def test_auto_round_entries_for_other_modules_leave_the_experts_as_they_are(tmp_path):
+    """The routers' entries (AutoRound's own) and one for attention do not touch the experts: the same block."""
+    src = edited(AUTOROUND / "auto-round-w4g32", tmp_path, {"extra_config": {
+        **_ROUTERS, "model.layers.0.self_attn.o_proj": {"bits": 8}}, "block_name_to_quantize": ["model.layers"]})
+    source = open_source(str(src))
+    base = open_source(str(AUTOROUND / "auto-round-w4g32"))
+    for ours, theirs in zip(map_model(source).layers, map_model(base).layers):
+        assert decode_chunk(source, ours, Partition(), 0, 4).differences(
+            decode_chunk(base, theirs, Partition(), 0, 4)) == []

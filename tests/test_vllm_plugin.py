@@ -481,6 +481,11 @@ SOURCES = {
     "autoround-awq": ("autoround-awq", "marlin", "MarlinWNA16Method", "MarlinExperts", "AutoAWQConfig",
                       {"model.layers.1.mlp.gate": "UnquantizedLinearMethod",
                        "model.layers.1.self_attn.o_proj": "AutoAWQMarlinLinearMethod"}),
+    # AutoRound's own format, which vLLM serves as ``inc`` (on the CPU platform its MoE layers unquantized: the
+    # plugin's own methods serve the folder's)
+    "autoround-own": ("autoround-own", "marlin", "MarlinWNA16Method", "MarlinExperts", "INCConfig",
+                      {"model.layers.1.mlp.gate": "UnquantizedLinearMethod",
+                       "model.layers.1.self_attn.o_proj": "INCLinearMethod"}),
 }
 HUMMING_SOURCES = sorted(n for n in SOURCES if SOURCES[n][1] == "humming")
 MARLIN_SOURCES = sorted(n for n in SOURCES if SOURCES[n][1] == "marlin")
@@ -499,7 +504,8 @@ def source_folders(example_ckpt, tmp_path_factory):
                "nvfp4": example_ckpt("qwen3-moe", "nvfp4", num_layers=2, num_experts=4),
                "mxfp4": example_ckpt("qwen3-moe", "mxfp4", num_layers=1, num_experts=4, intermediate_size=128),
                "fp8-block": example_ckpt("deepseek-v3", "fp8-block", num_experts=4),
-               "autoround-gptq": AUTOROUND / "gptq-w4g32-w8-layer1", "autoround-awq": AUTOROUND / "awq-w4g32"}
+               "autoround-gptq": AUTOROUND / "gptq-w4g32-w8-layer1", "autoround-awq": AUTOROUND / "awq-w4g32",
+               "autoround-own": AUTOROUND / "auto-round-w4g32"}
     made = {}
     for name, (source, backend, *_) in SOURCES.items():
         src = sources[source]

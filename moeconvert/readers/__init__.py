@@ -5,7 +5,7 @@ from moeconvert.readers.base import Expert, LayerNames, Projection, Reader
 from moeconvert.readers.registry import SourceFormat, get_reader, reader_names, register, source_format
 
 # one module per format; importing it registers its reader
-from moeconvert.readers import unquantized, pack_quantized, gpt_oss_mxfp4, gptq, awq, ct_fp4, fp8_block, deepseek_v4  # noqa: E402,F401  isort: skip
+from moeconvert.readers import unquantized, pack_quantized, gpt_oss_mxfp4, gptq, awq, auto_round, ct_fp4, fp8_block, deepseek_v4  # noqa: E402,F401  isort: skip
 
 __all__ = ["Expert", "LayerNames", "Projection", "Reader", "SourceFormat", "get_reader", "reader_names", "register",
            "source_format"]

@@ -12,6 +12,8 @@ from moeconvert.schemes import CompressedTensorsConfig
 #: DeepSeek-V4's own format (readers/deepseek_v4.py), chosen from the model's config as well as its
 #: quant_method: one reader per ``expert_dtype``
 DEEPSEEK_V4 = "deepseek_v4_fp8"
+#: AutoRound's own format (readers/auto_round.py): one reader per packing_format
+AUTO_ROUND = "auto-round"
 
 _READERS: dict[str, Reader] = {}
 
@@ -68,7 +70,7 @@ class SourceFormat:
                 raise MoeConvertError("compressed-tensors format not read for MoE experts", file=CONFIG_NAME,
                                       tensor=key, expected="one of " + ", ".join(sorted(formats)), found=fmt)
             return formats[fmt], cfg
-        reader = (_READERS[self.config.reader_name()] if self.method == DEEPSEEK_V4
+        reader = (_READERS[self.config.reader_name()] if self.method in (DEEPSEEK_V4, AUTO_ROUND)
                   else _quant_methods()[self.method])
         layer_config = reader.layer_config(self.config, names)
         return (reader, layer_config) if layer_config is not LEFT_FLOAT else (_READERS["float"], self.config)
@@ -78,6 +80,8 @@ class SourceFormat:
             return f"compressed-tensors ({self.config.format})"
         if self.method == DEEPSEEK_V4:
             return f"{self.method} (expert_dtype {self.config.expert_dtype})"
+        if self.method == AUTO_ROUND:
+            return f"{self.method} ({self.config.packing})"
         return self.method
 
 
@@ -100,10 +104,14 @@ def source_format(config: dict) -> SourceFormat:
         from moeconvert.readers.deepseek_v4 import parse_config
 
         return SourceFormat(DEEPSEEK_V4, parse_config(config, qc, section))
+    if method == AUTO_ROUND:
+        from moeconvert.readers.auto_round import parse_config
+
+        return SourceFormat(AUTO_ROUND, parse_config(qc, section))
     methods = _quant_methods()
     if method not in methods:
         raise MoeConvertError("unsupported quantization_config.quant_method", file=CONFIG_NAME,
                               tensor=section + "quant_method",
-                              expected="one of " + ", ".join(sorted([*methods, "compressed-tensors"])) + " or none",
+                              expected="one of " + ", ".join(sorted([*methods, AUTO_ROUND, "compressed-tensors"])) + " or none",
                               found=method or "no quant_method")
     return SourceFormat(method, methods[method].parse_config(qc, section))

@@ -15,7 +15,13 @@ Linears, leaves each router (``mlp.gate``) unquantized and says so in the config
 * ``gptq-w4g32``: ``format="auto_gptq"``, 4 bits, group 32, symmetric;
 * ``gptq-w4g32-w8-layer1``: the same, with layer 1's experts at 8 bits (``layer_config``), which AutoRound
   writes as a ``+:`` rule in ``dynamic``;
-* ``awq-w4g32``: ``format="auto_awq"``, 4 bits, group 32, with zero points.
+* ``awq-w4g32``: ``format="auto_awq"``, 4 bits, group 32, with zero points;
+* ``auto-round-w4g32``: ``format="auto_round"`` (AutoRound's own format, ``quant_method: auto-round``, which
+  vLLM serves as ``inc``), GPTQ packing, 4 bits, group 32, symmetric;
+* ``auto-round-awq-w4g32``: ``format="auto_round:auto_awq"``, AWQ packing, 4 bits, group 32, with zero points.
+
+AutoRound writes its own format from the safetensors files without loading the model (its "model-free"
+mode), with a ``-:``-free ``extra_config`` entry per router instead of GPTQ's rules.
 """
 
 import shutil
@@ -32,6 +38,8 @@ CASES = {
     "gptq-w4g32": ("auto_gptq", dict(sym=True)),
     "gptq-w4g32-w8-layer1": ("auto_gptq", dict(sym=True, layer_config={"model.layers.1.mlp.experts": {"bits": 8}})),
     "awq-w4g32": ("auto_awq", dict(sym=False)),
+    "auto-round-w4g32": ("auto_round", dict(sym=True)),
+    "auto-round-awq-w4g32": ("auto_round:auto_awq", dict(sym=False)),
 }
 
 
