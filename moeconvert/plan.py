@@ -216,6 +216,7 @@ def check_layers(model: ModelMap, layout: Layout, part: Partition, quant: Quanti
             continue
         scheme = output_scheme(layer, quant)
         found = decoder_problems(layer) + layout.check(planned_as(model, shape) if planning else shape, scheme)
+        found += layout.source_problems(layer.format, shape) if scheme.kind in layout.schemes else []
         if isinstance(scheme, MXFP4Scheme):
             found = output_problems(layer.scheme, shape, quant) + found
         if found:
@@ -237,6 +238,7 @@ def tp_size_plan(layer: MoELayerMap, layout: Layout, shape: LayerShape, scheme: 
         rank, why = None, [e.what()]
     if rank is not None and not why:
         why = decoder_problems(layer) + layout.check(rank, scheme)
+        why += layout.source_problems(layer.format, rank) if scheme.kind in layout.schemes else []
         if isinstance(scheme, MXFP4Scheme):
             why = output_problems(layer.scheme, rank, quant) + why
     if why:

@@ -258,25 +258,34 @@ def test_awq_repack_op_equals_its_python_stand_in(sources):
 
 
 # ---------------------------------------------------------------------------------------------------
-# checkpoints written by AutoRound itself (tests/data/autoround/make.py says how)
+# checkpoints written by the producers themselves: AutoRound and GPTQModel (tests/data/*/make.py say how)
 
-#: name -> (the packing, inspect's format, each layer's reader, each layer's (bits, group size))
-AUTOROUND_CASES = {
-    "gptq-w4g32": ("gptq", "gptq", "gptq", [(4, 32), (4, 32)]),
-    "gptq-w4g32-w8-layer1": ("gptq", "gptq", "gptq", [(4, 32), (8, 32)]),
-    "awq-w4g32": ("awq", "awq", "awq", [(4, 32), (4, 32)]),
-    "auto-round-w4g32": ("gptq", "auto-round (auto_round:auto_gptq)", "auto-round-gptq", [(4, 32), (4, 32)]),
-    "auto-round-awq-w4g32": ("awq", "auto-round (auto_round:auto_awq)", "auto-round-awq", [(4, 32), (4, 32)]),
+#: folder under tests/data -> (the packing, inspect's format, each layer's reader, each layer's (bits, group size))
+DATA = AUTOROUND.parent
+PRODUCER_CASES = {
+    "autoround/gptq-w4g32": ("gptq", "gptq", "gptq", [(4, 32), (4, 32)]),
+    "autoround/gptq-w4g32-w8-layer1": ("gptq", "gptq", "gptq", [(4, 32), (8, 32)]),
+    "autoround/awq-w4g32": ("awq", "awq", "awq", [(4, 32), (4, 32)]),
+    "autoround/auto-round-w4g32": ("gptq", "auto-round (auto_round:auto_gptq)", "auto-round-gptq", [(4, 32), (4, 32)]),
+    "autoround/auto-round-awq-w4g32": ("awq", "auto-round (auto_round:auto_awq)", "auto-round-awq", [(4, 32), (4, 32)]),
+    "gptqmodel/w4g32": ("gptq", "gptq", "gptq", [(4, 32), (4, 32)]),
+    "gptqmodel/w4g32-dynamic": ("gptq", "gptq", "gptq", [(4, 32), (8, 32)]),
 }
 
 
-def test_the_autoround_checkpoints_are_the_producers_own():
-    """What the tests below rely on, read from the files: AutoRound 0.16.1 wrote them, its routers are left
-    unquantized by its own config rules, and layer 1's experts in the mixed one are packed at 8 bits."""
-    for name in AUTOROUND_CASES:
-        qc = json.loads((AUTOROUND / name / "config.json").read_text())["quantization_config"]
+def test_the_producers_checkpoints_are_their_own():
+    """What the tests below rely on, read from the files: AutoRound 0.16.1 and GPTQModel 7.7.0 wrote them,
+    AutoRound's routers are left unquantized by its own config rules, and layer 1's experts in the mixed
+    ones are packed at 8 bits."""
+    for name in PRODUCER_CASES:
+        qc = json.loads((DATA / name / "config.json").read_text())["quantization_config"]
+        if name.startswith("gptqmodel/"):
+            assert qc["meta"]["quantizer"] == ["gptqmodel:7.7.0"], name
+            continue
         assert qc["autoround_version"] == "0.16.1", name
         assert qc.get("provider") == "auto-round" or qc["quant_method"] == "auto-round", name
+    dynamic = json.loads((DATA / "gptqmodel/w4g32-dynamic/config.json").read_text())["quantization_config"]["dynamic"]
+    assert dynamic == {r"+:.*layers\.1\.mlp\.experts.*": {"bits": 8}}
     gptq = json.loads((AUTOROUND / "gptq-w4g32" / "config.json").read_text())["quantization_config"]
     assert sorted(gptq["dynamic"]) == [rf"-:.*model\.layers\.{i}\.mlp\.gate.*" for i in (0, 1)]
     mixed = json.loads((AUTOROUND / "gptq-w4g32-w8-layer1" / "config.json").read_text())["quantization_config"]
@@ -291,27 +300,29 @@ def test_the_autoround_checkpoints_are_the_producers_own():
     assert list(t["model.layers.1.mlp.experts.3.down_proj.qweight"].shape) == [128 // 4, 128]
 
 
-def test_inspect_reads_each_layer_of_the_autoround_checkpoints_as_vllm_does():
-    for name, (packing, fmt, reader, layers) in AUTOROUND_CASES.items():
-        report = json.loads(cli("inspect", AUTOROUND / name, "--json", expect=0).out)
+def test_inspect_reads_each_layer_of_the_producers_checkpoints_as_vllm_does():
+    for name, (packing, fmt, reader, layers) in PRODUCER_CASES.items():
+        report = json.loads(cli("inspect", DATA / name, "--json", expect=0).out)
         assert report["format"] == fmt
         sym = "sym" if packing == "gptq" else "asym"
         assert [(x["format"], x["scheme"]) for x in report["moe_layers"]] == [
             (reader, f"w{bits}a16 g{g} {sym}") for bits, g in layers], name
 
 
-@pytest.mark.parametrize("name", list(AUTOROUND_CASES))
-def test_autoround_marlin_bytes_equal_vllm(name, tmp_path_factory, vllm_version):
+@pytest.mark.parametrize("name", list(PRODUCER_CASES))
+def test_producers_marlin_bytes_equal_vllm(name, tmp_path_factory, vllm_version):
     """Every layer of the folder == vLLM's Marlin processing of the params its GPTQ / AWQ MoE method loads,
     at the bits and group size vLLM's config gives that layer (``dynamic``: 8 bits for the mixed one's
     layer 1), scales in the model dtype (float16 where AutoRound loaded the model on a CPU, bfloat16 where its
     model-free mode kept the source's) as vLLM's loader copies them. AutoRound's own format
     (``auto-round``) is served by vLLM's INC config with those same methods (``INCWNA16MoEScheme``)."""
-    src = AUTOROUND / name
-    ours = marlin_out(src, tmp_path_factory.getbasetemp())
+    src = DATA / name
+    base = tmp_path_factory.getbasetemp() / name.split("/")[0]
+    base.mkdir(exist_ok=True)
+    ours = marlin_out(src, base)
     ref = vllm_marlin_reference(vllm_version)
     nfirst = lambda t: t.transpose(1, 2).contiguous()
-    packing, *_, layers = AUTOROUND_CASES[name]
+    packing, *_, layers = PRODUCER_CASES[name]
     dtype = getattr(torch, json.loads((src / "config.json").read_text())["dtype"])  # the params' dtype
     for layer, (bits, g) in zip(map_model(open_source(str(src))).layers, layers):
         p = int_loaded(src, layer.prefix, 4)

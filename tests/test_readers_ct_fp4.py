@@ -20,7 +20,7 @@ from moeconvert.mxfp4 import dequantize_mxfp4, dequantize_nvfp4
 from moeconvert.schemes import MXFP4Scheme, NVFP4Scheme
 from moeconvert.sources import open_source
 
-from helpers import assert_refused, cli, damaged_copy, resave, same_bits, st_tensors
+from helpers import AUTOROUND, assert_refused, cli, damaged_copy, resave, same_bits, st_tensors
 
 pytest.importorskip("compressed_tensors")
 E, H, I = 4, 256, 128
@@ -101,7 +101,9 @@ def vllm_marlin_of(name: str, ckpt, prefix: str, version: str) -> dict[str, torc
     import test_layout_marlin_nvfp4
 
     tensors = load_file(ckpt / "model.safetensors")
+    E = 1 + max(int(n[len(prefix) + 1:].split(".")[0]) for n in tensors if n.startswith(prefix + "."))
     stack = lambda proj, suffix: torch.stack([tensors[f"{prefix}.{e}.{proj}.{suffix}"] for e in range(E)])
+    I, H = stack("gate_proj", "weight_packed").shape[1], stack("down_proj", "weight_packed").shape[1]
     w13 = torch.cat([stack("gate_proj", "weight_packed"), stack("up_proj", "weight_packed")], 1)
     s13 = torch.cat([stack("gate_proj", "weight_scale"), stack("up_proj", "weight_scale")], 1)
     w2, s2 = stack("down_proj", "weight_packed"), stack("down_proj", "weight_scale")
@@ -139,6 +141,36 @@ def assert_marlin_folder_is_vllms(name: str, ckpt, tmp_path, version: str, verif
 def test_the_marlin_folder_is_what_vllm_holds_for_the_checkpoint(fp4, tmp_path, vllm_version):
     name, ckpt = fp4
     assert_marlin_folder_is_vllms(name, ckpt, tmp_path, vllm_version)
+
+
+#: llm-compressor's own checkpoints (tests/data/llm-compressor/make.py): its MXFP4A16, NVFP4A16 and NVFP4 (W4A4)
+#: presets, the experts linearized by llm-compressor's own ``linearize_moe``
+LLM_COMPRESSOR = {"mxfp4a16": "mxfp4", "nvfp4a16": "nvfp4", "nvfp4": "nvfp4"}
+
+
+@pytest.mark.parametrize("name", list(LLM_COMPRESSOR))
+def test_llm_compressor_checkpoints_are_read_and_repacked_as_vllm_holds_them(name, tmp_path, vllm_version):
+    """What llm-compressor 0.14.0.1 writes: its config says so, every expert is quantized per expert, inspect
+    reads each layer's scheme, and the marlin folder is byte for byte what vLLM holds after processing it."""
+    ckpt = AUTOROUND.parent / "llm-compressor" / name
+    qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    scheme = LLM_COMPRESSOR[name]
+    assert qc["config_groups"]["group_0"]["format"] == f"{scheme}-pack-quantized"
+    assert (qc["config_groups"]["group_0"]["input_activations"] is not None) == (name == "nvfp4")
+    assert "model.layers.0.mlp.gate" in qc["ignore"]
+    report = json.loads(cli("inspect", ckpt, "--json", expect=0).out)
+    assert [(x["format"], x["scheme"]) for x in report["moe_layers"]] == [(f"{scheme}-pack-quantized", scheme)] * 2
+    if scheme == "mxfp4":
+        # H = 128: vLLM's compressed-tensors MXFP4 method repacks it for Marlin unpadded (no MXFP4 round-up,
+        # which the oracle follows: w13 as Marlin tiles of K = H = 128, [E, H / 16, 2I * 16 / 8] words); the
+        # layout pads H to 256, so it refuses rather than write other bytes than vLLM holds
+        theirs = vllm_marlin_of("mxfp4", ckpt, "model.layers.0.mlp.experts", vllm_version)
+        assert list(theirs["w13_weight"].shape) == [4, 128 // 16, 2 * 128 * 16 // 8]
+        code, _, err = cli("repack", ckpt, tmp_path / "out", "--backend", "marlin")
+        assert code == 2 and err.count("\n") == 1 and "vLLM 0.33.0 and 0.34.0 repack them for Marlin unpadded" in err
+        assert not (tmp_path / "out").exists()
+        return
+    assert_marlin_folder_is_vllms(scheme, ckpt, tmp_path, vllm_version, verify=True)
 
 
 def test_nvfp4_scales_below_224_are_rescaled_as_vllm_does_over_the_whole_layer(example_ckpt, tmp_path, vllm_version):

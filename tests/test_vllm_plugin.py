@@ -486,6 +486,15 @@ SOURCES = {
     "autoround-own": ("autoround-own", "marlin", "MarlinWNA16Method", "MarlinExperts", "INCConfig",
                       {"model.layers.1.mlp.gate": "UnquantizedLinearMethod",
                        "model.layers.1.self_attn.o_proj": "INCLinearMethod"}),
+    # GPTQModel's (layer 1's experts at 8 bits by its ``dynamic``) and llm-compressor's NVFP4 (W4A4, calibrated)
+    "gptqmodel": ("gptqmodel", "marlin", "MarlinWNA16Method", "MarlinExperts", "AutoGPTQConfig",
+                  {"model.layers.1.mlp.gate": "UnquantizedLinearMethod",
+                   "model.layers.1.self_attn.o_proj": "AutoGPTQLinearMethod"}),
+    "llm-compressor-nvfp4": ("llm-compressor-nvfp4", "marlin", "MarlinNVFP4Method", "MarlinExperts",
+                             "CompressedTensorsConfig",
+                             {"model.layers.1.self_attn.o_proj": "ValueError: Failed to find a kernel that can "
+                                                                 "implement the NVFP4 linear layer. Reasons:",
+                              "model.layers.1.mlp.gate": "UnquantizedLinearMethod"}),
 }
 HUMMING_SOURCES = sorted(n for n in SOURCES if SOURCES[n][1] == "humming")
 MARLIN_SOURCES = sorted(n for n in SOURCES if SOURCES[n][1] == "marlin")
@@ -505,7 +514,8 @@ def source_folders(example_ckpt, tmp_path_factory):
                "mxfp4": example_ckpt("qwen3-moe", "mxfp4", num_layers=1, num_experts=4, intermediate_size=128),
                "fp8-block": example_ckpt("deepseek-v3", "fp8-block", num_experts=4),
                "autoround-gptq": AUTOROUND / "gptq-w4g32-w8-layer1", "autoround-awq": AUTOROUND / "awq-w4g32",
-               "autoround-own": AUTOROUND / "auto-round-w4g32"}
+               "autoround-own": AUTOROUND / "auto-round-w4g32", "gptqmodel": AUTOROUND.parent / "gptqmodel" / "w4g32-dynamic",
+               "llm-compressor-nvfp4": AUTOROUND.parent / "llm-compressor" / "nvfp4"}
     made = {}
     for name, (source, backend, *_) in SOURCES.items():
         src = sources[source]
@@ -568,7 +578,7 @@ def test_vllm_serves_a_folder_from_each_source_format(source_checks, source_fold
             param = layer["params"][f"routed_experts.{suffix}"]
             want = hashlib.sha256(files[entry["name"]].contiguous().view(torch.uint8).numpy()).hexdigest()
             assert param["sha256"] == want and not param["moved"] and param["shape"] == entry["shape"], suffix
-        if name == "nvfp4":
+        if m["scheme"]["kind"] == "nvfp4":
             assert layer["weight_dtype"] == "nvfp4" and layer["global_scales_are_params"] == [True, True]
             assert {"w13_weight_scale_2", "w2_weight_scale_2"} <= set(m["tensors"])
             # vLLM's own compressed-tensors NVFP4 method on the source, processed for Marlin (on the CPU, its

@@ -190,6 +190,11 @@ class Layout(ABC):
     @abstractmethod
     def _check(self, shape: LayerShape, scheme: Scheme) -> list[str]: ...
 
+    def source_problems(self, source_format: str, shape: LayerShape) -> list[str]:
+        """Constraints that depend on the checkpoint format the layer was read from (``MoELayerMap.format``,
+        a reader's name): where vLLM processes that format otherwise than the layout's bytes assume."""
+        return []
+
     @staticmethod
     def require_block_sizes(block: ExpertBlock, shape: LayerShape) -> None:
         """The block is of this layer (H, I): a mismatch is a bug of the caller, not of the input."""

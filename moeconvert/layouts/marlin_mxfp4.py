@@ -137,6 +137,21 @@ class MarlinMXFP4Layout(Layout):
     vllm_method = "MarlinMXFP4Method"
     pad_multiples = PAD_MULTIPLES
 
+    def source_problems(self, source_format: str, shape: LayerShape) -> list[str]:
+        """vLLM 0.33.0 / 0.34.0 repack a compressed-tensors MXFP4 checkpoint's experts for Marlin as they are
+        (``CompressedTensorsW4A4Mxfp4MoEMethod`` calls ``prepare_moe_fp4_layer_for_marlin`` with no round-up);
+        only gpt-oss' and the online MXFP4 method round H and I up first. Where the round-up changes a size,
+        this layout's padded bytes are not what vLLM holds for such a checkpoint."""
+        H = shape.extra.get("hidden_size_unpadded", shape.hidden_size)
+        I = shape.extra.get("intermediate_size_unpadded", shape.intermediate_size)
+        if source_format != "mxfp4-pack-quantized" or (H, I) == (shape.hidden_size, shape.intermediate_size):
+            return []
+        return [f"compressed-tensors MXFP4 experts with H = {H} and I per TP partition = {I}: vLLM 0.33.0 and "
+                f"0.34.0 repack them for Marlin unpadded (CompressedTensorsW4A4Mxfp4MoEMethod has no MXFP4 "
+                f"round-up), while this layout pads them to {shape.hidden_size} x {shape.intermediate_size} as "
+                f"vLLM does for gpt-oss and online MXFP4, so its bytes would not be those vLLM holds for this "
+                f"checkpoint"]
+
     def _check(self, shape: LayerShape, scheme: Scheme) -> list[str]:
         assert isinstance(scheme, MXFP4Scheme)
         Hp, Ip = shape.hidden_size, shape.intermediate_size

@@ -278,8 +278,8 @@ class MoeconvertConfig(QuantizationConfig):
         """Key each manifest entry by the prefix vLLM builds the layer with: MiniMax-M2's block name differs
         from its module path; the model class's renames, where it has them, map the checkpoint's name."""
         renamed = self.renames.map_name if self.renames is not None else (lambda name: name)
-        self.layers = {renamed(vllm_prefix(manifest["family"], m["prefix"])) or m["prefix"]: m
-                       for m in manifest["moe_layers"]}
+        named = {m["prefix"]: vllm_prefix(manifest["family"], m["prefix"]) for m in manifest["moe_layers"]}
+        self.layers = {renamed(named[m["prefix"]]) or named[m["prefix"]]: m for m in manifest["moe_layers"]}
 
     @staticmethod
     def _check_served(manifest: dict, kind: str) -> None:
