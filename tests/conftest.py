@@ -67,7 +67,10 @@ def kimi_k3_ckpt(tmp_path_factory):
         if scheme not in cache:
             if scheme != "bf16":
                 pytest.importorskip("compressed_tensors")
-            cache[scheme] = make_kimi_k3_checkpoint(tmp_path_factory.mktemp(f"kimi-k3-{scheme}") / "ckpt", scheme=scheme)
+            # the experts' sizes (latent L, I) are ones vLLM's compressed-tensors MXFP4 path holds unpadded for
+            # Marlin (L a multiple of 256, I of 128), which the marlin layout needs to hold its bytes
+            cache[scheme] = make_kimi_k3_checkpoint(tmp_path_factory.mktemp(f"kimi-k3-{scheme}") / "ckpt",
+                                                    scheme=scheme, H=512, L=256, I=128)
         return cache[scheme]
 
     return make

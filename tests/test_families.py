@@ -858,7 +858,7 @@ def test_kimi_k3_bf16_is_quantized_to_marlin_mxfp4_and_verified(kimi_k3_ckpt, tm
            "MoonViT vision tower and KimiLinear decoder layers" in line, run.err
     m = json.loads((out / "moeconvert.json").read_text())
     assert m["family"] == "kimi-k3" and m["moe_layers"][0]["activation"] == "situ"
-    assert m["moe_layers"][0]["hidden_size"] == 64  # the latent the experts see, not the model's 128
+    assert m["moe_layers"][0]["hidden_size"] == 256  # the latent the experts see, not the model's 512
 
 
 def test_triton_wna16_refuses_situ_naming_vllms_experts_class():
