@@ -12,7 +12,9 @@
 # source (src/), one folder per layout (LAYOUT/), each conversion's log, and bench-LAYOUT.json with every run.
 # Each layout's first start-up in a process pays its kernels' JIT compiles (humming, Triton); a warm-up
 # start of the folder runs before the timed ones (WARMUP=0 leaves it out) so that both the source's and the folder's timed runs
-# find warm caches (HUMMING_CACHE_DIR, TRITON_CACHE_DIR persist across processes).
+# find warm caches (HUMMING_CACHE_DIR, TRITON_CACHE_DIR persist across processes). After the engine runs,
+# `bench vllm-startup` times the load phase layer by layer (STARTUP=0 leaves it out). With DROP=1 each
+# layout's folder is removed once measured, so the disk holds the source and one folder at a time.
 set -uo pipefail
 work=${1:?usage: bench-real-size.sh WORKDIR [LAYOUT ...]}
 shift
@@ -51,5 +53,12 @@ for layout in "${layouts[@]}"; do
   "$PY" -m moeconvert bench vllm-serve "$work/src" "$work/$layout" --runs "$RUNS" --moe-backend "$backend" \
       --max-model-len 2048 $speed --json > "$work/bench-$layout.json" 2>"$work/bench-$layout.err"
   log "bench $layout done (exit $?): $(head -c 2000 "$work/bench-$layout.json")"
+  if [ "${STARTUP:-1}" = 1 ]; then
+    log "bench vllm-startup $layout (every MoE layer, vLLM's processing of the source vs the folder's loading)"
+    "$PY" -m moeconvert bench vllm-startup "$work/src" "$work/$layout" --moe-backend "$backend" --json \
+        > "$work/startup-$layout.json" 2>"$work/startup-$layout.err"
+    log "bench vllm-startup $layout done (exit $?): $(head -c 1500 "$work/startup-$layout.json")"
+  fi
+  [ "${DROP:-0}" = 1 ] && rm -rf "${work:?}/$layout"
 done
 log "all done"

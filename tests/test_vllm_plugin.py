@@ -996,6 +996,41 @@ def test_hostile_quantization_configs_are_refused_in_one_line(folders, tmp_path)
             assert "moeconvert repack SRC OUT" in text, f"{name}: {text}"  # the command that fixes it
 
 
+_FORWARD_CONTEXT_CHILD = """
+import json, torch
+from types import SimpleNamespace
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.forward_context import get_forward_context, set_forward_context
+from moeconvert.integrations.vllm.harness import run_experts
+
+class Method:  # as vLLM's humming experts, reads the forward context in apply
+    is_monolithic = False
+    def apply(self, layer, x, topk_weights, topk_ids, **kw):
+        ctx = get_forward_context()
+        return x + (0 if ctx.attn_metadata is None else ctx.attn_metadata["mark"])
+
+layer, x = SimpleNamespace(quant_method=Method()), torch.zeros(3, 4)
+w, ids = torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int32)
+vc = VllmConfig()
+with set_current_vllm_config(vc):
+    outside = run_experts(layer, x, w, ids)
+    with set_forward_context({"mark": 7}, vc, num_tokens=3):
+        inside = run_experts(layer, x, w, ids)
+print(json.dumps([outside.tolist(), inside.tolist()]))
+"""
+
+
+@needs_vllm
+def test_run_experts_gives_vllms_experts_a_forward_context_outside_a_forward():
+    """vLLM's humming experts read the forward context (the pairs to tune for): ``bench vllm-startup`` and the
+    GPU tests call experts outside a model's forward, where the H200 run failed with vLLM's 'Forward context
+    is not set'; a context already set (a forward's) is kept."""
+    p = subprocess.run([VLLM_PYTHON, "-c", _FORWARD_CONTEXT_CHILD], capture_output=True, text=True,
+                       env={**os.environ, **VLLM_CPU_ENV}, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    outside, inside = json.loads(p.stdout.strip().splitlines()[-1])
+    assert outside == [[0.0] * 4] * 3 and inside == [[7.0] * 4] * 3
+
 # ---------------------------------------------------------------------------------------------------
 # humming folders: vLLM's own humming experts (what vLLM 0.33.0 picks for WNA16 on SM90)
 

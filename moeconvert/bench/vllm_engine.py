@@ -12,9 +12,14 @@ is the same work for both.
 What is read from vLLM's log records (``vllm/v1/worker/gpu_model_runner.py`` or ``gpu/model_runner.py``,
 ``model_executor/model_loader/base_loader.py`` and ``default_loader.py``, caught on those modules' loggers): "Initializing model took",
 "Loading weights took" and "Model loading took ... GiB memory and ... seconds". The last one is logged
-right after ``process_weights_after_loading``: at that moment the run also reads the allocator's peak
-(``torch.cuda.max_memory_allocated``, reset before the engine starts: the most the device held while
-reading and processing the weights, the second copy included) and the process's peak resident memory.
+right after ``process_weights_after_loading``: at that moment the run also reads the most the device's
+allocator held since the engine started (reading and processing the weights, the second copy included) and
+the process's peak resident memory. The allocator's own peak cannot give the first: vLLM's model-loading
+profiler resets it as it ends (``DeviceMemoryProfiler`` -> ``get_current_memory_usage``), just before that
+record, so it would read what the model holds, not its peak. The run records the allocator's history
+instead (``torch.cuda.memory._record_memory_history``, no stack traces) from before the engine starts to
+that record, and takes the peak of its allocations and frees (:func:`trace_peak`). Memory taken outside
+PyTorch's allocator (raw driver allocations) is in neither figure.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ _RECORD_LOGGERS = (
     "vllm.v1.worker.cpu.standalone_model_runner",
     "moeconvert.integrations.vllm.loader",  # the folder's loader: its own "Loading weights took"
 )
+# the allocator's history kept while the engine loads: far more events than a model's load makes (a full
+# buffer means the oldest were dropped, and no peak is reported)
+_TRACE_ENTRIES = 20_000_000
 # the prompts of the token check: short, fixed, within any model's vocabulary
 _PROMPT_LENGTHS = (5, 8, 11, 14)
 
@@ -62,7 +70,8 @@ class _LoadRecords(logging.Filter):
 
     def __init__(self):
         super().__init__()
-        self.values: dict[str, float] = {}
+        self.values: dict[str, float | None] = {}
+        self.start_bytes = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
@@ -93,8 +102,34 @@ class _LoadRecords(logging.Filter):
         import torch
 
         if torch.cuda.is_available():
-            self.values["load_peak_gpu_gib"] = torch.cuda.max_memory_allocated() / _GiB
+            events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+            torch.cuda.memory._record_memory_history(enabled=None)
+            peak = trace_peak(events, self.start_bytes) if len(events) < _TRACE_ENTRIES else None
+            self.values["load_peak_gpu_gib"] = None if peak is None else peak / _GiB
         self.values["load_peak_host_gib"] = _max_rss_gib()
+
+    def record_allocations(self) -> None:
+        """Start recording the device allocator's history (before the engine starts)."""
+        import torch
+
+        if torch.cuda.is_available():
+            self.start_bytes = torch.cuda.memory_allocated()
+            torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                     max_entries=_TRACE_ENTRIES)
+
+
+def trace_peak(events: list[dict], start_bytes: int = 0) -> int:
+    """The most the allocator held over its recorded history: ``start_bytes`` (held when recording began),
+    plus each allocation, less each free once completed (a block freed on one stream while another may
+    still use it stays held until then)."""
+    held = peak = start_bytes
+    for e in events:
+        if e["action"] == "alloc":
+            held += e["size"]
+            peak = max(peak, held)
+        elif e["action"] == "free_completed":
+            held -= e["size"]
+    return peak
 
 
 def _max_rss_gib() -> float:
@@ -139,8 +174,7 @@ def engine_run(folder: Path, *, moe_backend: str = "marlin", quantization: str |
             raise RuntimeError(problem)
     records = _LoadRecords()
     loggers = records.listen()
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+    records.record_allocations()
     t0 = time.perf_counter()
     llm = LLM(model=str(folder), dtype=(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), enforce_eager=True,
               max_model_len=max_model_len, seed=0, gpu_memory_utilization=gpu_memory_utilization,
@@ -148,6 +182,8 @@ def engine_run(folder: Path, *, moe_backend: str = "marlin", quantization: str |
               compilation_config={"mode": 0}, quantization=quantization, load_format=load_format)
     init_s = time.perf_counter() - t0
     records.stop(loggers)
+    if torch.cuda.is_available() and "model_load_s" not in records.values:
+        torch.cuda.memory._record_memory_history(enabled=None)  # no record came: stop recording anyway
     prompts = [{"prompt_token_ids": [(7 * i + 13 * j + 1) % vocab for j in range(n)]}
                for i, n in enumerate(_PROMPT_LENGTHS)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False)
@@ -235,7 +271,7 @@ def bench_vllm_serve(src: Path | str, out_dir: Path, *, runs: int = 2, moe_backe
     worst = max((abs(x - y) for p, q in zip(a["logprobs"], b["logprobs"]) for x, y in zip(p, q)), default=0.0)
 
     def med(rs: list[dict], key: str) -> float | None:
-        values = [r[key] for r in rs if key in r]
+        values = [r[key] for r in rs if r.get(key) is not None]
         return statistics.median(values) if values else None
 
     keys = ("init_s", "model_load_s", "load_weights_s", "process_s", "load_peak_gpu_gib", "load_peak_host_gib",

@@ -14,7 +14,8 @@ For each MoE layer the manifest holds, vLLM 0.33.0 builds its MoE module twice w
 Both use the same MoE backend (``--moe-backend``, by default the folder's layout: marlin or triton). Each step is timed with the device
 synchronised, and on a GPU the memory the layer holds and the most held beyond it during processing (the
 second copy) are read from PyTorch's allocator. The two layers' parameters are then compared byte for byte
-and both run the same routed tokens. A warm-up round on the first layer (not reported) takes the one-time
+(not for a layout vLLM never makes, triton-fast: ``bytes_compared`` says so) and both run the same routed
+tokens. A warm-up round on the first layer (not reported) takes the one-time
 costs (kernel loading, the allocator's first blocks) out of both.
 """
 
@@ -72,6 +73,15 @@ def _same_bytes(ours, theirs) -> dict:
     return out
 
 
+def bytes_compared(layout) -> bool | str:
+    """True where vLLM's own processing makes this layout's bytes (the oracle tests check them per version,
+    ``made_for``), so that the two layers' parameters are compared; else why not (moeconvert's own layout,
+    whose vLLM versions only say where it is served)."""
+    if "vllm" in layout.made_for and "vllm" not in layout.made_for_optional:
+        return True
+    return f"no: vLLM's processing never makes the {layout.name} layout ({layout.kernel})"
+
+
 def _route(M: int, E: int, top_k: int, H: int, Hp: int, dtype: torch.dtype, device: str, seed: int):
     """Tokens (zero-padded to the experts' Hp, as vLLM's MoE runner pads them for MXFP4 Marlin) routed
     top-k by softmax, renormalised."""
@@ -86,6 +96,7 @@ def bench_vllm_startup(src: Path | str, out_dir: Path, *, device: str, layers: i
                        moe_backend: str | None = None, progress=None) -> dict:
     import vllm
 
+    from moeconvert.layouts import get_layout
     from moeconvert.layouts.output import check_output
     from moeconvert.integrations.vllm import SUPPORTED_VLLM, register
     from moeconvert.integrations.vllm.harness import build_load_process, layer_tensors, one_process, quant_config_for, run_experts
@@ -106,6 +117,7 @@ def bench_vllm_startup(src: Path | str, out_dir: Path, *, device: str, layers: i
     if missing:
         raise ValueError(f"{src}: holds no MoE layer {missing[0]} (is it the folder's source?)")
     dtype = getattr(torch, manifest["dtype"])
+    compared = bytes_compared(get_layout(manifest["layout"]["name"]))
     rows = []
     with one_process(device, moe_backend, _online_mxfp4_model(src, kind, manifest["dtype"])) as vc:
         theirs_cfg, theirs_name = _vllm_source_config(src, vc)
@@ -138,7 +150,7 @@ def bench_vllm_startup(src: Path | str, out_dir: Path, *, device: str, layers: i
                 "moeconvert": {"build_s": ours.build_s, "load_s": ours.load_s, "process_s": ours.process_s,
                                "resident_bytes": ours.resident_bytes, "peak_extra_bytes": ours.peak_extra_bytes,
                                "experts_class": type(ours.experts.quant_method.moe_kernel.fused_experts).__name__},
-                "same_bytes": _same_bytes(ours.experts, theirs.experts),
+                "same_bytes": _same_bytes(ours.experts, theirs.experts) if compared is True else None,
                 "outputs_identical": bool(torch.equal(y_ours, y_theirs)),
                 "output_rel_diff": float(diff),
             })
@@ -162,4 +174,5 @@ def bench_vllm_startup(src: Path | str, out_dir: Path, *, device: str, layers: i
     return {"source": str(src), "folder": str(out_dir), "device": str(device), "vllm_version": vllm.__version__,
             "moe_backend": moe_backend, "vllm_source_method": theirs_name, "layout": manifest["layout"]["name"],
             "scheme": kind, "tokens": tokens, "layers": rows, "summary": summary,
+            "bytes_compared": compared,
             "speedup_load_and_process": summary["vllm"]["load_and_process_s"] / ours_t if ours_t > 0 else None}

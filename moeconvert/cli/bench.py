@@ -308,9 +308,12 @@ def bench_vllm_startup_cmd(
         v, m = row["vllm"], row["moeconvert"]
         t.add_row(row["layer"], f"{1e3 * v['load_s']:.1f}", f"{1e3 * v['process_s']:.1f}", f"{1e3 * m['load_s']:.1f}",
                   f"{1e3 * m['process_s']:.1f}", _human(v["peak_extra_bytes"]), _human(m["peak_extra_bytes"]),
+                  "–" if row["same_bytes"] is None else
                   "yes" if all(x is True for x in row["same_bytes"].values()) else "NO",
                   "yes" if row["outputs_identical"] else f"rel {row['output_rel_diff']:.1e}")
     out.print(t)
+    if r["bytes_compared"] is not True:
+        out.print(f"bytes compared: {r['bytes_compared']}")
     s = r["summary"]
     out.print(f"load + process, all layers: vLLM {s['vllm']['load_and_process_s']:.3f} s, moeconvert "
               f"{s['moeconvert']['load_and_process_s']:.3f} s ({r['speedup_load_and_process']:.1f}x)")

@@ -219,7 +219,20 @@ def run_experts(experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
                 router_logits: torch.Tensor | None = None) -> torch.Tensor:
     """The layer's experts on routed tokens, through the kernel its quantization method built; a monolithic
     kernel (it routes itself: triton_kernels' for vLLM's TRITON backend) gets ``router_logits`` instead, which
-    must route to ``topk_ids`` / ``topk_weights`` under the layer's routing."""
+    must route to ``topk_ids`` / ``topk_weights`` under the layer's routing.
+
+    Outside a model's forward, vLLM's forward context is set for the call (as vLLM's model runner sets it
+    around each forward): some experts read it (humming's, for the number of routed pairs)."""
+    from vllm.config import get_current_vllm_config
+    from vllm.forward_context import is_forward_context_available, set_forward_context
+
+    if is_forward_context_available():
+        return _run_experts(experts, x, topk_weights, topk_ids, router_logits)
+    with set_forward_context(None, get_current_vllm_config(), num_tokens=x.shape[0]):
+        return _run_experts(experts, x, topk_weights, topk_ids, router_logits)
+
+
+def _run_experts(experts, x, topk_weights, topk_ids, router_logits):
     method = experts.quant_method
     if method.is_monolithic:
         if router_logits is None:
