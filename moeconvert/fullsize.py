@@ -199,7 +199,9 @@ _QWEN3_30B_A3B = {
     "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": False,
     "bos_token_id": 151643, "eos_token_id": 151645,
 }
-RANDOM_MODELS = {"qwen3-30b-a3b": _QWEN3_30B_A3B}
+# DeepSeek-V3 and Kimi-K2 as for --header-only (their first N layers: `--layers N`; a DeepSeek-V3 MoE layer
+# is 5.6 GB in W4A16, a Kimi-K2 one 8.5 GB)
+RANDOM_MODELS = {"qwen3-30b-a3b": _QWEN3_30B_A3B, "deepseek-v3": _DEEPSEEK_V3, "kimi-k2": _KIMI_K2}
 
 
 def _qwen3_moe_tensors(c: dict) -> list[tuple[str, list[int], str]]:
@@ -222,16 +224,16 @@ def _qwen3_moe_tensors(c: dict) -> list[tuple[str, list[int], str]]:
     return out + [("model.norm.weight", [H], "BF16"), ("lm_head.weight", [V, H], "BF16")]
 
 
-def _w4a16_config(group_size: int) -> dict:
+def _w4a16_config(group_size: int, ignore: list[str]) -> dict:
     """config.json's quantization_config as compressed-tensors writes it for llm-compressor's W4A16 preset
-    (every Linear but lm_head and the routers: the same keys ``moeconvert example`` gets from
+    (every Linear but those ``ignore`` names: the same keys ``moeconvert example`` gets from
     compressed-tensors itself)."""
     return {
         "config_groups": {"group_0": {
             "format": "pack-quantized", "input_activations": None, "output_activations": None,
             "targets": ["Linear"], "weights": {"dynamic": False, "group_size": group_size, "num_bits": 4,
                                                "strategy": "group", "symmetric": True, "type": "int"}}},
-        "format": "pack-quantized", "global_compression_ratio": None, "ignore": ["lm_head", "re:.*mlp.gate$"],
+        "format": "pack-quantized", "global_compression_ratio": None, "ignore": ignore,
         "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
         "sparsity_config": {}}
 
@@ -240,11 +242,13 @@ def make_random_weights(out_dir: str | Path, model: str = "qwen3-30b-a3b", *, la
                         scheme: str = "w4a16", group_size: int = 128, seed: int = 0, device: str = "cpu",
                         progress=None) -> Path:
     """Write ``model`` at its published size (or its first ``layers`` decoder layers) with random but valid
-    weights: bf16 ``N(0, 0.02)`` matrices, unit norms, and for ``w4a16`` every Linear but lm_head and the
-    routers in compressed-tensors ``pack-quantized`` int4 (uniform codes, scales about ``0.02 / 4.6`` so the
-    weights have the bf16 ones' spread). For start-up and memory measurements at real size: the tokens mean
-    nothing, but they are the same wherever the same bytes are served. Written shard by shard (5 GB each),
-    never more than one shard in memory."""
+    weights: bf16 ``N(0, 0.02)`` matrices, unit norms, zero router score biases, and for ``w4a16`` every Linear
+    but lm_head and the routers (and, for DeepSeek-V3 / Kimi-K2, their MLA attention, which stays bf16 as in
+    the W4A16 checkpoints published for them) in compressed-tensors ``pack-quantized`` int4 (uniform codes,
+    scales about ``0.02 / 4.6`` so the weights have the bf16 ones' spread). With ``layers``, a DeepSeek-V3 /
+    Kimi-K2 checkpoint has no multi-token-prediction layer. For start-up and memory measurements at real size:
+    the tokens mean nothing, but they are the same wherever the same bytes are served. Written shard by shard
+    (5 GB each), never more than one shard in memory."""
     import torch
     from safetensors.torch import save_file
 
@@ -255,20 +259,26 @@ def make_random_weights(out_dir: str | Path, model: str = "qwen3-30b-a3b", *, la
         raise MoeConvertError("random weights are written in", tensor="--scheme", expected="bf16 | w4a16",
                               found=scheme)
     c = dict(RANDOM_MODELS[model])
+    mla = "kv_lora_rank" in c
     if layers is not None:
         c["num_hidden_layers"] = min(layers, c["num_hidden_layers"])
-        c["max_window_layers"] = c["num_hidden_layers"]
-    names = _qwen3_moe_tensors(c)
+        if mla:
+            c["num_nextn_predict_layers"] = 0
+        else:
+            c["max_window_layers"] = c["num_hidden_layers"]
+    names = tensors(c) if mla else _qwen3_moe_tensors(c)
+    ignore = ["lm_head", "re:.*mlp.gate$"] + (["re:.*self_attn.*"] if mla else [])
     gen = torch.Generator(device=device).manual_seed(seed)
     quantized = scheme == "w4a16"
 
     def is_quantized(name: str, shape: list[int]) -> bool:
         return (quantized and len(shape) == 2 and name.endswith("proj.weight") and shape[1] % group_size == 0
-                and "embed" not in name and not name.startswith("lm_head"))
+                and "embed" not in name and not name.startswith("lm_head") and not (mla and "self_attn" in name))
 
-    def make(name: str, shape: list[int]) -> dict[str, "torch.Tensor"]:
-        if len(shape) == 1:
-            return {name: torch.ones(shape, dtype=torch.bfloat16)}
+    def make(name: str, shape: list[int], dtype: str) -> dict[str, "torch.Tensor"]:
+        if len(shape) == 1:  # norms 1, the routers' score-correction biases 0
+            fill = torch.zeros if name.endswith("bias") else torch.ones
+            return {name: fill(shape, dtype=torch.float32 if dtype == "F32" else torch.bfloat16)}
         if not is_quantized(name, shape):
             w = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02)
             return {name: w.to(torch.bfloat16).cpu()}
@@ -280,20 +290,20 @@ def make_random_weights(out_dir: str | Path, model: str = "qwen3-30b-a3b", *, la
                 base + ".weight_scale": scale.to(torch.bfloat16).cpu(),
                 base + ".weight_shape": torch.tensor([N, K], dtype=torch.int64)}
 
-    def nbytes(name: str, shape: list[int]) -> int:
+    def nbytes(name: str, shape: list[int], dtype: str) -> int:
         n = 1
         for d in shape:
             n *= d
-        return n // 2 if is_quantized(name, shape) else n * 2
+        return n // 2 if is_quantized(name, shape) else n * _ITEMSIZE[dtype]
 
     groups: list[list] = [[]]
     size = 0
-    for name, shape, _ in names:
-        n = nbytes(name, shape)
+    for name, shape, dtype in names:
+        n = nbytes(name, shape, dtype)
         if groups[-1] and size + n > SHARD_BYTES:
             groups.append([])
             size = 0
-        groups[-1].append((name, shape))
+        groups[-1].append((name, shape, dtype))
         size += n
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -301,8 +311,8 @@ def make_random_weights(out_dir: str | Path, model: str = "qwen3-30b-a3b", *, la
     for k, group in enumerate(groups):
         fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
         shard: dict = {}
-        for name, shape in group:
-            shard.update(make(name, shape))
+        for name, shape, dtype in group:
+            shard.update(make(name, shape, dtype))
         save_file(shard, str(out / fname), metadata={"format": "pt"})
         for name, t in shard.items():
             weight_map[name] = fname
@@ -312,6 +322,6 @@ def make_random_weights(out_dir: str | Path, model: str = "qwen3-30b-a3b", *, la
             progress(k + 1, len(groups))
     (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     if quantized:
-        c["quantization_config"] = _w4a16_config(group_size)
+        c["quantization_config"] = _w4a16_config(group_size, ignore)
     (out / "config.json").write_text(json.dumps(c, indent=2) + "\n")
     return out

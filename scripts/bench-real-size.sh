@@ -15,6 +15,9 @@
 # find warm caches (HUMMING_CACHE_DIR, TRITON_CACHE_DIR persist across processes). After the engine runs,
 # `bench vllm-startup` times the load phase layer by layer (STARTUP=0 leaves it out). With DROP=1 each
 # layout's folder is removed once measured, so the disk holds the source and one folder at a time.
+# FAMILY=deepseek-v3 or kimi-k2 with LAYERS=N writes those models' first N layers instead (a MoE layer is
+# 5.6 / 8.5 GB); SERVE=0 leaves out the engine runs (warm-up and vllm-serve), keeping vllm-startup's
+# layer-by-layer figures: vLLM's MLA prefill needs FlashAttention or FlashInfer kernels.
 set -uo pipefail
 work=${1:?usage: bench-real-size.sh WORKDIR [LAYOUT ...]}
 shift
@@ -29,8 +32,8 @@ log() { echo "[$(date +%H:%M:%S)] $*"; }
 if [ ! -e "$work/src/moeconvert.done" ]; then
   log "writing the source checkpoint"
   t=$(date +%s)
-  "$PY" -m moeconvert example "$work/src" --family qwen3-30b-a3b --random-weights --scheme w4a16 \
-      --device "${DEVICE:-cuda}" --overwrite || exit 1
+  "$PY" -m moeconvert example "$work/src" --family "${FAMILY:-qwen3-30b-a3b}" ${LAYERS:+--layers "$LAYERS"} \
+      --random-weights --scheme w4a16 --device "${DEVICE:-cuda}" --overwrite || exit 1
   touch "$work/src/moeconvert.done"
   log "source written in $(( $(date +%s) - t )) s: $(du -sh "$work/src" | cut -f1)"
 fi
@@ -44,15 +47,17 @@ for layout in "${layouts[@]}"; do
   fi
   [ -n "${PREPARE_ONLY:-}" ] && continue
   case "$layout" in triton-fast) backend=triton ;; *) backend=$layout ;; esac
-  if [ "${WARMUP:-1}" = 1 ]; then
+  if [ "${SERVE:-1}" = 1 ] && [ "${WARMUP:-1}" = 1 ]; then
     log "warm-up start of the $layout folder (JIT caches)"
     "$PY" -m moeconvert.bench.vllm_engine "$work/$layout" "$backend" - '{"max_model_len": 2048}' > "$work/warmup-$layout.json" 2>"$work/warmup-$layout.err"
     log "warm-up: $(cut -c1-300 "$work/warmup-$layout.json")"
   fi
-  log "bench vllm-serve $layout, $RUNS run(s) each, alternating"
-  "$PY" -m moeconvert bench vllm-serve "$work/src" "$work/$layout" --runs "$RUNS" --moe-backend "$backend" \
-      --max-model-len 2048 $speed --json > "$work/bench-$layout.json" 2>"$work/bench-$layout.err"
-  log "bench $layout done (exit $?): $(head -c 2000 "$work/bench-$layout.json")"
+  if [ "${SERVE:-1}" = 1 ]; then
+    log "bench vllm-serve $layout, $RUNS run(s) each, alternating"
+    "$PY" -m moeconvert bench vllm-serve "$work/src" "$work/$layout" --runs "$RUNS" --moe-backend "$backend" \
+        --max-model-len 2048 $speed --json > "$work/bench-$layout.json" 2>"$work/bench-$layout.err"
+    log "bench $layout done (exit $?): $(head -c 2000 "$work/bench-$layout.json")"
+  fi
   if [ "${STARTUP:-1}" = 1 ]; then
     log "bench vllm-startup $layout (every MoE layer, vLLM's processing of the source vs the folder's loading)"
     "$PY" -m moeconvert bench vllm-startup "$work/src" "$work/$layout" --moe-backend "$backend" --json \

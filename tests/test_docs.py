@@ -121,7 +121,9 @@ def listed_values(option_help: str) -> set[str] | None:
     parts = re.sub(r"\([^()]*\)", " ", option_help).split(" | ")  # (remarks) after a value are not values
     if len(parts) < 2:
         return None
-    words = [parts[0].split()[-1]] + [p.split()[0] for p in parts[1:]]
+    # a value ends the first part and begins the last; a middle part may hold two lists' ends
+    # ("kimi-k3; with --random-weights: qwen3-30b-a3b")
+    words = [parts[0].split()[-1]] + [p.split()[0] for p in parts[1:]] + [p.split()[-1] for p in parts[1:-1]]
     return {w.strip(".,;:()`") for w in words}
 
 

@@ -385,6 +385,42 @@ def test_random_weights_write_a_checkpoint_that_reads_as_the_scheme_it_claims(tm
     cli("repack", src, tmp_path / "marlin", "--backend", "marlin", "--verify", expect=0)
 
 
+@pytest.mark.parametrize("model", ["deepseek-v3", "kimi-k2"])
+def test_random_weights_of_deepseek_v3_and_kimi_k2_keep_mla_in_bf16(model, tmp_path, monkeypatch):
+    """DeepSeek-V3 / Kimi-K2 random weights at a shrunken shape: the MoE layers' experts (and the dense MLP and
+    shared experts) in W4A16, the MLA attention and routers bf16 and named in the config's ignore list, the
+    routers' score biases zero in float32, no multi-token-prediction layer with --layers; it repacks for
+    Marlin and verifies."""
+    import json
+
+    from safetensors import safe_open
+
+    from moeconvert import fullsize
+
+    small = {**fullsize.RANDOM_MODELS[model], "vocab_size": 64, "hidden_size": 256, "intermediate_size": 256,
+             "moe_intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 128,
+             "kv_lora_rank": 64, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 32,
+             "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+             "first_k_dense_replace": 1}
+    monkeypatch.setitem(fullsize.RANDOM_MODELS, model, small)
+    src = fullsize.make_random_weights(tmp_path / "src", model, layers=2)
+    cfg = json.loads((src / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"]) == (2, 0)
+    assert cfg["quantization_config"]["ignore"] == ["lm_head", "re:.*mlp.gate$", "re:.*self_attn.*"]
+    run = cli("inspect", src, "--json", expect=0)
+    assert [(x["num_experts"], x["hidden_size"], x["intermediate_size"], x["scheme"])
+            for x in json.loads(run.out)["moe_layers"]] == [(4, 256, 128, "w4a16 g128 sym")]
+    with safe_open(str(next(src.glob("*.safetensors"))), "pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("model.layers.1.self_attn.kv_b_proj.weight").dtype == torch.bfloat16
+        bias = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
+        assert bias.dtype == torch.float32 and not bias.any()
+    assert "model.layers.0.mlp.down_proj.weight_packed" in names  # the dense layer's MLP
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight_packed" in names
+    assert not any(n.startswith("model.layers.2.") for n in names)
+    cli("repack", src, tmp_path / "marlin", "--backend", "marlin", "--verify", expect=0)
+
+
 def test_random_weights_name_the_models_they_know():
     run = cli("example", "unused-out", "--family", "mixtral", "--random-weights", expect=2)
     assert "expected qwen3-30b-a3b" in run.err and len(run.err.strip().splitlines()) == 1, run.err

@@ -24,7 +24,7 @@ EXAMPLE_INTERMEDIATE_SIZE = 256
 @app.command()
 def example(
     out_dir: Path = typer.Argument(..., help="Where to write the example checkpoint."),
-    family: str = typer.Option("qwen3-moe", "--family", help="qwen3-moe | qwen2-moe | mixtral | deepseek-v2 | deepseek-v3 | glm4-moe | gpt-oss; with --header-only: deepseek-v3 | kimi-k2 | kimi-k3"),
+    family: str = typer.Option("qwen3-moe", "--family", help="qwen3-moe | qwen2-moe | mixtral | deepseek-v2 | deepseek-v3 | glm4-moe | gpt-oss; with --header-only: deepseek-v3 | kimi-k2 | kimi-k3; with --random-weights: qwen3-30b-a3b | deepseek-v3 | kimi-k2"),
     scheme: Optional[str] = typer.Option(None, "--scheme", help="bf16 | fp16 | w4a16 | w8a16 | mxfp4 | nvfp4 (made by compressed-tensors) | fp8-block (DeepSeek-V3 FP8, made by transformers)  [default: w4a16; with --header-only: bf16, or mxfp4 for kimi-k3 (its shipped compressed-tensors MXFP4 experts)]"),
     group_size: int = typer.Option(128, "--group-size", help="Quantization group size; -1 = channelwise."),
     asym: bool = typer.Option(False, "--asym", help="Asymmetric quantization (zero points)."),
@@ -36,7 +36,7 @@ def example(
                                      "kimi-k3; bf16, or kimi-k3's MXFP4 with --scheme mxfp4) as sparse shards: real "
                                      "names, shapes and config, no data; for planning with --dry-run."),
     random_weights: bool = typer.Option(False, "--random-weights", help="The published model at full size "
-                                        "(qwen3-30b-a3b; --layers N for its first N layers) with random but "
+                                        "(qwen3-30b-a3b | deepseek-v3 | kimi-k2; --layers N for its first N layers) with random but "
                                         "valid weights, --scheme w4a16 (compressed-tensors pack-quantized) or "
                                         "bf16: for start-up and memory measurements at real size."),
     device: str = typer.Option("cpu", "--device", help="With --random-weights: where the random numbers are "
