@@ -574,6 +574,10 @@ def _plain_torch_linear_layers() -> None:
     ``torch.ops._C.convert_weight_packed``, which the CUDA wheel these tests run does not have (its CPU
     library is another build). vLLM has no setting for that choice, so the probe it asks is answered here,
     in this test process only: without oneDNN in the wheel, vLLM then takes torch.nn.functional.linear.
+    Likewise on a CPU with AVX-512 BF16 (AMD Zen 4 and later, Intel since Cooper Lake), vLLM packs the
+    causal-conv1d weights of linear-attention layers (Qwen3.5-MoE's Gated DeltaNet) through
+    ``torch.ops._C.causal_conv1d_weight_pack`` (``dispatch_cpu_unquantized_gemm``), which that library
+    lacks too: ``torch.cpu._is_avx512_bf16_supported`` is answered False here, and the weights stay plain.
 
     ``MOECONVERT_TEST_CPU_CAPABILITIES=amx_tile`` makes torch report AMX tiles as a CPU that has them
     does (the test that this pin holds on such a CPU, on any machine).
@@ -585,6 +589,7 @@ def _plain_torch_linear_layers() -> None:
         reported = torch.cpu.get_capabilities
         torch.cpu.get_capabilities = lambda: {**reported(), **dict.fromkeys(pretend, True)}
     torch.cpu._is_amx_tile_supported = lambda: False
+    torch.cpu._is_avx512_bf16_supported = lambda: False
 
 
 def _whole_model(folder: Path, out: dict, load_format: str = "auto") -> dict:
