@@ -110,6 +110,32 @@ def test_the_load_peak_comes_from_the_allocators_history_not_its_reset_peak():
     assert trace_peak([]) == 0
 
 
+def test_vllm_serve_reports_each_run_and_compares_every_runs_tokens(example_ckpt, tmp_path, monkeypatch):
+    """Each run's figures come back beside the medians (the H200 report had only the medians, and a prefill
+    spread between two runs could not be told from a difference); the tokens of every run, not only the last
+    pair, must equal the source's first run's, and the logprob difference is the largest over all of them."""
+    from moeconvert.bench import vllm_engine
+
+    src = example_ckpt("qwen3-moe", scheme="w4a16")
+    out = tmp_path / "marlin"
+    cli("repack", src, out, "--backend", "marlin", expect=0)
+    runs = iter([  # source, folder, source, folder: the second source run differs in one token
+        {"init_s": 20.0, "prefill_tok_s": 88.0, "tokens": [[1, 2]], "logprobs": [[-0.5, -0.25]]},
+        {"init_s": 14.0, "prefill_tok_s": 70.0, "tokens": [[1, 2]], "logprobs": [[-0.5, -0.125]]},
+        {"init_s": 30.0, "prefill_tok_s": 90.0, "tokens": [[1, 3]], "logprobs": [[-0.5, -0.25]]},
+        {"init_s": 15.0, "prefill_tok_s": 72.0, "tokens": [[1, 2]], "logprobs": [[-0.5, -0.25]]},
+    ])
+    monkeypatch.setattr(vllm_engine, "_child", lambda folder, *a, **kw: {
+        **next(runs), "max_model_len": 256, "quantization": "moeconvert" if folder == out else "compressed-tensors"})
+    r = vllm_engine.bench_vllm_serve(src, out, runs=2)
+    assert [x["prefill_tok_s"] for x in r["source_runs"]] == [88.0, 90.0]
+    assert [x["prefill_tok_s"] for x in r["folder_runs"]] == [70.0, 72.0]
+    assert r["source_medians"]["prefill_tok_s"] == 89.0 and r["folder_medians"]["init_s"] == 14.5
+    assert r["source_runs"][0]["decode_tok_s"] is None  # not measured: said, not left out
+    assert r["same_tokens"] is False  # the last pair agrees; the second source run does not
+    assert r["max_logprob_diff"] == 0.125
+
+
 def test_the_load_records_survive_vllm_reconfiguring_its_logger():
     """Starting vLLM's engine runs dictConfig on the "vllm" logger (vllm/logger.py: its handlers replaced,
     propagate off), which clears the handlers of "vllm" and of every logger below it: a handler never saw the

@@ -249,7 +249,8 @@ def bench_vllm_serve(src: Path | str, out_dir: Path, *, runs: int = 2, moe_backe
                      timeout: float = 900, progress=None, max_model_len: int = 256, load_format: str = "moeconvert",
                      throughput: dict | None = None, gpu_memory_utilization: float = 0.5) -> dict:
     """``runs`` start-ups of each, alternating; ``load_format`` is the folder's (the source always loads
-    with vLLM's default loader)."""
+    with vLLM's default loader). The medians of each figure, and each run's figures (``source_runs``,
+    ``folder_runs``); ``same_tokens`` and ``max_logprob_diff`` compare every run with the source's first."""
     from moeconvert.sources import open_source
 
     src = open_source(str(src)).root  # a folder, or a Hub repo id (its snapshot in the Hub cache)
@@ -268,7 +269,10 @@ def bench_vllm_serve(src: Path | str, out_dir: Path, *, runs: int = 2, moe_backe
         if progress:
             progress(1)
     a, b = src_runs[-1], out_runs[-1]
-    worst = max((abs(x - y) for p, q in zip(a["logprobs"], b["logprobs"]) for x, y in zip(p, q)), default=0.0)
+    # every run of either against the source's first: the tokens, and the logprobs' largest difference
+    first = src_runs[0]
+    worst = max((abs(x - y) for r in src_runs[1:] + out_runs
+                 for p, q in zip(first["logprobs"], r["logprobs"]) for x, y in zip(p, q)), default=0.0)
 
     def med(rs: list[dict], key: str) -> float | None:
         values = [r[key] for r in rs if r.get(key) is not None]
@@ -283,9 +287,12 @@ def bench_vllm_serve(src: Path | str, out_dir: Path, *, runs: int = 2, moe_backe
             "median_source_init_s": med(src_runs, "init_s"), "median_folder_init_s": med(out_runs, "init_s"),
             "source_medians": {k: med(src_runs, k) for k in keys},
             "folder_medians": {k: med(out_runs, k) for k in keys},
+            "source_runs": [{k: r.get(k) for k in keys} for r in src_runs],
+            "folder_runs": [{k: r.get(k) for k in keys} for r in out_runs],
             "throughput": {k: a.get(k) for k in ("prefill_len", "prefill_batch", "decode_batch", "decode_tokens")}
             if throughput else None,
-            "same_tokens": a["tokens"] == b["tokens"], "max_logprob_diff": worst}
+            "same_tokens": all(r["tokens"] == first["tokens"] for r in src_runs + out_runs),
+            "max_logprob_diff": worst}
 
 
 def main() -> None:
