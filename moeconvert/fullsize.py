@@ -12,6 +12,7 @@ they plan the real one, and a real run would convert zeros.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from moeconvert.errors import MoeConvertError
@@ -271,9 +272,12 @@ def make_random_weights(out_dir: str | Path, model: str = "qwen3-30b-a3b", *, la
     gen = torch.Generator(device=device).manual_seed(seed)
     quantized = scheme == "w4a16"
 
+    def ignored(module: str) -> bool:  # the config's ignore list, read as compressed-tensors reads it
+        return any(re.match(p[3:], module) if p.startswith("re:") else module == p for p in ignore)
+
     def is_quantized(name: str, shape: list[int]) -> bool:
         return (quantized and len(shape) == 2 and name.endswith("proj.weight") and shape[1] % group_size == 0
-                and "embed" not in name and not name.startswith("lm_head") and not (mla and "self_attn" in name))
+                and "embed" not in name and not ignored(name[: -len(".weight")]))
 
     def make(name: str, shape: list[int], dtype: str) -> dict[str, "torch.Tensor"]:
         if len(shape) == 1:  # norms 1, the routers' score-correction biases 0

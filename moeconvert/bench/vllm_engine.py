@@ -97,6 +97,10 @@ class _LoadRecords(logging.Filter):
     def stop(self, loggers: list[logging.Logger]) -> None:
         for logger in loggers:
             logger.removeFilter(self)
+        import torch
+
+        if torch.cuda.is_available():  # already off once the record came; off in any case
+            torch.cuda.memory._record_memory_history(enabled=None)
 
     def _peaks(self) -> None:
         import torch
@@ -182,8 +186,6 @@ def engine_run(folder: Path, *, moe_backend: str = "marlin", quantization: str |
               compilation_config={"mode": 0}, quantization=quantization, load_format=load_format)
     init_s = time.perf_counter() - t0
     records.stop(loggers)
-    if torch.cuda.is_available() and "model_load_s" not in records.values:
-        torch.cuda.memory._record_memory_history(enabled=None)  # no record came: stop recording anyway
     prompts = [{"prompt_token_ids": [(7 * i + 13 * j + 1) % vocab for j in range(n)]}
                for i, n in enumerate(_PROMPT_LENGTHS)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False)
