@@ -17,7 +17,8 @@
 # layout's folder is removed once measured, so the disk holds the source and one folder at a time.
 # FAMILY=deepseek-v3 or kimi-k2 with LAYERS=N writes those models' first N layers instead (a MoE layer is
 # 5.6 / 8.5 GB); SERVE=0 leaves out the engine runs (warm-up and vllm-serve), keeping vllm-startup's
-# layer-by-layer figures: vLLM's MLA prefill needs FlashAttention or FlashInfer kernels.
+# layer-by-layer figures: vLLM's MLA prefill needs FlashAttention or FlashInfer kernels. THROUGHPUT=0 leaves out
+# the prefill and decode timing; PROFILE=1 adds a profiled round of each (bench vllm-serve --profile).
 set -uo pipefail
 work=${1:?usage: bench-real-size.sh WORKDIR [LAYOUT ...]}
 shift
@@ -26,6 +27,7 @@ layouts=("$@")
 PY=${PYTHON:-python3}
 speed=--throughput
 [ "${THROUGHPUT:-1}" = 1 ] || speed=
+[ -n "$speed" ] && [ "${PROFILE:-0}" = 1 ] && speed="$speed --profile"
 RUNS=${RUNS:-2}
 mkdir -p "$work"
 log() { echo "[$(date +%H:%M:%S)] $*"; }

@@ -136,6 +136,37 @@ def test_vllm_serve_reports_each_run_and_compares_every_runs_tokens(example_ckpt
     assert r["max_logprob_diff"] == 0.125
 
 
+def test_vllm_serve_profile_reports_the_last_runs_kernels(example_ckpt, tmp_path, monkeypatch):
+    """--profile: the profiled round of the last run of each side comes back; an earlier run's is not taken."""
+    from moeconvert.bench import vllm_engine
+
+    src = example_ckpt("qwen3-moe", scheme="w4a16")
+    out = tmp_path / "marlin"
+    cli("repack", src, out, "--backend", "marlin", expect=0)
+    runs = iter([{"init_s": float(i), "tokens": [[1]], "logprobs": [[-0.5]], "prefill_kernels": {"wall_ms": i},
+                  "decode_kernels": {"wall_ms": 10 + i}} for i in range(4)])
+    monkeypatch.setattr(vllm_engine, "_child", lambda folder, *a, **kw: {
+        **next(runs), "max_model_len": 256, "quantization": None})
+    speed = {"prefill_len": 8, "prefill_batch": 1, "decode_batch": 1, "decode_tokens": 2, "profile": True}
+    r = vllm_engine.bench_vllm_serve(src, out, runs=2, throughput=speed)
+    assert r["kernels"] == {"source": {"prefill_kernels": {"wall_ms": 2}, "decode_kernels": {"wall_ms": 12}},
+                            "folder": {"prefill_kernels": {"wall_ms": 3}, "decode_kernels": {"wall_ms": 13}}}
+
+
+def test_kernel_table_sums_each_kernels_launches_and_ranks_them():
+    from moeconvert.bench.vllm_engine import kernel_table
+
+    t = kernel_table([("moe_gemm", 300.0), ("attn", 100.0), ("moe_gemm", 500.0), ("sum", 100.0)], 0.002, top=2)
+    assert (t["wall_ms"], t["gpu_busy_ms"], t["launches"]) == (2.0, 1.0, 4)
+    assert t["top"] == [{"kernel": "moe_gemm", "launches": 2, "ms": 0.8, "share": 0.8},
+                        {"kernel": "attn", "launches": 1, "ms": 0.1, "share": 0.1}]
+
+
+def test_vllm_serve_refuses_profile_without_throughput(tmp_path):
+    r = cli("bench", "vllm-serve", tmp_path / "src", tmp_path / "out", "--profile", expect=2)
+    assert r.err.count("\n") == 1 and "--profile" in r.err and "--throughput" in r.err, r.err
+
+
 def test_the_load_records_survive_vllm_reconfiguring_its_logger():
     """Starting vLLM's engine runs dictConfig on the "vllm" logger (vllm/logger.py: its handlers replaced,
     propagate off), which clears the handlers of "vllm" and of every logger below it: a handler never saw the

@@ -156,7 +156,8 @@ def engine_run(folder: Path, *, moe_backend: str = "marlin", quantization: str |
     ``throughput``: ``{"prefill_len", "prefill_batch", "decode_batch", "decode_tokens"}`` to also time
     prefill (prompts of ``prefill_len`` tokens, one output token each) and decode (``decode_batch`` short
     prompts, ``decode_tokens`` tokens each, minus the same prompts' one-token run), each the second of two
-    rounds (the first takes the one-time costs)."""
+    rounds (the first takes the one-time costs); with ``"profile": True`` a third round of each runs under
+    torch's profiler (``prefill_kernels``, ``decode_kernels``: :func:`kernel_table`)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
     from vllm import LLM, SamplingParams
@@ -207,7 +208,7 @@ def engine_run(folder: Path, *, moe_backend: str = "marlin", quantization: str |
 
 
 def _throughput(llm, SamplingParams, vocab: int, max_model_len: int, *, prefill_len: int, prefill_batch: int,
-                decode_batch: int, decode_tokens: int) -> dict:
+                decode_batch: int, decode_tokens: int, profile: bool = False) -> dict:
     prefill_len = min(prefill_len, max_model_len - 1)
 
     def prompts(n: int, length: int) -> list[dict]:
@@ -228,9 +229,45 @@ def _throughput(llm, SamplingParams, vocab: int, max_model_len: int, *, prefill_
         full = timed(short, decode_tokens)
         rounds.append((prefill, full - one))
     prefill, decode = rounds[-1]
-    return {"prefill_tok_s": prefill_batch * prefill_len / prefill, "prefill_len": prefill_len,
-            "prefill_batch": prefill_batch, "decode_tok_s": decode_batch * (decode_tokens - 1) / decode,
-            "decode_batch": decode_batch, "decode_tokens": decode_tokens}
+    out = {"prefill_tok_s": prefill_batch * prefill_len / prefill, "prefill_len": prefill_len,
+           "prefill_batch": prefill_batch, "decode_tok_s": decode_batch * (decode_tokens - 1) / decode,
+           "decode_batch": decode_batch, "decode_tokens": decode_tokens}
+    if profile:  # a third round, under the profiler (not the timed ones: the profiler slows the host)
+        out["prefill_kernels"] = _profiled(lambda: timed(long, 1))
+        out["decode_kernels"] = _profiled(lambda: timed(short, decode_tokens))
+    return out
+
+
+def _profiled(step) -> dict:
+    """``step()`` under torch's profiler: its wall time and what the GPU ran (:func:`kernel_table`)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        wall = step()
+        torch.cuda.synchronize()
+    from torch.autograd import DeviceType
+
+    kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return kernel_table(kernels, wall)
+
+
+def kernel_table(kernels: list[tuple[str, float]], wall_s: float, top: int = 15) -> dict:
+    """What the GPU ran in ``wall_s`` seconds, from ``(name, µs)`` per kernel launch: the time it was busy
+    (the kernels' sum: the GPU runs one stream here), the launches, and the ``top`` kernels by time, each
+    with its launches and share of the busy time. Busy far below wall: the host is the limit (launch
+    overhead, synchronisation); near it: the kernels are."""
+    by: dict[str, list] = {}
+    for name, us in kernels:
+        k = by.setdefault(name, [0, 0.0])
+        k[0] += 1
+        k[1] += us
+    busy = sum(us for _, us in kernels)
+    rows = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"wall_ms": round(1e3 * wall_s, 3), "gpu_busy_ms": round(busy / 1e3, 3), "launches": len(kernels),
+            "top": [{"kernel": name[:120], "launches": n, "ms": round(us / 1e3, 3),
+                     "share": round(us / busy, 4) if busy else 0.0} for name, (n, us) in rows]}
 
 
 def _child(folder: Path, moe_backend: str, quantization: str | None, timeout: float, **options) -> dict:
@@ -293,6 +330,10 @@ def bench_vllm_serve(src: Path | str, out_dir: Path, *, runs: int = 2, moe_backe
             "folder_runs": [{k: r.get(k) for k in keys} for r in out_runs],
             "throughput": {k: a.get(k) for k in ("prefill_len", "prefill_batch", "decode_batch", "decode_tokens")}
             if throughput else None,
+            # the profiled round of the last run of each (--profile)
+            "kernels": {who: {k: r[-1][k] for k in ("prefill_kernels", "decode_kernels") if k in r[-1]}
+                        for who, r in (("source", src_runs), ("folder", out_runs))}
+            if throughput and throughput.get("profile") else None,
             "same_tokens": all(r["tokens"] == first["tokens"] for r in src_runs + out_runs),
             "max_logprob_diff": worst}
 

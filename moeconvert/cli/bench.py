@@ -332,17 +332,25 @@ def bench_vllm_serve_cmd(
                                       "where the model's max_position_embeddings is shorter)."),
     throughput: bool = typer.Option(False, "--throughput", help="Also time prefill (8 prompts of up to 1024 "
                                     "tokens) and decode (32 prompts, 64 tokens each) on both."),
+    profile: bool = typer.Option(False, "--profile", help="With --throughput: one more prefill and decode round "
+                                 "of the last run of each under torch's profiler, and the GPU's busy time and top "
+                                 "kernels (where the time goes when the speeds differ)."),
     gpu_memory_utilization: float = typer.Option(0.5, "--gpu-memory-utilization", min=0.05, max=0.95),
     json_out: bool = JSON,
 ):
     """vLLM's whole engine (`vllm.LLM`) started on SRC and on OUT, each in a fresh process: start-up time, the
     part spent loading and processing the weights, peak GPU and host memory at load, the greedy tokens of a few
     fixed prompts, and with --throughput prefill and decode speed (needs `moeconvert[vllm]` and a GPU)."""
+    if profile and not throughput:
+        raise MoeConvertError("profiles the throughput rounds", tensor="--profile", expected="--throughput with it",
+                              found="--profile alone")
     _need_vllm("vllm-serve")
     _bench_device("cuda")
     from moeconvert.bench.vllm_engine import bench_vllm_serve
 
     speed = {"prefill_len": 1024, "prefill_batch": 8, "decode_batch": 32, "decode_tokens": 64} if throughput else None
+    if profile:
+        speed["profile"] = True
     with _progress() as prog:
         task = prog.add_task("vllm-serve", total=runs)
         try:
@@ -373,3 +381,9 @@ def bench_vllm_serve_cmd(
         out.print(line)
     out.print(f"  greedy tokens {'identical' if r['same_tokens'] else 'DIFFERENT'}, largest logprob difference "
               f"{r['max_logprob_diff']:.2e}")
+    for who, phases in (r["kernels"] or {}).items():
+        for phase, k in phases.items():
+            out.print(f"  {who} {phase.split('_')[0]} (profiled round): wall {k['wall_ms']:.1f} ms, GPU busy "
+                      f"{k['gpu_busy_ms']:.1f} ms, {k['launches']} kernel launches")
+            for row in k["top"][:8]:
+                out.print(f"    {row['ms']:9.2f} ms {100 * row['share']:5.1f} % x{row['launches']:<6} {row['kernel'][:90]}")
