@@ -383,6 +383,9 @@ def bench_vllm_serve_cmd(
               f"{r['max_logprob_diff']:.2e}")
     for who, phases in (r["kernels"] or {}).items():
         for phase, k in phases.items():
+            if "error" in k:
+                out.print(f"  {who} {phase.split('_')[0]}: not profiled ({k['error']})")
+                continue
             out.print(f"  {who} {phase.split('_')[0]} (profiled round): wall {k['wall_ms']:.1f} ms, GPU busy "
                       f"{k['gpu_busy_ms']:.1f} ms, {k['launches']} kernel launches")
             for row in k["top"][:8]:
