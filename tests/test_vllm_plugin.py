@@ -1259,6 +1259,9 @@ def test_the_humming_folder_holds_what_vllms_own_humming_processing_makes(hummin
     layers give the same output."""
     got = humming_gpu_checks[("--bench", name)]
     assert "error" not in got, got["error"] + "\n" + got.get("traceback", "")
+    # the warm-up round is reported apart, with the one-time costs vLLM's layer (built first) took
+    assert got["warmup"]["layer"] == got["layers"][0]["layer"]
+    assert {k for side in ("vllm", "moeconvert") for k in got["warmup"][side]} == {"build_s", "load_s", "process_s"}
     for row in got["layers"]:
         assert row["vllm"]["experts_class"] == row["moeconvert"]["experts_class"]
         assert row["same_bytes"] and all(v is True for v in row["same_bytes"].values()), row["same_bytes"]

@@ -314,6 +314,10 @@ def bench_vllm_startup_cmd(
     out.print(t)
     if r["bytes_compared"] is not True:
         out.print(f"bytes compared: {r['bytes_compared']}")
+    w = r["warmup"]
+    out.print(f"warm-up round on {w['layer']} (one-time costs of the process, not in the table; vLLM's layer is "
+              f"built first and takes them): vLLM load + process {w['vllm']['load_s'] + w['vllm']['process_s']:.3f} s, "
+              f"moeconvert {w['moeconvert']['load_s'] + w['moeconvert']['process_s']:.3f} s")
     s = r["summary"]
     out.print(f"load + process, all layers: vLLM {s['vllm']['load_and_process_s']:.3f} s, moeconvert "
               f"{s['moeconvert']['load_and_process_s']:.3f} s ({r['speedup_load_and_process']:.1f}x)")
