@@ -1,6 +1,7 @@
 """``moeconvert bench vllm-serve SRC OUT``: vLLM's whole engine started on the source and on the converted
 folder, each in a fresh process, alternating: start-up, the part of it spent loading and processing the
-weights, peak memory, the greedy tokens, and (``--throughput``) prefill and decode speed.
+weights, peak memory, the greedy tokens, and (``--throughput``) prefill and decode speed, with ``--profile``
+also where the GPU's time went in one more round of each (:func:`kernel_table`).
 
 Each run is ``python -m moeconvert.bench.vllm_engine FOLDER ...``: ``vllm.LLM(FOLDER)`` in one process (no
 engine subprocess, so this process sees vLLM's own log records and the device's allocator), eager mode, the
