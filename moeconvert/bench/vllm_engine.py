@@ -246,14 +246,13 @@ def _throughput(llm, SamplingParams, vocab: int, max_model_len: int, *, prefill_
 def _profiled(step) -> dict:
     """``step()`` under torch's profiler: its wall time and what the GPU ran (:func:`kernel_table`)."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         torch.cuda.synchronize()
         wall = step()
         torch.cuda.synchronize()
-    from torch.autograd import DeviceType
-
     kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
     return kernel_table(kernels, wall)
 

@@ -17,7 +17,7 @@ second copy) are read from PyTorch's allocator. The two layers' parameters are t
 (not for a layout vLLM never makes, triton-fast: ``bytes_compared`` says so) and both run the same routed
 tokens. A warm-up round on the first layer takes the one-time costs of a process out of both columns and
 reports them apart (``warmup``): kernel loading, the allocator's first blocks, and for humming its kernels'
-tuning heuristics, which humming computes once per distinct sublayer config in a process (about 2.3 s each,
+tuning heuristics, which humming computes once per distinct sublayer config in a process (about 2.4 s each,
 pure Python, kept in memory only), so that every engine start pays them, on the source and the folder alike.
 In the warm-up vLLM's layer is built first and takes them all.
 """
@@ -32,6 +32,17 @@ import torch
 
 # our parameter -> the name vLLM's compressed-tensors WNA16 method gives the same tensor after processing
 _THEIR_NAME = {"w13_weight": "w13_weight_packed", "w2_weight": "w2_weight_packed"}
+
+
+def _times(r) -> dict:
+    """A timed layer's (``harness.Timed``) seconds: building, loading, processing."""
+    return {"build_s": r.build_s, "load_s": r.load_s, "process_s": r.process_s}
+
+
+def _figures(r) -> dict:
+    """A timed layer's row: its seconds, the memory it holds and the most held beyond it, its experts class."""
+    return {**_times(r), "resident_bytes": r.resident_bytes, "peak_extra_bytes": r.peak_extra_bytes,
+            "experts_class": type(r.experts.quant_method.moe_kernel.fused_experts).__name__}
 
 
 def _online_mxfp4_model(src: Path, scheme_kind: str, dtype: str):
@@ -140,8 +151,7 @@ def bench_vllm_startup(src: Path | str, out_dir: Path, *, device: str, layers: i
         # source and the folder alike (bench vllm-serve has them on both)
         theirs, ours = both(entries[0])
         warmup = {"layer": entries[0]["prefix"],
-                  **{side: {"build_s": r.build_s, "load_s": r.load_s, "process_s": r.process_s}
-                     for side, r in (("vllm", theirs), ("moeconvert", ours))}}
+                  "vllm": _times(theirs), "moeconvert": _times(ours)}
         del theirs, ours
         for i, m in enumerate(entries):
             theirs, ours = both(m)
@@ -153,12 +163,8 @@ def bench_vllm_startup(src: Path | str, out_dir: Path, *, device: str, layers: i
             diff = (y_ours.float() - y_theirs.float()).norm() / y_theirs.float().norm().clamp_min(1e-30)
             rows.append({
                 "layer": m["prefix"],
-                "vllm": {"build_s": theirs.build_s, "load_s": theirs.load_s, "process_s": theirs.process_s,
-                         "resident_bytes": theirs.resident_bytes, "peak_extra_bytes": theirs.peak_extra_bytes,
-                         "experts_class": type(theirs.experts.quant_method.moe_kernel.fused_experts).__name__},
-                "moeconvert": {"build_s": ours.build_s, "load_s": ours.load_s, "process_s": ours.process_s,
-                               "resident_bytes": ours.resident_bytes, "peak_extra_bytes": ours.peak_extra_bytes,
-                               "experts_class": type(ours.experts.quant_method.moe_kernel.fused_experts).__name__},
+                "vllm": _figures(theirs),
+                "moeconvert": _figures(ours),
                 "same_bytes": _same_bytes(ours.experts, theirs.experts) if compared is True else None,
                 "outputs_identical": bool(torch.equal(y_ours, y_theirs)),
                 "output_rel_diff": float(diff),
